@@ -1,0 +1,1 @@
+"""Api stage of mmserve."""

@@ -1,0 +1,1 @@
+"""Disaggregation stage of mmserve."""

@@ -1,0 +1,1 @@
+"""Engine stage of mmserve."""

@@ -1,0 +1,1 @@
+"""Models stage of mmserve."""

@@ -1,0 +1,1 @@
+"""Processing stage of mmserve."""

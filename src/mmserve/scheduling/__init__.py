@@ -1,0 +1,1 @@
+"""Scheduling stage of mmserve."""
