@@ -1,4 +1,4 @@
-"""Value types shared by processing, scheduling and execution: one multimodal item and one prompt."""
+"""Value types shared by processing, scheduling and execution: multimodal items and prompts."""
 
 from __future__ import annotations
 

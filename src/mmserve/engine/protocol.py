@@ -1,0 +1,63 @@
+"""The seam between the HTTP API and the engine: what a server needs from an engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from mmserve.engine.outputs import RequestOutput
+from mmserve.metrics import EngineMetrics
+from mmserve.multimodal import ProcessedPrompt
+from mmserve.sampling_params import SamplingParams
+
+
+class EngineClient(Protocol):
+    """An engine running in the background that serves many concurrent requests.
+
+    Contracts:
+    - `process_chat` / `process_prompt` do the CPU stage (media fetch and decode, image
+      processing, templating, tokenisation, placeholder expansion, identity) and raise
+      `mmserve.errors.InvalidRequestError` subclasses for user mistakes. They do not touch the
+      scheduler.
+    - `generate` submits a processed prompt and yields cumulative `RequestOutput`s, the last one
+      with `finished=True`. Closing the iterator early (client gone) aborts the request and frees
+      its KV blocks and encoder-cache references. A failure inside the engine that concerns only
+      this request ends it with finish_reason "error" and `error` set; it never raises into
+      other requests.
+    """
+
+    model_name: str
+    max_model_len: int
+    metrics: EngineMetrics
+
+    async def process_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        multi_modal_uuids: dict[str, list[str | None]] | None = None,
+        namespace: str = "default",
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> ProcessedPrompt: ...
+
+    async def process_prompt(
+        self,
+        prompt: str | list[int],
+        *,
+        namespace: str = "default",
+    ) -> ProcessedPrompt: ...
+
+    def generate(
+        self,
+        prompt: ProcessedPrompt,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def is_healthy(self) -> bool: ...
+
+    async def shutdown(self, timeout_s: float = 20.0) -> None: ...
