@@ -1,0 +1,98 @@
+"""Runs scheduled multimodal items through the vision tower; keeps their embeddings by identity."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from mmserve.metrics import EngineMetrics
+from mmserve.multimodal import MultiModalFeature
+
+# embed_multimodal(pixel_values [total_patches, C*T*P*P], grid_thw) -> one [n_i, hidden] per item
+EmbedFn = Callable[[torch.Tensor, list[tuple[int, int, int]]], list[torch.Tensor]]
+
+
+class EncoderRunner:
+    """The runner-side encoder cache: identifier -> embeddings tensor on the model's device.
+
+    The scheduler decides what lives here: it asks for items to be encoded and, after logical
+    eviction, names the identifiers to drop (`free`). This class never evicts on its own.
+    """
+
+    def __init__(
+        self,
+        embed: EmbedFn,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_patches_per_call: int,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        self._embed = embed
+        self._device = device
+        self._dtype = dtype
+        self._max_patches_per_call = max(1, max_patches_per_call)
+        self._metrics = metrics
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def __contains__(self, identifier: str) -> bool:
+        return identifier in self._cache
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def get(self, identifier: str) -> torch.Tensor | None:
+        return self._cache.get(identifier)
+
+    def free(self, identifiers: Iterable[str]) -> None:
+        for identifier in identifiers:
+            self._cache.pop(identifier, None)
+
+    def encode(self, features: Sequence[MultiModalFeature]) -> None:
+        """Encode every feature not already cached, deduplicated by identifier.
+
+        Items are grouped by modality (a batch never mixes modalities), then packed into calls
+        of at most `max_patches_per_call` input patches (one item larger than that runs alone).
+        """
+        todo: dict[str, MultiModalFeature] = {}
+        for f in features:
+            if f.identifier not in self._cache and f.identifier not in todo:
+                if f.data is None:
+                    raise RuntimeError(f"encoder input for item {f.identifier[:16]} has no data")
+                todo[f.identifier] = f
+        by_modality: dict[str, list[MultiModalFeature]] = {}
+        for f in todo.values():
+            by_modality.setdefault(f.modality, []).append(f)
+        for group in by_modality.values():
+            for batch in self._pack(group):
+                self._run(batch)
+
+    def _pack(self, group: list[MultiModalFeature]) -> list[list[MultiModalFeature]]:
+        batches: list[list[MultiModalFeature]] = []
+        current: list[MultiModalFeature] = []
+        patches = 0
+        for f in group:
+            n = f.data.num_patches  # type: ignore[union-attr]
+            if current and patches + n > self._max_patches_per_call:
+                batches.append(current)
+                current, patches = [], 0
+            current.append(f)
+            patches += n
+        if current:
+            batches.append(current)
+        return batches
+
+    def _run(self, batch: list[MultiModalFeature]) -> None:
+        arrays = [f.data.pixel_values for f in batch]  # type: ignore[union-attr]
+        # [total_patches, C * T * P * P]
+        pixels = torch.from_numpy(np.concatenate(arrays, axis=0) if len(arrays) > 1 else arrays[0])
+        pixels = pixels.to(device=self._device, dtype=self._dtype)
+        grids = [f.data.grid_thw for f in batch]  # type: ignore[union-attr]
+        outputs = self._embed(pixels, grids)
+        for f, emb in zip(batch, outputs, strict=True):
+            self._cache[f.identifier] = emb
+        if self._metrics is not None:
+            self._metrics.inc("encoder_items_encoded", len(batch))
+            self._metrics.inc("encoder_forward_calls")
