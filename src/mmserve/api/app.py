@@ -1,0 +1,222 @@
+"""The FastAPI app: OpenAI routes over an EngineClient, plus /health, /metrics and auth."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from mmserve.api.body_limit import BodySizeLimitMiddleware
+from mmserve.api.errors import (
+    APIError,
+    as_api_error,
+    error_response,
+    install_error_handlers,
+    json_decode_error,
+    validation_error,
+)
+from mmserve.api.formats import ChatFormat, CompletionFormat, ResponseFormat
+from mmserve.api.generation import (
+    ClientGoneError,
+    SSEResponse,
+    collect_final,
+    finish_reason_or_error,
+    sampling_params_for,
+    stream_events,
+    until_disconnect,
+)
+from mmserve.api.prometheus import build_registry, render
+from mmserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from mmserve.api.status import report_status
+from mmserve.engine.protocol import EngineClient
+from mmserve.multimodal import ProcessedPrompt
+
+logger = logging.getLogger(__name__)
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+# Status 499 (nginx's "client closed request"): nobody reads it, but the access log should not
+# show a disconnect as a success or as a server error.
+_CLIENT_GONE_STATUS = 499
+
+
+def caller_namespace(api_key: str | None, token: str | None) -> str:
+    """Whose UUID namespace a request uses: a short digest of its key ("default" without auth)."""
+    if api_key is None or token is None:
+        return "default"
+    return "key-" + hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+def create_app(
+    engine: EngineClient,
+    *,
+    api_key: str | None,
+    served_model_name: str,
+    max_request_body_bytes: int,
+    status_interval_s: float | None = 5.0,
+    shutdown_timeout_s: float = 20.0,
+) -> FastAPI:
+    """An app serving `engine` under `served_model_name`; it shuts the engine down on exit."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        reporter = None
+        if status_interval_s:
+            reporter = asyncio.create_task(report_status(engine.metrics, status_interval_s))
+        try:
+            yield
+        finally:
+            if reporter is not None:
+                reporter.cancel()
+            await engine.shutdown(timeout_s=shutdown_timeout_s)
+
+    app = FastAPI(title="mmserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_request_body_bytes)
+    registry = build_registry(engine.metrics)
+
+    def authenticate(request: Request) -> str:
+        if api_key is None:
+            return "default"
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "missing or invalid API key: send 'Authorization: Bearer <key>' with the key "
+                "the server was started with (--api-key)",
+                code="invalid_api_key",
+            )
+        return caller_namespace(api_key, token.strip())
+
+    v1 = APIRouter(prefix="/v1")
+
+    @v1.get("/models")
+    async def list_models(namespace: str = Depends(authenticate)) -> dict[str, Any]:
+        card = {
+            "id": served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "mmserve",
+            "max_model_len": engine.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request, namespace: str = Depends(authenticate)):
+        async def run() -> Response:
+            body = await _parse(request, ChatCompletionRequest)
+            _check_model(body)
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            prompt = await until_disconnect(
+                request,
+                engine.process_chat(
+                    messages,
+                    mm_processor_kwargs=body.mm_processor_kwargs,
+                    multi_modal_uuids=body.multi_modal_uuids,
+                    namespace=namespace,
+                    chat_template_kwargs=body.chat_template_kwargs,
+                ),
+            )
+            fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", served_model_name)
+            return await _generate(request, body, body.requested_max_tokens, prompt, fmt)
+
+        return await _answer(run)
+
+    @v1.post("/completions")
+    async def completions(request: Request, namespace: str = Depends(authenticate)):
+        async def run() -> Response:
+            body = await _parse(request, CompletionRequest)
+            _check_model(body)
+            prompt_in = body.single_prompt()
+            prompt = await until_disconnect(
+                request, engine.process_prompt(prompt_in, namespace=namespace)
+            )
+            fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", served_model_name)
+            return await _generate(request, body, body.max_tokens, prompt, fmt)
+
+        return await _answer(run)
+
+    def _check_model(body: SamplingFields) -> None:
+        body.check_unsupported()
+        if body.model is not None and body.model != served_model_name:
+            raise APIError(
+                404,
+                f"the model {body.model!r} does not exist; this server serves "
+                f"{served_model_name!r} (see GET /v1/models)",
+                code="model_not_found",
+                param="model",
+            )
+
+    async def _generate(
+        request: Request,
+        body: SamplingFields,
+        max_tokens: int | None,
+        prompt: ProcessedPrompt,
+        fmt: ResponseFormat,
+    ) -> Response:
+        params = sampling_params_for(
+            body, max_tokens, len(prompt.prompt_token_ids), engine.max_model_len
+        )
+        outputs = engine.generate(prompt, params, fmt.request_id, cache_salt=body.cache_salt)
+        if not body.stream:
+            final = await until_disconnect(request, collect_final(outputs))
+            return JSONResponse(fmt.response(final, finish_reason_or_error(final)))
+        try:
+            # The first output is awaited here so a refusal still gets a proper status code.
+            first = await until_disconnect(request, anext(outputs))
+        except BaseException:
+            await outputs.aclose()  # type: ignore[attr-defined]
+            raise
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return SSEResponse(stream_events(outputs, first, fmt, include_usage))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy():
+            return Response(status_code=200)
+        return error_response("the engine is not healthy", status_code=503, code="unhealthy")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.include_router(v1)
+    return app
+
+
+async def _answer(run: Callable[[], Any]) -> Response:
+    """Run a handler body; every failure becomes an OpenAI-style error response."""
+    try:
+        return await run()
+    except ClientGoneError:
+        return Response(status_code=_CLIENT_GONE_STATUS)
+    except Exception as exc:
+        err = as_api_error(exc)
+        return error_response(
+            err.message, status_code=err.status_code, code=err.code, param=err.param
+        )
+
+
+async def _parse(request: Request, model: type[BodyT]) -> BodyT:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise json_decode_error(exc) from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_request_body")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None

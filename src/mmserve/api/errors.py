@@ -1,0 +1,115 @@
+"""Every failure the server answers with, as OpenAI-style error JSON and the right status code."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mmserve.errors import InvalidRequestError, RequestFailedError
+
+logger = logging.getLogger(__name__)
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An HTTP-level refusal that is not one of the engine's typed errors (auth, size, model)."""
+
+    def __init__(
+        self, status_code: int, message: str, *, code: str, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.code = code
+        self.param = param
+
+
+def error_body(
+    message: str, *, status_code: int, code: str | None, param: str | None = None
+) -> dict[str, Any]:
+    error_type = _TYPE_BY_STATUS.get(status_code, "invalid_request_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_response(
+    message: str, *, status_code: int, code: str | None, param: str | None = None
+) -> JSONResponse:
+    body = error_body(message, status_code=status_code, code=code, param=param)
+    return JSONResponse(body, status_code=status_code)
+
+
+def as_api_error(exc: Exception) -> APIError:
+    """Map any exception from request handling to what the client sees."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(exc.status_code, exc.message, code=exc.code, param=exc.param)
+    if isinstance(exc, RequestFailedError):
+        # The engine failed this one request (e.g. its content broke the placeholder contract);
+        # the server is fine, so this is not a 5xx.
+        return APIError(400, str(exc), code="request_failed")
+    if isinstance(exc, ValidationError):
+        return validation_error(exc.errors())
+    logger.error("unexpected error while handling a request", exc_info=exc)
+    return APIError(500, "internal server error; the server log has the details", code=None)
+
+
+def validation_error(errors: Any) -> APIError:
+    """Turn pydantic's error list into one message that names the offending field."""
+    parts = []
+    first_param = None
+    for err in list(errors)[:3]:
+        loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
+        # Drop pydantic's union-branch labels (`str`, `list[...]`, `function-after[...]`).
+        loc = [p for p in loc if "[" not in p and p not in ("str", "int", "list")]
+        param = ".".join(loc) or None
+        first_param = first_param or param
+        parts.append(f"{param or 'body'}: {err.get('msg', 'invalid value')}")
+    message = "invalid request body: " + "; ".join(parts)
+    return APIError(400, message, code="invalid_request_body", param=first_param)
+
+
+def json_decode_error(exc: json.JSONDecodeError | ValueError) -> APIError:
+    return APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route FastAPI/Starlette's own errors (404, 405, 422) through the OpenAI error shape."""
+
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        err = as_api_error(exc)
+        return error_response(
+            err.message, status_code=err.status_code, code=err.code, param=err.param
+        )
+
+    async def on_http_exception(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return error_response(str(exc.detail), status_code=exc.status_code, code=None)
+
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        err = validation_error(exc.errors())
+        return error_response(err.message, status_code=400, code=err.code, param=err.param)
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(InvalidRequestError, on_api_error)
+    app.add_exception_handler(RequestFailedError, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_exception)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(Exception, on_api_error)

@@ -1,0 +1,171 @@
+"""Runs one request against the engine: limits, sampling, whole or streamed answers, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from mmserve.api.errors import APIError, as_api_error, error_body
+from mmserve.api.formats import ResponseFormat
+from mmserve.api.protocol import SamplingFields
+from mmserve.engine.outputs import RequestOutput
+from mmserve.errors import InvalidRequestError, PromptTooLongError
+from mmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ClientGoneError(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+def sampling_params_for(
+    body: SamplingFields, max_tokens: int | None, prompt_len: int, max_model_len: int
+) -> SamplingParams:
+    """SamplingParams with max_tokens bounded by what is left of the model length."""
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise PromptTooLongError(
+            f"the prompt is {prompt_len} tokens but the model length is {max_model_len}; "
+            "shorten the text, send fewer or smaller images (lower max_pixels)",
+            param="messages" if hasattr(body, "messages") else "prompt",
+        )
+    if max_tokens is not None and max_tokens > room:
+        raise InvalidRequestError(
+            f"max_tokens is {max_tokens} but the prompt already uses {prompt_len} of the "
+            f"model's {max_model_len} tokens, so at most {room} can be generated; "
+            f"lower max_tokens to {room} or less",
+            param="max_tokens",
+        )
+    return SamplingParams(
+        n=body.n,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        max_tokens=room if max_tokens is None else max_tokens,
+        min_tokens=body.min_tokens,
+        stop=body.stop or (),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
+    )
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which closes any engine iterator) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGoneError()
+    return task.result()
+
+
+async def collect_final(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """Drain the engine's cumulative outputs; closing on any exit aborts an unfinished request."""
+    last: RequestOutput | None = None
+    try:
+        async for output in outputs:
+            last = output
+            if output.finished:
+                break
+    finally:
+        await _close(outputs)
+    if last is None or not last.finished:
+        raise RuntimeError("the engine ended a request without a finished output")
+    return last
+
+
+def finish_reason_or_error(output: RequestOutput) -> str:
+    """The OpenAI finish_reason, or APIError when the engine failed or dropped the request."""
+    reason = output.outputs[0].finish_reason if output.outputs else "error"
+    if reason in ("stop", "length"):
+        return reason
+    if reason == "abort":
+        raise APIError(503, "the request was aborted (the server is shutting down)", code="aborted")
+    message = output.error or "the request failed inside the engine"
+    raise APIError(400, message, code="request_failed")
+
+
+async def stream_events(
+    outputs: AsyncIterator[RequestOutput],
+    first: RequestOutput,
+    fmt: ResponseFormat,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """SSE `data:` events for a started request, ending with `data: [DONE]`.
+
+    `first` is the already-awaited first output, so that errors before any token became an
+    HTTP status instead of an event.
+    """
+    try:
+        start = fmt.start_chunk()
+        if start is not None:
+            yield _event(start)
+        output, num_sent_chars = first, 0
+        while True:
+            text = output.outputs[0].text if output.outputs else ""
+            delta, num_sent_chars = text[num_sent_chars:], max(num_sent_chars, len(text))
+            if output.finished:
+                reason = finish_reason_or_error(output)
+                yield _event(fmt.chunk(delta, reason))
+                if include_usage:
+                    yield _event(fmt.usage_chunk(output))
+                break
+            if delta:
+                yield _event(fmt.chunk(delta, None))
+            output = await anext(outputs)
+    except Exception as exc:  # reported in-band: the 200 status is already on the wire
+        err = as_api_error(exc)
+        yield _event(error_body(err.message, status_code=err.status_code, code=err.code))
+    finally:
+        await _close(outputs)
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _close(outputs: AsyncIterator[RequestOutput]) -> None:
+    aclose = getattr(outputs, "aclose", None)
+    if aclose is not None:
+        # Shielded: this runs while the request task is being cancelled, and the abort must land.
+        with anyio.CancelScope(shield=True):
+            await aclose()
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always closes its event generator, so a gone client aborts."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()

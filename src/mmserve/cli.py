@@ -1,0 +1,280 @@
+"""The `mmserve` command: `serve` (OpenAI-compatible server) and `bench serve` (load generator)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mmserve.engine.args import (
+    DEVICES,
+    DTYPES,
+    LOG_LEVELS,
+    TOY_MODEL_NAME,
+    EngineArgs,
+    parse_json_object,
+)
+from mmserve.hashing import HASH_ALGORITHMS
+
+logger = logging.getLogger("mmserve")
+API_KEY_ENV = "MMSERVE_API_KEY"
+# How long in-flight requests may run after SIGTERM before they are cancelled.
+GRACEFUL_SHUTDOWN_S = 20
+ENGINE_SHUTDOWN_S = 5.0
+
+
+def _json_object(flag: str):
+    def parse(text: str) -> dict[str, Any]:
+        try:
+            return parse_json_object(text, flag)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help=f"Hugging Face checkpoint directory (Qwen2-VL / Qwen2.5-VL). Default: the bundled toy "
+        f"model, served as {TOY_MODEL_NAME!r}.",
+    )
+    a(
+        "--served-model-name",
+        default=None,
+        help="Model name clients must send; default: the model directory's name.",
+    )
+    a("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1).")
+    a("--port", type=int, default=8000, help="Port to listen on (default 8000).")
+    a(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="Token budget of one engine step (prefill chunks + decodes); also the default "
+        "encoder cache size and per-step encoder budget.",
+    )
+    a("--max-num-seqs", type=int, default=256, help="Most requests running at once.")
+    a(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="Longest prompt + output in tokens; default: the checkpoint's maximum.",
+    )
+    a("--block-size", type=int, default=16, help="Tokens per KV-cache block.")
+    a(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Reuse KV blocks of identical prefixes (images keyed by identity). Default on.",
+    )
+    a(
+        "--disable-chunked-mm-input",
+        action="store_true",
+        help="Never split one image's placeholder span across engine steps; rejected at start "
+        "when the largest image needs more than --max-num-batched-tokens.",
+    )
+    a(
+        "--limit-mm-per-prompt",
+        type=_json_object("--limit-mm-per-prompt"),
+        default=None,
+        metavar="JSON",
+        help="""Most items per modality in one prompt, e.g. '{"image": 4}'.""",
+    )
+    a(
+        "--mm-processor-cache-gb",
+        type=float,
+        default=4.0,
+        help="Size of the processed-image (CPU stage) cache in GiB; 0 disables it.",
+    )
+    a(
+        "--mm-processor-kwargs",
+        type=_json_object("--mm-processor-kwargs"),
+        default=None,
+        metavar="JSON",
+        help="""Image processor overrides, e.g. '{"max_pixels": 1003520}'.""",
+    )
+    a(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="DOMAIN",
+        help="Only fetch http(s) media from these domains (space or comma separated).",
+    )
+    a(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="Allow file:// media under this directory only; file:// is refused without it.",
+    )
+    a(
+        "--api-key",
+        default=None,
+        help=f"Require 'Authorization: Bearer KEY' on /v1/*; also read from ${API_KEY_ENV}.",
+    )
+    a(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="Weight and activation dtype; auto: bfloat16 on GPU, float32 on CPU.",
+    )
+    a("--device", choices=DEVICES, default="auto", help="Where to run; auto: cuda if present.")
+    a("--seed", type=int, default=0, help="Seed of the engine's random state.")
+    a(
+        "--encoder-cache-size",
+        type=int,
+        default=None,
+        metavar="SLOTS",
+        help="Encoder cache size in embedding slots; default --max-num-batched-tokens, floored "
+        "at the largest image.",
+    )
+    a(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV pool size in blocks, instead of sizing it from free memory.",
+    )
+    a(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="KV pool size in bytes, instead of sizing it from free memory.",
+    )
+    a(
+        "--hash-algorithm",
+        choices=HASH_ALGORITHMS,
+        default="blake3",
+        help="Digest for item identity and prefix-cache keys (sha256 for FIPS).",
+    )
+    a(
+        "--media-fetch-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="Timeout of one http(s) media fetch.",
+    )
+    a(
+        "--max-media-bytes",
+        type=int,
+        default=32 * 1024 * 1024,
+        help="Largest media item to fetch or decode, in bytes.",
+    )
+    a(
+        "--max-request-body-bytes",
+        type=int,
+        default=64 * 1024 * 1024,
+        help="Largest HTTP request body (data: URLs included); bigger ones get 413.",
+    )
+    a("--log-level", choices=LOG_LEVELS, default="info", help="mmserve's log level.")
+    a(
+        "--uvicorn-log-level",
+        choices=LOG_LEVELS,
+        default="warning",
+        help="uvicorn's log level (access logs appear at info).",
+    )
+
+
+def build_parser(*, with_bench: bool) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mmserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_args(sub.add_parser("serve", help="Start the OpenAI-compatible server."))
+    bench = sub.add_parser("bench", help="Benchmarks.")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_sub.add_parser("serve", help="Load-test a running server.")
+    if with_bench:
+        # Imported only for `mmserve bench ...`, so `mmserve serve` never loads it.
+        from mmserve.bench.cli import add_bench_serve_args
+
+        add_bench_serve_args(bench_serve)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(with_bench=bool(argv) and argv[0] == "bench")
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        from mmserve.bench.cli import run_bench_serve
+
+        return int(run_bench_serve(args) or 0)
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    try:
+        engine_args = EngineArgs.from_cli(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not Path(engine_args.model).is_dir():
+        parser.error(f"--model {engine_args.model}: no such directory")
+    logging.basicConfig(
+        level=engine_args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return serve(engine_args)
+
+
+def serve(engine_args: EngineArgs) -> int:
+    """Build the engine, then serve until SIGINT/SIGTERM; exits 0 after a graceful shutdown."""
+    # uvicorn re-raises the signal it caught after its shutdown, with the handler that was
+    # installed before it started; a no-op handler turns that into a clean exit 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        asyncio.run(_serve(engine_args))
+    except Exception:
+        logger.exception("mmserve failed")
+        return 1
+    return 0
+
+
+async def _serve(engine_args: EngineArgs) -> None:
+    import uvicorn
+
+    from mmserve.api.app import create_app
+    from mmserve.engine.factory import build_async_engine
+
+    engine = build_async_engine(engine_args)
+    if inspect.isawaitable(engine):
+        engine = await engine
+    name = engine_args.resolved_served_model_name
+    _log_configuration(engine_args, engine, name)
+    app = create_app(
+        engine,
+        api_key=engine_args.api_key,
+        served_model_name=name,
+        max_request_body_bytes=engine_args.max_request_body_bytes,
+        shutdown_timeout_s=ENGINE_SHUTDOWN_S,
+    )
+    config = uvicorn.Config(
+        app,
+        host=engine_args.host,
+        port=engine_args.port,
+        log_level=engine_args.uvicorn_log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        lifespan="on",
+    )
+    logger.info("serving %r on http://%s:%d", name, engine_args.host, engine_args.port)
+    await uvicorn.Server(config).serve()
+
+
+def _log_configuration(engine_args: EngineArgs, engine: Any, name: str) -> None:
+    lines = [f"  served model name: {name}"]
+    for key, value in vars(engine_args).items():
+        if key != "api_key":
+            lines.append(f"  {key}: {json.dumps(value) if isinstance(value, dict) else value}")
+    lines.append(f"  api_key: {'set' if engine_args.api_key else 'not set'}")
+    describe = getattr(engine, "describe", None)
+    if callable(describe):
+        lines.extend(f"  {key}: {value}" for key, value in describe().items())
+    logger.info("resolved configuration:\n%s", "\n".join(lines))

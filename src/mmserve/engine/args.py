@@ -1,0 +1,160 @@
+"""EngineArgs: every `mmserve serve` flag as one frozen, validated value the factory consumes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from mmserve.hashing import HASH_ALGORITHMS
+
+TOY_MODEL_NAME = "mmserve-toy"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def bundled_toy_model_dir() -> str:
+    """The toy checkpoint shipped inside the package (found without importing torch)."""
+    return str(Path(str(resources.files("mmserve"))) / "models" / "toy")
+
+
+def parse_json_object(text: str, flag: str) -> dict[str, Any]:
+    """Parse a flag's JSON object value, with an error that names the flag."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} must be a JSON object, e.g. '{{\"image\": 4}}': {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def split_domains(values: list[str] | tuple[str, ...] | str | None) -> tuple[str, ...] | None:
+    """`--allowed-media-domains a.com b.com` and `--allowed-media-domains a.com,b.com` agree."""
+    if values is None:
+        return None
+    if isinstance(values, str):
+        values = [values]
+    out = [part.strip().lower() for v in values for part in v.replace(",", " ").split()]
+    return tuple(p for p in out if p)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """One field per `mmserve serve` flag (the flag's name in snake_case).
+
+    None means "the engine decides" (for example max_model_len from the checkpoint, the KV pool
+    from free memory, the encoder cache from max_num_batched_tokens).
+    """
+
+    model: str = field(default_factory=bundled_toy_model_dir)
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    disable_chunked_mm_input: bool = False
+    limit_mm_per_prompt: dict[str, int] | None = None
+    mm_processor_cache_gb: float = 4.0
+    mm_processor_kwargs: dict[str, Any] | None = None
+    allowed_media_domains: tuple[str, ...] | None = None
+    allowed_local_media_path: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    encoder_cache_size: int | None = None
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    hash_algorithm: str = "blake3"
+    media_fetch_timeout: float = 5.0
+    max_media_bytes: int = 32 * 1024 * 1024
+    max_request_body_bytes: int = 64 * 1024 * 1024
+    log_level: str = "info"
+    uvicorn_log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_media_bytes"):
+            _check_positive(name, getattr(self, name))
+        _check_positive("max_request_body_bytes", self.max_request_body_bytes)
+        for name in (
+            "max_model_len",
+            "encoder_cache_size",
+            "num_gpu_blocks_override",
+            "kv_cache_memory_bytes",
+        ):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        if self.num_gpu_blocks_override is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError(
+                "--num-gpu-blocks-override and --kv-cache-memory-bytes both size the KV pool; "
+                "give only one of them"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.media_fetch_timeout <= 0:
+            raise ValueError(f"--media-fetch-timeout must be > 0 s, got {self.media_fetch_timeout}")
+        if self.mm_processor_cache_gb < 0:
+            raise ValueError(
+                f"--mm-processor-cache-gb must be >= 0 (0 disables the cache), "
+                f"got {self.mm_processor_cache_gb}"
+            )
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("hash_algorithm", self.hash_algorithm, HASH_ALGORITHMS)
+        _check_choice("log_level", self.log_level, LOG_LEVELS)
+        _check_choice("uvicorn_log_level", self.uvicorn_log_level, LOG_LEVELS)
+        if self.limit_mm_per_prompt is not None:
+            for key, value in self.limit_mm_per_prompt.items():
+                if not isinstance(key, str) or not isinstance(value, int) or value < 0:
+                    raise ValueError(
+                        f"--limit-mm-per-prompt maps a modality to a count >= 0, "
+                        f"e.g. '{{\"image\": 4}}'; got {key!r}: {value!r}"
+                    )
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("--served-model-name must not be empty")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty (omit it to disable authentication)")
+
+    @property
+    def resolved_served_model_name(self) -> str:
+        """--served-model-name, else `mmserve-toy` for the bundled model, else the dir's name."""
+        if self.served_model_name:
+            return self.served_model_name
+        model_dir = Path(self.model).resolve()
+        if model_dir == Path(bundled_toy_model_dir()).resolve():
+            return TOY_MODEL_NAME
+        return model_dir.name
+
+    @classmethod
+    def from_cli(cls, namespace: argparse.Namespace) -> EngineArgs:
+        """Build from parsed flags; JSON-valued flags may still be strings here."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if hasattr(namespace, f.name):
+                values[f.name] = getattr(namespace, f.name)
+        if values.get("model") is None:
+            values.pop("model", None)
+        for name in ("limit_mm_per_prompt", "mm_processor_kwargs"):
+            if isinstance(values.get(name), str):
+                values[name] = parse_json_object(values[name], "--" + name.replace("_", "-"))
+        if "allowed_media_domains" in values:
+            values["allowed_media_domains"] = split_domains(values["allowed_media_domains"])
+        return cls(**values)
+
+
+def _check_positive(name: str, value: int | float) -> None:
+    if value <= 0:
+        raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"--{name.replace('_', '-')} must be one of {choices}, got {value!r}")

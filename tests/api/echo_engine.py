@@ -1,0 +1,145 @@
+"""A small real EngineClient for API tests: it "generates" by echoing the prompt's bytes.
+
+Tokenisation is one token per UTF-8 byte of the concatenated text parts; each image adds
+IMAGE_TOKENS placeholder ids. Generated token i is prompt token i (cycling), decoded as its
+byte ("" for placeholders), so every expected answer is computable from the request alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from mmserve.engine.outputs import CompletionOutput, RequestOutput
+from mmserve.errors import InvalidRequestError, MediaError
+from mmserve.metrics import EngineMetrics
+from mmserve.multimodal import ProcessedPrompt
+from mmserve.sampling_params import SamplingParams
+
+IMAGE_TOKEN_ID = 300
+IMAGE_TOKENS = 4
+FAIL_MARKER = "FAIL-IN-ENGINE"
+KNOWN_PROCESSOR_KWARGS = {"max_pixels", "min_pixels"}
+
+
+class EchoEngine:
+    """Deterministic engine with per-token sleeps; records namespaces, aborts and shutdown."""
+
+    def __init__(self, *, max_model_len: int = 64, token_delay_s: float = 0.0) -> None:
+        self.model_name = "echo"
+        self.max_model_len = max_model_len
+        self.metrics = EngineMetrics()
+        self.token_delay_s = token_delay_s
+        self.namespaces: list[str] = []
+        self.aborted: set[str] = set()
+        self.finished: set[str] = set()
+        self.running: set[str] = set()
+        self.healthy = True
+        self.shutdown_calls = 0
+        self.metrics.set_gauge("kv_blocks_total", 16)
+        self.metrics.set_gauge("kv_blocks_free", 16)
+
+    async def process_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        multi_modal_uuids: dict[str, list[str | None]] | None = None,
+        namespace: str = "default",
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> ProcessedPrompt:
+        self.namespaces.append(namespace)
+        unknown = set(mm_processor_kwargs or {}) - KNOWN_PROCESSOR_KWARGS
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown mm_processor_kwargs {sorted(unknown)}", param="mm_processor_kwargs"
+            )
+        ids: list[int] = []
+        for message in messages:
+            content = message.get("content") or ""
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            for part in parts:
+                if part["type"] == "text":
+                    ids.extend(part["text"].encode())
+                    continue
+                url = part["image_url"].get("url") or ""
+                if not url.startswith("data:image/"):
+                    raise MediaError(f"cannot read image {url[:20]!r}", param="messages")
+                ids.extend([IMAGE_TOKEN_ID] * IMAGE_TOKENS)
+        return ProcessedPrompt(prompt_token_ids=ids)
+
+    async def process_prompt(
+        self, prompt: str | list[int], *, namespace: str = "default"
+    ) -> ProcessedPrompt:
+        self.namespaces.append(namespace)
+        ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
+        if any(not 0 <= i < 256 for i in ids):
+            raise InvalidRequestError("token ids must be in [0, 256)", param="prompt")
+        return ProcessedPrompt(prompt_token_ids=ids)
+
+    async def generate(
+        self,
+        prompt: ProcessedPrompt,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        ids = prompt.prompt_token_ids
+        text_so_far = bytes(i for i in ids if i < 256).decode(errors="replace")
+        self._admit(request_id, len(ids))
+        start = time.monotonic()
+        out_ids: list[int] = []
+        done = False
+        try:
+            assert sampling_params.max_tokens is not None
+            while True:
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                else:
+                    await asyncio.sleep(0)
+                out_ids.append(ids[len(out_ids) % len(ids)])
+                if len(out_ids) == 1:
+                    self.metrics.observe_ttft(time.monotonic() - start)
+                self.metrics.inc("generation_tokens")
+                text = bytes(i for i in out_ids if i < 256).decode(errors="replace")
+                reason, error = None, None
+                if FAIL_MARKER in text_so_far:
+                    reason, error = "error", "the engine could not place the image embeddings"
+                elif any(s in text for s in sampling_params.stop):
+                    reason = "stop"
+                elif len(out_ids) >= sampling_params.max_tokens:
+                    reason = "length"
+                done = reason is not None
+                completion = CompletionOutput(0, text, list(out_ids), finish_reason=reason)
+                yield RequestOutput(request_id, None, ids, [completion], done, error=error)
+                if done:
+                    return
+        finally:
+            self._release(request_id, aborted=not done)
+
+    def _admit(self, request_id: str, num_prompt_tokens: int) -> None:
+        self.running.add(request_id)
+        self.metrics.inc("prompt_tokens", num_prompt_tokens)
+        self._update_gauges()
+
+    def _release(self, request_id: str, *, aborted: bool) -> None:
+        self.running.discard(request_id)
+        (self.aborted if aborted else self.finished).add(request_id)
+        self.metrics.inc("requests_finished")
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        self.metrics.set_gauge("num_requests_running", len(self.running))
+        self.metrics.set_gauge("kv_blocks_free", 16 - len(self.running))
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+
+    def is_healthy(self) -> bool:
+        return self.healthy
+
+    async def shutdown(self, timeout_s: float = 20.0) -> None:
+        self.shutdown_calls += 1

@@ -1,0 +1,115 @@
+"""`mmserve serve` flags → EngineArgs, validation that names the flag, and the status line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmserve.cli import build_parser
+from mmserve.engine.args import TOY_MODEL_NAME, EngineArgs, bundled_toy_model_dir
+from mmserve.metrics import EngineMetrics
+
+
+def args_of(*argv: str) -> EngineArgs:
+    return EngineArgs.from_cli(build_parser(with_bench=False).parse_args(["serve", *argv]))
+
+
+def test_defaults_serve_the_bundled_toy_model() -> None:
+    args = args_of()
+    assert Path(args.model) == Path(bundled_toy_model_dir())
+    assert args.resolved_served_model_name == TOY_MODEL_NAME
+    assert (args.host, args.port) == ("127.0.0.1", 8000)
+    assert args.enable_prefix_caching and not args.disable_chunked_mm_input
+
+
+def test_every_flag_reaches_its_field(tmp_path: Path) -> None:
+    model = tmp_path / "Qwen2-VL-tiny"
+    model.mkdir()
+    args = args_of(
+        "--model", str(model), "--port", "9001", "--max-num-batched-tokens", "4096",
+        "--max-num-seqs", "8", "--max-model-len", "2048", "--block-size", "32",
+        "--no-enable-prefix-caching", "--disable-chunked-mm-input",
+        "--limit-mm-per-prompt", '{"image": 2}', "--mm-processor-kwargs", '{"max_pixels": 50176}',
+        "--allowed-media-domains", "a.example,B.example", "c.example",
+        "--allowed-local-media-path", str(tmp_path), "--api-key", "sk-zebra", "--dtype", "float32",
+        "--device", "cpu", "--seed", "7", "--encoder-cache-size", "5000",
+        "--num-gpu-blocks-override", "100", "--hash-algorithm", "sha256",
+        "--media-fetch-timeout", "2.5", "--max-media-bytes", "1000",
+        "--max-request-body-bytes", "2000", "--mm-processor-cache-gb", "0",
+    )  # fmt: skip
+    assert args.resolved_served_model_name == "Qwen2-VL-tiny"
+    assert (args.port, args.max_num_batched_tokens, args.max_num_seqs) == (9001, 4096, 8)
+    assert (args.max_model_len, args.block_size) == (2048, 32)
+    assert not args.enable_prefix_caching and args.disable_chunked_mm_input
+    assert args.limit_mm_per_prompt == {"image": 2}
+    assert args.mm_processor_kwargs == {"max_pixels": 50176}
+    assert args.allowed_media_domains == ("a.example", "b.example", "c.example")
+    assert args.api_key == "sk-zebra" and "sk-zebra" not in repr(args)
+    assert (args.dtype, args.device, args.seed, args.hash_algorithm) == (
+        "float32",
+        "cpu",
+        7,
+        "sha256",
+    )
+    assert (args.encoder_cache_size, args.num_gpu_blocks_override) == (5000, 100)
+    assert (args.media_fetch_timeout, args.max_media_bytes) == (2.5, 1000)
+    assert (args.max_request_body_bytes, args.mm_processor_cache_gb) == (2000, 0.0)
+    assert args_of("--served-model-name", "x").resolved_served_model_name == "x"
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--block-size", "-1"], "--block-size"),
+        (["--num-gpu-blocks-override", "4", "--kv-cache-memory-bytes", "9"], "--kv-cache"),
+        (["--limit-mm-per-prompt", '{"image": -1}'], "--limit-mm-per-prompt"),
+        (["--media-fetch-timeout", "0"], "--media-fetch-timeout"),
+        (["--port", "70000"], "--port"),
+    ],
+)
+def test_invalid_values_name_the_flag(argv: list[str], flag: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        args_of(*argv)
+
+
+def test_bad_json_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser(with_bench=False).parse_args(["serve", "--limit-mm-per-prompt", "{image"])
+    assert exc.value.code == 2
+    assert "--limit-mm-per-prompt must be a JSON object" in capsys.readouterr().err
+
+
+def test_serve_help_explains_flags_without_heavy_imports() -> None:
+    code = (
+        "import sys; from mmserve.cli import main\n"
+        "try: main(['serve', '--help'])\n"
+        "except SystemExit: pass\n"
+        "heavy = [m for m in ('torch', 'mmserve.bench.cli', 'mmserve.engine.factory') "
+        "if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert "--encoder-cache-size" in out and "embedding slots" in out
+    assert "HEAVY []" in out
+
+
+def test_status_line_only_when_something_changed() -> None:
+    from mmserve.api.status import format_status
+
+    metrics = EngineMetrics()
+    before = metrics.snapshot()
+    assert format_status(before, metrics.snapshot(), 5.0) is None
+    metrics.inc("generation_tokens", 50)
+    metrics.inc("encoder_cache_queries", 4)
+    metrics.inc("encoder_cache_hits", 3)
+    metrics.set_gauge("num_requests_running", 2)
+    line = format_status(before, metrics.snapshot(), 5.0)
+    assert line is not None
+    assert "running: 2 reqs" in line and "generation: 10.0 tok/s" in line
+    assert "encoder 75.0%" in line and "prefix -" in line
