@@ -1,1 +1,28 @@
-"""Scheduling stage of mmserve."""
+"""Scheduling stage of mmserve: requests, KV blocks, encoder cache, and the step planner."""
+
+from mmserve.scheduling.encoder_cache_manager import EncoderCacheManager
+from mmserve.scheduling.kv_cache_manager import KVCacheManager
+from mmserve.scheduling.outputs import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestUpdate,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from mmserve.scheduling.request import Request, RequestStatus
+from mmserve.scheduling.scheduler import Scheduler
+
+__all__ = [
+    "CachedRequestData",
+    "EncoderCacheManager",
+    "KVCacheManager",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "Request",
+    "RequestStatus",
+    "RequestUpdate",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulerStats",
+]

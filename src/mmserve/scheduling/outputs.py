@@ -1,0 +1,94 @@
+"""Messages across the scheduler boundary: the step sent to the runner, its answer, and stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mmserve.multimodal import MultiModalFeature
+from mmserve.scheduling.request import RequestStatus
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has no state for: first scheduled, or resumed after preemption.
+
+    `token_ids` is prompt + every token generated so far (a resumed request re-prefills its
+    outputs); `num_computed_tokens` is where this step starts (the prefix-cache hit length).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    mm_features: list[MultiModalFeature]
+    block_ids: list[int]
+    num_computed_tokens: int
+    payload: object
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the runner already holds: blocks appended this step and where the step starts."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One engine step, as diffs against what the runner already has.
+
+    The runner applies it in this order: drop `finished_req_ids` and `preempted_req_ids`, free
+    `free_encoder_identifiers` from its encoder cache, encode every item in
+    `scheduled_encoder_inputs` (each identifier appears at most once per step), then run the
+    language model on `num_scheduled_tokens[req]` tokens of each request starting at its
+    `num_computed_tokens`. A request gets sampled tokens only when its step reaches the end
+    of its known tokens.
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    scheduled_encoder_inputs: dict[str, list[int]]
+    free_encoder_identifiers: list[str]
+    finished_req_ids: frozenset[str]
+    preempted_req_ids: frozenset[str]
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """The runner's answer: sampled tokens per request, and requests that failed inside it
+    (e.g. a placeholder/embedding count mismatch) with their error message."""
+
+    sampled_token_ids: dict[str, list[int]]
+    errors: dict[str, str]
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What one step did to one request, for the engine's output processor."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_status: RequestStatus | None = None
+    stop_reason: int | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_status is not None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Gauges (now) and counters (since start) for metrics. Prefix counters are in tokens."""
+
+    num_running: int
+    num_waiting: int
+    num_free_kv_blocks: int
+    encoder_cache_used_slots: int
+    encoder_cache_used_bytes: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    encoder_cache_queries: int
+    encoder_cache_hits: int

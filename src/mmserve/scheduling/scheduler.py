@@ -1,0 +1,361 @@
+"""Continuous-batching FCFS scheduler: one token budget, one encoder budget, paged KV.
+
+Window/item arithmetic. Each step a request computes the window
+`[num_computed_tokens, num_computed_tokens + num_new_tokens)` of its tokens. An item (its
+placeholder range `[offset, offset + length)`) that overlaps the window must have its encoder
+output resident before the step runs:
+
+    tokens     0 ........ offset ............. offset+length ........ num_tokens
+    item                    |#######  image  #######|
+    window A    [---------------)                             chunk cuts the image: the
+                                                              item is encoded whole now,
+                                                              later chunks slice it
+    window B             [--------------------------------)   covers it all
+    window C                         [-------)                 later chunk: already resident
+    no space       [-----)|                                    cut to stop at `offset`
+    no space, at offset   |  (0 tokens)                        skip this request this step
+
+- Resident (a hit) -> nothing to encode. Otherwise the item needs compute budget and slots;
+  if it cannot have them now, the window is cut to end at `offset` (text before the image
+  still runs), or to zero tokens when the request already stands at (or, after a prefix-cache
+  hit, inside) the item. Other requests go on.
+- `disable_chunked_mm_input`: a window that starts at or before `offset` and would end inside
+  the item is rolled back to end at `offset`.
+- A prefix-cache hit that covers an item whole means it is never encoded; a hit ending inside
+  an item still needs the whole item encoded, and only the tail slice is spliced.
+- An item's reference is dropped once `num_computed_tokens >= offset + length` (consumed);
+  the entry stays resident (freeable) for later requests with the same identity.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from mmserve.config import CacheConfig, SchedulerConfig
+from mmserve.scheduling.admission import validate_request
+from mmserve.scheduling.encoder_cache_manager import EncoderCacheManager
+from mmserve.scheduling.kv_cache_manager import KVCacheManager
+from mmserve.scheduling.outputs import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestUpdate,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from mmserve.scheduling.request import Request, RequestStatus, check_stop
+
+
+@dataclass(slots=True)
+class _Step:
+    """Scratch state of one `schedule()` call."""
+
+    token_budget: int
+    encoder_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+
+
+class Scheduler:
+    """Decides, each step, which requests run how many tokens and which items get encoded."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        *,
+        bytes_per_encoder_slot: int = 0,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.kv_cache_manager = KVCacheManager(cache_config)
+        self.encoder_cache_manager = EncoderCacheManager(
+            scheduler_config.effective_encoder_cache_size, bytes_per_encoder_slot
+        )
+        self.requests: dict[str, Request] = {}  # unfinished only
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_req_ids: set[str] = set()
+
+    # ----------------------------------------------------------------- requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; refuses (typed 4xx errors) one that could never be scheduled."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        validate_request(request, self.scheduler_config, self.cache_config)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish (abort, stop string, ...) requests now: blocks and encoder references are
+        released in this call. Unknown or already finished ids are ignored."""
+        assert status.is_finished, status
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        finishing = [self.requests[i] for i in ids if i in self.requests]
+        if not finishing:
+            return
+        self.running = [r for r in self.running if r.request_id not in ids]
+        self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+        for request in finishing:
+            request.status = status
+            self._release(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def make_stats(self) -> SchedulerStats:
+        kv, enc = self.kv_cache_manager, self.encoder_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_free_kv_blocks=kv.num_free_blocks,
+            encoder_cache_used_slots=enc.num_used_slots,
+            encoder_cache_used_bytes=enc.num_used_slots * enc.bytes_per_slot,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            encoder_cache_queries=enc.queries,
+            encoder_cache_hits=enc.hits,
+        )
+
+    def check_integrity(self) -> None:
+        self.kv_cache_manager.check_integrity()
+        self.encoder_cache_manager.check_integrity()
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert not self.kv_cache_manager.block_ids(request.request_id)
+        assert all(r.status == RequestStatus.RUNNING for r in self.running)
+        assert len(self.running) + len(self.waiting) == len(self.requests)
+
+    # ----------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first (decodes and unfinished prefills, in arrival
+        order), then waiting ones while token budget, `max_num_seqs` and KV blocks last."""
+        config = self.scheduler_config
+        step = _Step(config.max_num_batched_tokens, config.effective_encoder_compute_budget)
+        self._schedule_running(step)
+        # NOTE: a step that had to preempt admits nobody: the pool is known to be short.
+        if not step.preempted:
+            self._schedule_waiting(step)
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached_reqs,
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(step.num_scheduled_tokens.values()),
+            scheduled_encoder_inputs=step.encoder_inputs,
+            free_encoder_identifiers=self.encoder_cache_manager.get_freed_identifiers(),
+            finished_req_ids=frozenset(finished),
+            preempted_req_ids=frozenset(step.preempted),
+        )
+
+    def _schedule_running(self, step: _Step) -> None:
+        req_idx = 0
+        while req_idx < len(self.running) and step.token_budget > 0:
+            request = self.running[req_idx]
+            num_computed = request.num_computed_tokens
+            num_new = min(request.num_tokens - num_computed, step.token_budget)
+            num_new, items, _ = self._try_schedule_encoder_inputs(
+                request, num_computed, num_new, step
+            )
+            if num_new == 0:
+                req_idx += 1
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_new, step)
+            if new_block_ids is None:
+                break  # it preempted itself: nothing older is left to take from
+            step.cached_reqs.append(
+                CachedRequestData(request.request_id, new_block_ids, num_computed)
+            )
+            self._commit(request, num_new, items, step)
+            req_idx += 1
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> list[int] | None:
+        """Allocate KV for a running request, preempting the newest running requests (maybe
+        this one) until it fits. None if the request itself was preempted."""
+        while True:
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self.running.pop()
+            self._preempt(victim)
+            step.preempted.add(victim.request_id)
+            if victim is request:
+                return None
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        skipped: list[Request] = []
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        while self.waiting and step.token_budget > 0 and len(self.running) < max_num_seqs:
+            request = self.waiting.popleft()
+            computed = self.kv_cache_manager.get_computed_blocks(request)
+            num_computed = computed.num_computed_tokens
+            num_new = min(request.num_tokens - num_computed, step.token_budget)
+            num_new, items, rolled_back = self._try_schedule_encoder_inputs(
+                request, num_computed, num_new, step
+            )
+            if num_new == 0:
+                # Waiting requests hold no encoder references: drop hits taken by the lookup.
+                self.encoder_cache_manager.free(request)
+                skipped.append(request)
+                if rolled_back:
+                    break  # it waits for a whole-item budget: later arrivals must not starve it
+                continue
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed)
+            if block_ids is None:
+                self.encoder_cache_manager.free(request)
+                skipped.append(request)
+                break  # KV is short: later arrivals must not overtake
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            step.new_reqs.append(
+                NewRequestData(
+                    request_id=request.request_id,
+                    token_ids=request.all_token_ids,
+                    mm_features=list(request.mm_features),
+                    block_ids=block_ids,
+                    num_computed_tokens=num_computed,
+                    payload=request.payload,
+                )
+            )
+            self._commit(request, num_new, items, step)
+        self.waiting.extendleft(reversed(skipped))
+
+    def _try_schedule_encoder_inputs(
+        self, request: Request, num_computed: int, num_new: int, step: _Step
+    ) -> tuple[int, list[int], bool]:
+        """Shrink `num_new` to what the encoder can serve now. Returns it, the indexes of the
+        items to encode this step, and whether the `disable_chunked_mm_input` rollback cut it
+        (see the module docstring for the window arithmetic)."""
+        manager = self.encoder_cache_manager
+        window_end = num_computed + num_new
+        to_encode: list[int] = []
+        identifiers: set[str] = set()
+        num_embeds_to_schedule = 0
+        for item_idx, feature in enumerate(request.mm_features):
+            start, length = feature.placeholder.offset, feature.placeholder.length
+            if start >= window_end:
+                break  # items are sorted by offset
+            if start + length <= num_computed:
+                continue  # consumed already (or covered whole by a prefix-cache hit)
+            if (
+                self.scheduler_config.disable_chunked_mm_input
+                and num_computed <= start
+                and window_end < start + length
+            ):
+                return start - num_computed, to_encode, True
+            if feature.identifier in identifiers:
+                continue  # same item twice in one request: encoded once
+            if manager.check_and_update_cache(request, item_idx):
+                continue
+            budget_left = step.encoder_budget - num_embeds_to_schedule
+            if not manager.can_allocate(request, item_idx, budget_left, num_embeds_to_schedule):
+                # Text before the item still runs; at (or inside) the item: nothing this step.
+                return max(0, start - num_computed), to_encode, False
+            to_encode.append(item_idx)
+            identifiers.add(feature.identifier)
+            num_embeds_to_schedule += feature.num_embeds
+        return num_new, to_encode, False
+
+    def _commit(self, request: Request, num_new: int, items: list[int], step: _Step) -> None:
+        """Book a scheduled request: encoder slots, budgets, and its advanced position."""
+        for item_idx in items:
+            self.encoder_cache_manager.allocate(request, item_idx)
+            step.encoder_budget -= request.mm_features[item_idx].num_embeds
+        if items:
+            step.encoder_inputs[request.request_id] = items
+        step.num_scheduled_tokens[request.request_id] = num_new
+        step.token_budget -= num_new
+        request.num_computed_tokens += num_new
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: free blocks and encoder references, keep generated tokens."""
+        self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------------------------ update
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestUpdate]:
+        """Apply a finished step: commit computed KV blocks, drop consumed encoder inputs,
+        append sampled tokens and apply stop rules. Sampled tokens of a request whose step did
+        not reach the end of its tokens (partial prefill) are ignored."""
+        updates: list[RequestUpdate] = []
+        finished: list[Request] = []
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # finished (aborted) after this step was scheduled
+            error = runner_output.errors.get(request_id)
+            if error is not None:
+                request.status = RequestStatus.FINISHED_ERROR
+                finished.append(request)
+                updates.append(RequestUpdate(request_id, [], request.status, error=error))
+                continue
+            self.kv_cache_manager.cache_blocks(request)
+            self._free_consumed_encoder_inputs(request)
+            new_token_ids = self._append_sampled(request, runner_output)
+            if request.is_finished:
+                finished.append(request)
+            if new_token_ids or request.is_finished:
+                updates.append(
+                    RequestUpdate(
+                        request_id,
+                        new_token_ids,
+                        request.status if request.is_finished else None,
+                        stop_reason=request.stop_reason,
+                    )
+                )
+        if finished:
+            done = {r.request_id for r in finished}
+            self.running = [r for r in self.running if r.request_id not in done]
+            for request in finished:
+                self._release(request)
+        return updates
+
+    def _append_sampled(self, request: Request, runner_output: ModelRunnerOutput) -> list[int]:
+        if request.num_computed_tokens < request.num_tokens:
+            return []
+        new_token_ids = []
+        for token_id in runner_output.sampled_token_ids.get(request.request_id, ()):
+            request.output_token_ids.append(token_id)
+            new_token_ids.append(token_id)
+            if check_stop(request, self.scheduler_config.max_model_len, self.eos_token_ids):
+                break
+        return new_token_ids
+
+    def _free_consumed_encoder_inputs(self, request: Request) -> None:
+        """Drop references to items whose every occurrence in the request is computed."""
+        needed = {
+            f.identifier
+            for f in request.mm_features
+            if f.placeholder.offset + f.placeholder.length > request.num_computed_tokens
+        }
+        for item_idx, feature in enumerate(request.mm_features):
+            if feature.identifier not in needed:
+                self.encoder_cache_manager.free_encoder_input(request, item_idx)
+
+    def _release(self, request: Request) -> None:
+        """Free everything a finished request holds; the runner hears of it next step."""
+        self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_req_ids.add(request.request_id)
