@@ -47,3 +47,51 @@ class Hasher:
 def _feed(h, data: bytes | memoryview) -> None:
     h.update(struct.pack("<Q", len(data)))
     h.update(data)
+
+
+# ---- Multimodal item identity -------------------------------------------------------------
+#
+#   identity = digest("mm-item/v1", model id, revision, processor fingerprint, modality,
+#                     content key, effective decision)
+#
+# content key is ("pixels", mode, width, height, palette, raw bytes) for a decoded image, or
+# ("uuid" | "exif", namespace, value) when the caller (or the file's EXIF ImageUniqueID)
+# names the item: a claim trusted only inside the namespace that made it. The decision is
+# what processing actually did (resized size, grid), never the raw kwargs, so a cap that
+# changes nothing for this image changes nothing in its identity.
+
+DEFAULT_NAMESPACE = "default"
+ITEM_DOMAIN = "mm-item/v1"
+ContentKey = tuple[str | int | bytes, ...]
+
+
+def pixel_content_key(
+    mode: str, size: tuple[int, int], pixels: bytes, palette: bytes | None = None
+) -> ContentKey:
+    """Content key of a decoded image: its mode, size, palette (mode P) and raw pixel bytes."""
+    return ("pixels", mode, size[0], size[1], palette or b"", pixels)
+
+
+def claimed_content_key(kind: str, namespace: str, value: str) -> ContentKey:
+    """Content key of an item named by a caller UUID ("uuid") or an EXIF ImageUniqueID ("exif")."""
+    if kind not in ("uuid", "exif"):
+        raise ValueError(f"claimed content kind must be 'uuid' or 'exif', got {kind!r}")
+    return (kind, namespace, value)
+
+
+def mm_item_identity(
+    hasher: Hasher,
+    *,
+    model_id: str,
+    revision: str,
+    processor_fingerprint: Iterable[str | int],
+    modality: str,
+    content: ContentKey,
+    decision: Iterable[int],
+) -> str:
+    """Full-width identity digest of one processed multimodal item (see the table above)."""
+    fingerprint = list(processor_fingerprint)
+    decided = list(decision)
+    parts: list[bytes | str | int] = [model_id, revision, len(fingerprint), *fingerprint]
+    parts += [modality, len(content), *content, len(decided), *decided]
+    return hasher.digest(ITEM_DOMAIN, parts)
