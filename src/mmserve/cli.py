@@ -189,7 +189,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def build_parser(*, with_bench: bool) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_args(sub.add_parser("serve", help="Start the OpenAI-compatible server."))
+    serve_parser = sub.add_parser("serve", help="Start the OpenAI-compatible server.")
+    add_serve_args(serve_parser)
+    # Errors found after parsing are reported with the usage of the subcommand at fault.
+    serve_parser.set_defaults(subparser=serve_parser)
     bench = sub.add_parser("bench", help="Benchmarks.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_sub.add_parser("serve", help="Load-test a running server.")
@@ -214,9 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         engine_args = EngineArgs.from_cli(args)
     except ValueError as exc:
-        parser.error(str(exc))
+        args.subparser.error(str(exc))
     if not Path(engine_args.model).is_dir():
-        parser.error(f"--model {engine_args.model}: no such directory")
+        args.subparser.error(f"--model {engine_args.model}: no such directory")
     logging.basicConfig(
         level=engine_args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
