@@ -1,0 +1,172 @@
+"""Media loading: PIL images, bytes, data: URLs, http(s) URLs and file:// paths -> RGB images."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from PIL import Image
+
+from mmserve.errors import MediaError, MediaFetchRefusedError
+from mmserve.processing.image_decode import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DecodeWorkerPool,
+    decode_image_bytes,
+)
+from mmserve.processing.image_processor import to_rgb
+from mmserve.processing.url_guard import fetch_url
+
+MediaSource = Image.Image | bytes | str
+
+
+@dataclass(frozen=True)
+class MediaConfig:
+    """Where media may come from and how much of it we accept.
+
+    `allowed_media_domains` empty means any public host; listed hosts are the only ones
+    fetched, and may resolve to private addresses. `decode_workers` 0 decodes in-process
+    (tests, the offline API); > 0 decodes in that many worker processes started on first use.
+    """
+
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_local_media_path: str | None = None
+    fetch_timeout_s: float = 5.0
+    max_fetch_bytes: int = 20 * 1024 * 1024
+    max_redirects: int = 3
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    decode_workers: int = 0
+    decode_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "allowed_media_domains", tuple(d.lower() for d in self.allowed_media_domains)
+        )
+        for name in ("fetch_timeout_s", "decode_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_fetch_bytes", "max_image_pixels"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_redirects < 0 or self.decode_workers < 0:
+            raise ValueError("max_redirects and decode_workers must be >= 0")
+        if self.allowed_local_media_path is not None:
+            root = Path(self.allowed_local_media_path)
+            if not root.is_absolute():
+                raise ValueError(
+                    "--allowed-local-media-path must be an absolute path, got "
+                    f"{self.allowed_local_media_path!r}"
+                )
+
+
+class MediaLoader:
+    """Turns any supported media source into an RGB PIL image. Close it to stop decode workers."""
+
+    def __init__(self, config: MediaConfig | None = None) -> None:
+        self.config = config or MediaConfig()
+        self._pool: DecodeWorkerPool | None = None
+        self._pool_lock = threading.Lock()
+
+    def load_image(self, source: MediaSource) -> Image.Image:
+        if isinstance(source, Image.Image):
+            return to_rgb(source)
+        if isinstance(source, bytes | bytearray | memoryview):
+            return self._decode(bytes(source))
+        if not isinstance(source, str):
+            raise MediaError(
+                f"unsupported image source of type {type(source).__name__}; pass a PIL image, "
+                "bytes, or a data:, http(s):// or file:// URL"
+            )
+        scheme = source.split(":", 1)[0].lower() if ":" in source else ""
+        if scheme == "data":
+            return self._decode(self._read_data_url(source))
+        if scheme in ("http", "https"):
+            cfg = self.config
+            data = fetch_url(
+                source,
+                allowed_domains=cfg.allowed_media_domains,
+                timeout_s=cfg.fetch_timeout_s,
+                max_bytes=cfg.max_fetch_bytes,
+                max_redirects=cfg.max_redirects,
+            )
+            return self._decode(data)
+        if scheme == "file":
+            return self._decode(self._read_file_url(source))
+        raise MediaFetchRefusedError(
+            "image URL must be a data:, http(s):// or (when enabled) file:// URL", param="image_url"
+        )
+
+    async def aload_image(self, source: MediaSource) -> Image.Image:
+        """`load_image` on a worker thread, so fetching and decoding never block the event loop."""
+        return await asyncio.to_thread(self.load_image, source)
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+
+    def __enter__(self) -> MediaLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _decode(self, data: bytes) -> Image.Image:
+        cfg = self.config
+        if cfg.decode_workers == 0:
+            return decode_image_bytes(data, cfg.max_image_pixels)
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = DecodeWorkerPool(cfg.decode_workers, cfg.decode_timeout_s)
+            pool = self._pool
+        return pool.decode(data, cfg.max_image_pixels)
+
+    def _read_data_url(self, url: str) -> bytes:
+        header, sep, payload = url.partition(",")
+        if not sep or not header.lower().endswith(";base64"):
+            raise MediaError("data: URL must look like data:image/png;base64,<base64 data>")
+        media_type = header[5:-7].strip().lower()
+        if media_type and not media_type.startswith("image/"):
+            raise MediaError(f"data: URL media type {media_type!r} is not an image type")
+        if len(payload) * 3 // 4 > self.config.max_fetch_bytes:
+            raise MediaFetchRefusedError(
+                f"image is larger than the {self.config.max_fetch_bytes}-byte limit"
+            )
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise MediaError("data: URL payload is not valid base64") from None
+
+    def _read_file_url(self, url: str) -> bytes:
+        root = self.config.allowed_local_media_path
+        if root is None:
+            raise MediaFetchRefusedError(
+                "file:// URLs are disabled; start the server with --allowed-local-media-path",
+                param="image_url",
+            )
+        if "\\" in url or not url.isascii():
+            raise MediaFetchRefusedError("file:// URL contains a backslash or non-ASCII character")
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
+            raise MediaFetchRefusedError("file:// URL must be file:///absolute/path")
+        base = Path(root).resolve()
+        try:
+            path = Path(unquote(parts.path)).resolve(strict=True)
+        except (OSError, RuntimeError):
+            raise MediaError("file:// URL does not name a readable file") from None
+        if not path.is_relative_to(base) or not path.is_file():
+            raise MediaFetchRefusedError(
+                "file:// URL is outside --allowed-local-media-path", param="image_url"
+            )
+        with path.open("rb") as f:
+            data = f.read(self.config.max_fetch_bytes + 1)
+        if len(data) > self.config.max_fetch_bytes:
+            raise MediaFetchRefusedError(
+                f"image is larger than the {self.config.max_fetch_bytes}-byte limit"
+            )
+        return data

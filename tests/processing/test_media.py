@@ -1,0 +1,135 @@
+"""Media loading and decoding: sources, hostile inputs, the decode worker pool."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import struct
+import time
+import zlib
+
+import pytest
+from PIL import Image
+
+from mmserve.errors import ImageDecodeError, MediaError
+from mmserve.processing.image_decode import DecodeWorkerPool
+from mmserve.processing.media import MediaConfig, MediaLoader
+from tests.factory import random_image
+
+
+def _encode(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A well-formed PNG header (valid CRCs) for a huge image, with a tiny payload."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + data))
+        return struct.pack(">I", len(data)) + kind + data + crc
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = zlib.compress(b"\0" * 64)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def test_every_source_kind_gives_the_same_rgb_image(tmp_path) -> None:
+    image = random_image(20, 12, seed=1)
+    png = _encode(image)
+    (tmp_path / "a.png").write_bytes(png)
+    loader = MediaLoader(MediaConfig(allowed_local_media_path=str(tmp_path)))
+    sources = [
+        image,
+        png,
+        "data:image/png;base64," + base64.b64encode(png).decode(),
+        f"file://{tmp_path}/a.png",
+    ]
+    for source in sources:
+        loaded = loader.load_image(source)
+        assert loaded.mode == "RGB" and loaded.tobytes() == image.tobytes()
+    assert asyncio.run(loader.aload_image(png)).tobytes() == image.tobytes()
+
+
+def test_alpha_is_composited_on_white() -> None:
+    rgba = Image.new("RGBA", (2, 1), (10, 20, 30, 0))
+    rgba.putpixel((1, 0), (10, 20, 30, 255))
+    loaded = MediaLoader().load_image(_encode(rgba))
+    assert loaded.getpixel((0, 0)) == (255, 255, 255)
+    assert loaded.getpixel((1, 0)) == (10, 20, 30)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (_encode(random_image(64, 64, seed=2))[:200], "truncated or corrupt"),
+        (b"GIF89a this is not really an image at all", "not a supported image"),
+        (b"hello world, definitely text", "not a supported image"),
+        (b"", "empty"),
+        (_encode(random_image(8, 8), "TIFF"), "not a supported image"),
+    ],
+)
+def test_hostile_bytes_become_typed_errors_with_our_message(data: bytes, match: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(ImageDecodeError, match=match) as info:
+        MediaLoader().load_image(data)
+    assert time.monotonic() - start < 1.0
+    assert "cannot identify" not in info.value.message  # Pillow's wording never leaks
+
+
+def test_decompression_bomb_header_is_refused_before_decoding() -> None:
+    start = time.monotonic()
+    with pytest.raises(ImageDecodeError, match="pixel limit"):
+        MediaLoader().load_image(_png_claiming(60000, 60000))
+    assert time.monotonic() - start < 0.5
+    with pytest.raises(ImageDecodeError, match="10000x10000 = 100000000 pixels"):
+        MediaLoader().load_image(_png_claiming(10000, 10000))  # our header check, not Pillow's
+    small_cap = MediaLoader(MediaConfig(max_image_pixels=100))
+    with pytest.raises(ImageDecodeError, match="100-pixel limit"):
+        small_cap.load_image(_encode(random_image(11, 10)))
+
+
+def test_bad_data_urls_are_refused() -> None:
+    loader = MediaLoader()
+    with pytest.raises(MediaError, match="not valid base64"):
+        loader.load_image("data:image/png;base64,@@not base64@@")
+    with pytest.raises(MediaError, match="not an image type"):
+        loader.load_image("data:text/html;base64," + base64.b64encode(b"<html>").decode())
+    with pytest.raises(MediaError, match="data:image/png;base64"):
+        loader.load_image("data:image/png,rawbytes")
+    with pytest.raises(MediaError, match="byte limit"):
+        MediaLoader(MediaConfig(max_fetch_bytes=10)).load_image("data:image/png;base64," + "A" * 40)
+    with pytest.raises(MediaError, match="unsupported image source"):
+        loader.load_image(12345)  # type: ignore[arg-type]
+
+
+def test_decode_pool_decodes_and_closes() -> None:
+    png = _encode(random_image(50, 40, seed=3))
+    with MediaLoader(MediaConfig(decode_workers=1, decode_timeout_s=30)) as loader:
+        assert loader.load_image(png).tobytes() == random_image(50, 40, seed=3).tobytes()
+        with pytest.raises(ImageDecodeError, match="truncated or corrupt"):
+            loader.load_image(png[:100])
+        with pytest.raises(ImageDecodeError, match="pixel limit"):
+            loader.load_image(_png_claiming(60000, 60000))
+    with pytest.raises(RuntimeError, match="closed"):
+        _closed_pool().decode(png, 100)
+
+
+def _closed_pool() -> DecodeWorkerPool:
+    pool = DecodeWorkerPool(1)
+    pool.close()
+    return pool
+
+
+def test_a_decode_that_overruns_fails_alone_and_the_pool_recovers() -> None:
+    pool = DecodeWorkerPool(num_workers=1, timeout_s=30)
+    try:
+        big = _encode(random_image(1500, 1500, seed=4))
+        with pytest.raises(ImageDecodeError, match="took longer than"):
+            pool.decode(big, 10**8, timeout_s=1e-4)
+        small = random_image(30, 20, seed=5)
+        assert pool.decode(_encode(small), 10**8).tobytes() == small.tobytes()
+    finally:
+        pool.close()
