@@ -20,7 +20,9 @@ from mmserve.sampling_params import SamplingParams
 
 IMAGE_TOKEN_ID = 300
 IMAGE_TOKENS = 4
-FAIL_MARKER = "FAIL-IN-ENGINE"
+FAIL_MARKER = "FAIL-IN-ENGINE"  # fails at the second token
+FAIL_NOW_MARKER = "FAIL-AT-ONCE"  # fails at the first token
+CRASH_MARKER = "CRASH-IN-PROCESSING"  # an engine bug: process_chat raises a plain exception
 KNOWN_PROCESSOR_KWARGS = {"max_pixels", "min_pixels"}
 
 
@@ -62,6 +64,8 @@ class EchoEngine:
             parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
             for part in parts:
                 if part["type"] == "text":
+                    if CRASH_MARKER in part["text"]:
+                        raise RuntimeError("internal detail /srv/secret/path")
                     ids.extend(part["text"].encode())
                     continue
                 url = part["image_url"].get("url") or ""
@@ -106,7 +110,9 @@ class EchoEngine:
                 self.metrics.inc("generation_tokens")
                 text = bytes(i for i in out_ids if i < 256).decode(errors="replace")
                 reason, error = None, None
-                if FAIL_MARKER in text_so_far:
+                if (FAIL_MARKER in text_so_far and len(out_ids) >= 2) or (
+                    FAIL_NOW_MARKER in text_so_far
+                ):
                     reason, error = "error", "the engine could not place the image embeddings"
                 elif any(s in text for s in sampling_params.stop):
                     reason = "stop"

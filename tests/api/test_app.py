@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import MODEL, make_app
-from tests.api.echo_engine import FAIL_MARKER, IMAGE_TOKENS, EchoEngine
+from tests.api.echo_engine import CRASH_MARKER, FAIL_MARKER, IMAGE_TOKENS, EchoEngine
 
 pytestmark = pytest.mark.anyio
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
@@ -179,3 +179,19 @@ async def test_metrics_exports_engine_counters(client: httpx.AsyncClient) -> Non
     assert samples["mmserve_kv_blocks_free"] == samples["mmserve_kv_blocks_total"] == 16
     assert samples['mmserve_time_to_first_token_seconds_bucket{le="+Inf"}'] == 1
     assert samples["mmserve_time_to_first_token_seconds_count"] == 1
+
+
+async def test_engine_bug_is_a_generic_500_that_leaks_nothing(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    resp = await client.post("/v1/chat/completions", json=chat(CRASH_MARKER))
+    error = assert_openai_error(resp, 500)
+    assert "secret" not in error["message"]
+    assert "/srv/secret/path" in caplog.text  # the operator gets the traceback
+    assert (await client.post("/v1/chat/completions", json=chat("ok"))).status_code == 200
+
+
+async def test_union_field_errors_name_the_deepest_problem(client: httpx.AsyncClient) -> None:
+    resp = await client.post("/v1/chat/completions", json=chat([{"type": "video"}]))
+    error = assert_openai_error(resp, 400, "messages.0.content.0")
+    assert "valid string" not in error["message"] and "video" in error["message"]

@@ -12,7 +12,7 @@ import pytest
 import uvicorn
 
 from tests.api.conftest import MODEL, make_app, sse_payloads
-from tests.api.echo_engine import FAIL_MARKER, EchoEngine
+from tests.api.echo_engine import FAIL_MARKER, FAIL_NOW_MARKER, EchoEngine
 
 pytestmark = pytest.mark.anyio
 
@@ -68,6 +68,9 @@ async def test_engine_failure_mid_stream_is_an_error_event(client: httpx.AsyncCl
 
 
 async def test_stream_refusals_keep_their_status(client: httpx.AsyncClient) -> None:
+    resp = await client.post("/v1/chat/completions", json=chat(FAIL_NOW_MARKER, stream=True))
+    assert resp.status_code == 400
+    assert resp.json()["error"]["code"] == "request_failed"
     resp = await client.post("/v1/chat/completions", json=chat("hi", stream=True, max_tokens=999))
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "max_tokens"

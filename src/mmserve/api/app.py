@@ -29,6 +29,7 @@ from mmserve.api.formats import ChatFormat, CompletionFormat, ResponseFormat
 from mmserve.api.generation import (
     ClientGoneError,
     SSEResponse,
+    close_outputs,
     collect_final,
     finish_reason_or_error,
     sampling_params_for,
@@ -176,8 +177,15 @@ def create_app(
             # The first output is awaited here so a refusal still gets a proper status code.
             first = await until_disconnect(request, anext(outputs))
         except BaseException:
-            await outputs.aclose()  # type: ignore[attr-defined]
+            await close_outputs(outputs)
             raise
+        if first.finished:
+            # Finished before anything was sent: failures still get their own status code.
+            try:
+                finish_reason_or_error(first)
+            except APIError:
+                await close_outputs(outputs)
+                raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SSEResponse(stream_events(outputs, first, fmt, include_usage))
 

@@ -72,9 +72,13 @@ def as_api_error(exc: Exception) -> APIError:
 
 def validation_error(errors: Any) -> APIError:
     """Turn pydantic's error list into one message that names the offending field."""
+    errors = list(errors)
+    # A union field (content: str | list[part]) fails once per branch; when a deeper error
+    # exists, the "not a string" branch error only adds noise.
+    deep = [e for e in errors if e.get("type") not in ("string_type", "list_type")]
     parts = []
     first_param = None
-    for err in list(errors)[:3]:
+    for err in (deep or errors)[:3]:
         loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
         # Drop pydantic's union-branch labels (`str`, `list[...]`, `function-after[...]`).
         loc = [p for p in loc if "[" not in p and p not in ("str", "int", "list")]

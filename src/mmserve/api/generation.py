@@ -91,7 +91,7 @@ async def collect_final(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
             if output.finished:
                 break
     finally:
-        await _close(outputs)
+        await close_outputs(outputs)
     if last is None or not last.finished:
         raise RuntimeError("the engine ended a request without a finished output")
     return last
@@ -140,7 +140,7 @@ async def stream_events(
         err = as_api_error(exc)
         yield _event(error_body(err.message, status_code=err.status_code, code=err.code))
     finally:
-        await _close(outputs)
+        await close_outputs(outputs)
     yield "data: [DONE]\n\n"
 
 
@@ -148,7 +148,7 @@ def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _close(outputs: AsyncIterator[RequestOutput]) -> None:
+async def close_outputs(outputs: AsyncIterator[RequestOutput]) -> None:
     aclose = getattr(outputs, "aclose", None)
     if aclose is not None:
         # Shielded: this runs while the request task is being cancelled, and the abort must land.
