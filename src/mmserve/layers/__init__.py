@@ -1,0 +1,1 @@
+"""Building blocks of the models: norms, activations, rotary embeddings, paged attention."""

@@ -1,0 +1,88 @@
+"""Rotary position embeddings: M-RoPE for the language model, 2-D axial RoPE for the ViT.
+
+Both use the "rotate half" convention: a head vector x = [x1, x2] (halves) becomes
+`x * cos + [-x2, x1] * sin`, with cos/sin laid out as [freqs, freqs] over the head dim.
+Angles are computed and applied in float32 and the result is cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [num_tokens, num_heads, head_dim] by cos/sin [num_tokens, head_dim]."""
+    x32 = x.float()
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+
+
+def _inv_freq(dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    # [dim / 2]
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+    return 1.0 / (theta**exponents)
+
+
+class MRotaryEmbedding(nn.Module):
+    """Multimodal RoPE of Qwen2-VL: the head dim's frequency bands are split by `mrope_section`.
+
+    With mrope_section = (s_t, s_h, s_w) (summing to head_dim / 2), the first s_t frequencies
+    rotate by the temporal position, the next s_h by the height position and the last s_w by
+    the width position. Text tokens have equal positions on all three axes, so for text this is
+    ordinary 1-D RoPE.
+
+        frequency index:  0 ........ s_t-1 | s_t ...... s_t+s_h-1 | ... head_dim/2 - 1
+        position axis:    temporal (0)     | height (1)           | width (2)
+    """
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, int, int]) -> None:
+        super().__init__()
+        if sum(mrope_section) * 2 != head_dim:
+            raise ValueError(
+                f"mrope_section {mrope_section} must sum to head_dim/2={head_dim // 2}"
+            )
+        self.head_dim = head_dim
+        self.theta = theta
+        self.mrope_section = tuple(mrope_section)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [3, num_tokens] (or [num_tokens], text) -> cos, sin [num_tokens, head_dim]."""
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0).expand(3, -1)
+        inv_freq = _inv_freq(self.head_dim, self.theta, positions.device)
+        # [3, num_tokens, head_dim / 2]: the angle of every frequency on every axis
+        freqs = positions.float().unsqueeze(-1) * inv_freq
+        axis = torch.repeat_interleave(
+            torch.arange(3, device=positions.device),
+            torch.tensor(self.mrope_section, device=positions.device),
+        )  # [head_dim / 2]: which axis drives each frequency
+        index = axis.view(1, 1, -1).expand(1, freqs.shape[1], -1)
+        freqs = freqs.gather(0, index).squeeze(0)  # [num_tokens, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+class VisionRotaryEmbedding(nn.Module):
+    """2-D axial RoPE of the ViT: half the head dim rotates by the row, half by the column.
+
+    cos/sin layout over the head dim: [row freqs (d/4), col freqs (d/4)] repeated twice.
+    """
+
+    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+
+    def forward(self, hw_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hw_positions [num_patches, 2] (row, col) -> cos, sin [num_patches, head_dim]."""
+        inv_freq = _inv_freq(self.head_dim // 2, self.theta, hw_positions.device)
+        # [num_patches, 2, head_dim / 4] -> [num_patches, head_dim / 2]
+        freqs = (hw_positions.float().unsqueeze(-1) * inv_freq).flatten(1)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()

@@ -1,0 +1,146 @@
+"""Load a Hugging Face model directory (safetensors, single file or sharded) into a model class.
+
+Both checkpoint layouts map onto our parameter names:
+
+    hub / transformers 4 save            transformers 5 in-memory names     ours
+    visual.*                             model.visual.*                      visual.*
+    model.*                              model.language_model.*              model.*
+    lm_head.*                            lm_head.*                           lm_head.*
+
+Every tensor is checked before any is copied: a missing, unexpected or wrongly shaped tensor
+raises CheckpointError naming the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from mmserve.models.config import ModelConfig, load_model_config
+from mmserve.models.registry import get_model_class
+
+_PREFIX_ALIASES = (("model.visual.", "visual."), ("model.language_model.", "model."))
+_MAX_NAMES_IN_MESSAGE = 10
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's files do not match the architecture its config.json names."""
+
+
+def canonical_weight_name(name: str) -> str:
+    """Our parameter name for a checkpoint tensor name, whichever layout wrote it."""
+    for alias, ours in _PREFIX_ALIASES:
+        if name.startswith(alias):
+            return ours + name[len(alias) :]
+    return name
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a model directory: the shards of the index, or the one file."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+    elif (model_dir / "model.safetensors").is_file():
+        files = [model_dir / "model.safetensors"]
+    else:
+        raise CheckpointError(
+            f"{model_dir} has neither model.safetensors nor model.safetensors.index.json; "
+            "only safetensors checkpoints are supported"
+        )
+    for path in files:
+        if not path.is_file():
+            raise CheckpointError(
+                f"shard {path.name} listed in the index is missing in {model_dir}"
+            )
+    return files
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(sorted(names)[:_MAX_NAMES_IN_MESSAGE])
+    more = len(names) - _MAX_NAMES_IN_MESSAGE
+    return shown + (f" (and {more} more)" if more > 0 else "")
+
+
+def _plan(
+    files: list[Path], params: dict[str, torch.Tensor], tied: bool
+) -> dict[str, tuple[Path, str]]:
+    """Map each of our parameter names to (file, tensor name); raise on any mismatch."""
+    plan: dict[str, tuple[Path, str]] = {}
+    unexpected: list[str] = []
+    wrong_shape: list[str] = []
+    duplicated: list[str] = []
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                name = canonical_weight_name(key)
+                if tied and name == "lm_head.weight":
+                    continue  # a tied model reuses the embedding; an extra copy is harmless
+                if name not in params:
+                    unexpected.append(key)
+                    continue
+                if name in plan:
+                    duplicated.append(key)
+                    continue
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != tuple(params[name].shape):
+                    wrong_shape.append(
+                        f"{key} {list(shape)} != expected {list(params[name].shape)}"
+                    )
+                plan[name] = (path, key)
+    missing = [name for name in params if name not in plan]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_names(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_names(unexpected)}")
+    if wrong_shape:
+        problems.append(f"tensors with a wrong shape: {_names(wrong_shape)}")
+    if duplicated:
+        problems.append(f"tensors stored twice: {_names(duplicated)}")
+    if problems:
+        raise CheckpointError("checkpoint does not match its config.json: " + "; ".join(problems))
+    return plan
+
+
+def load_weights(model: nn.Module, model_dir: Path, tied: bool) -> None:
+    """Copy every checkpoint tensor into `model` (casting to the parameter's dtype)."""
+    params = dict(model.named_parameters())
+    plan = _plan(checkpoint_files(model_dir), params, tied)
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for name, (path, key) in plan.items():
+        by_file.setdefault(path, []).append((name, key))
+    with torch.no_grad():
+        for path, entries in by_file.items():
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name, key in entries:
+                    params[name].copy_(f.get_tensor(key))
+
+
+def load_model(
+    model_dir: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> tuple[nn.Module, ModelConfig]:
+    """Build the model `config.json` names and load its weights; returns (model, config).
+
+    `dtype` defaults to the checkpoint's own dtype. The model is in eval mode with gradients
+    off; parameters are created on the meta device first, so nothing is initialised twice.
+    """
+    path = Path(model_dir)
+    config = load_model_config(path)
+    if dtype is None:
+        dtype = getattr(torch, config.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"config.json dtype {config.dtype!r} is not a torch dtype")
+    model_cls = get_model_class(config.architecture)
+    with torch.device("meta"):
+        model = model_cls(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    load_weights(model, path, config.tie_word_embeddings)
+    model.eval().requires_grad_(False)
+    return model, config

@@ -1,0 +1,118 @@
+"""Qwen2-VL and Qwen2.5-VL for serving: vision tower + Qwen2 decoder + LM head.
+
+The engine's model runner drives a model with five calls:
+
+    embeds = model.embed_multimodal(pixel_values, grid_thw)   # one [n_i, hidden] per item
+    x = model.embed_input_ids(input_ids, mm_embeds)           # splice at the placeholder ids
+    hidden = model.forward(None, positions, attn_metadata, kv_caches, inputs_embeds=x)
+    logits = model.compute_logits(hidden[last_token_idx])
+
+Parameter names follow the hub checkpoint layout (`visual.*`, `model.*`, `lm_head.*`), so the
+loader maps file tensors onto `state_dict()` names one to one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from mmserve.errors import RequestFailedError
+from mmserve.layers.attention import AttentionMetadata
+from mmserve.models.config import ModelConfig
+from mmserve.models.qwen2_lm import Qwen2Model
+from mmserve.models.qwen2_vl_vision import VisionTransformer
+
+
+class Qwen2VLForConditionalGeneration(nn.Module):
+    """Qwen2-VL; the vision block structure (and Qwen2.5-VL windows) follows `config.vision`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.visual = VisionTransformer(config.vision)
+        self.model = Qwen2Model(config.text)
+        # Tied checkpoints have no lm_head tensor: logits reuse the embedding matrix.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
+        )
+
+    def embed_multimodal(
+        self, pixel_values: torch.Tensor, grid_thw: Sequence[tuple[int, int, int]]
+    ) -> list[torch.Tensor]:
+        """Encode many images / clips in one ViT call.
+
+        pixel_values [sum(t*h*w), C*T*P*P] (items concatenated in order), grid_thw one
+        (t, h, w) per item. Returns one [t*h*w / merge^2, hidden_size] tensor per item.
+        """
+        grid_thw = [tuple(int(v) for v in g) for g in grid_thw]
+        num_patches = sum(t * h * w for t, h, w in grid_thw)
+        if pixel_values.shape != (num_patches, self.config.vision.patch_input_dim):
+            raise ValueError(
+                f"pixel_values has shape {tuple(pixel_values.shape)}, expected "
+                f"({num_patches}, {self.config.vision.patch_input_dim}) for grid_thw {grid_thw}"
+            )
+        merge = self.config.vision.spatial_merge_size
+        for g in grid_thw:
+            if g[1] % merge or g[2] % merge:
+                raise ValueError(f"grid_thw {g}: h and w must be multiples of {merge}")
+        embeds = self.visual(pixel_values, grid_thw)  # [num_patches / merge^2, hidden]
+        sizes = [t * h * w // merge**2 for t, h, w in grid_thw]
+        return list(embeds.split(sizes))
+
+    def embed_input_ids(
+        self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Token embeddings [num_tokens, hidden]; with `mm_embeds` [num_mm, hidden], the rows at
+        image/video placeholder ids are replaced, in order. The counts must match exactly."""
+        embeds = self.model.embed_tokens(input_ids)
+        if mm_embeds is None:
+            return embeds
+        is_mm = (input_ids == self.config.image_token_id) | (
+            input_ids == self.config.video_token_id
+        )
+        num_placeholders = int(is_mm.sum())
+        if num_placeholders != mm_embeds.shape[0]:
+            raise RequestFailedError(
+                f"Attempted to assign {tuple(mm_embeds.shape)} = {mm_embeds.shape[0]} multimodal "
+                f"tokens to {num_placeholders} placeholders"
+            )
+        embeds = embeds.clone()
+        embeds[is_mm] = mm_embeds.to(embeds.dtype)
+        return embeds
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the decoder over a flat batch; returns final-norm hidden states [num_tokens, hidden].
+
+        input_ids [num_tokens] or inputs_embeds [num_tokens, hidden] (exactly one of them),
+        positions [3, num_tokens] M-RoPE positions, kv_caches one per layer (written in place).
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_input_ids(input_ids)
+        return self.model(inputs_embeds, positions, attn_metadata, kv_caches)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [n, hidden] -> logits [n, vocab_size] (in the model's dtype)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden_states @ weight.t()
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):  # noqa: N801
+    """Qwen2.5-VL: same decoder; RMSNorm + SwiGLU ViT blocks with window attention."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        if not config.vision.is_windowed:
+            raise ValueError("Qwen2_5_VLForConditionalGeneration needs a qwen2_5_vl vision config")
+        super().__init__(config)

@@ -1,0 +1,26 @@
+"""Which model class serves which `config.architectures` entry."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from mmserve.models.config import QWEN2_5_VL, QWEN2_VL
+from mmserve.models.qwen2_vl import (
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLForConditionalGeneration,
+)
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    QWEN2_VL: Qwen2VLForConditionalGeneration,
+    QWEN2_5_VL: Qwen2_5_VLForConditionalGeneration,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"no model class for architecture {architecture!r}; "
+            f"supported: {', '.join(MODEL_REGISTRY)}"
+        ) from None

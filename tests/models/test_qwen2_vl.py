@@ -1,0 +1,143 @@
+"""Qwen2-VL / Qwen2.5-VL against transformers: vision features, logits, greedy generation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mmserve.errors import RequestFailedError
+from mmserve.layers.attention import allocate_kv_caches, build_attention_metadata
+from mmserve.processing.mrope import get_mrope_positions
+from tests.models.conftest import LoadedPair
+from tests.models.driver import Prompt, build_prompt, generate_paged
+
+TWO_IMAGES = [
+    "Describe the first picture.",
+    (100, 60),
+    "and then the second one, please:",
+    (130, 90),
+    " Which is red?",
+]
+
+
+def _hf_inputs(prompt: Prompt) -> dict:
+    inputs = {
+        "input_ids": torch.tensor([prompt.input_ids]),
+        "attention_mask": torch.ones(1, len(prompt.input_ids), dtype=torch.long),
+    }
+    if prompt.pixel_values is not None:
+        inputs["pixel_values"] = prompt.pixel_values
+        inputs["image_grid_thw"] = torch.tensor(prompt.grid_thw)
+        inputs["mm_token_type_ids"] = torch.tensor([prompt.mm_token_type_ids])
+    return inputs
+
+
+def _prefill_logits(loaded: LoadedPair, prompt: Prompt, chunk: int) -> torch.Tensor:
+    """All prompt logits from our model, the prompt fed in chunks of `chunk` tokens."""
+    model, config = loaded.model, loaded.config
+    mm = torch.cat(model.embed_multimodal(prompt.pixel_values, prompt.grid_thw))
+    embeds = model.embed_input_ids(torch.tensor(prompt.input_ids), mm)
+    positions, _ = get_mrope_positions(
+        prompt.input_ids,
+        prompt.grid_thw,
+        image_token_id=config.image_token_id,
+        video_token_id=config.video_token_id,
+        spatial_merge_size=config.vision.spatial_merge_size,
+    )
+    n, block_size = len(prompt.input_ids), 8
+    blocks = list(range(-(-n // block_size)))[::-1]  # reversed: a non-trivial block layout
+    kv_caches = allocate_kv_caches(config, len(blocks), block_size, "cpu", torch.float32)
+    logits = []
+    with torch.inference_mode():
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            meta = build_attention_metadata([end - start], [end], [blocks], block_size)
+            hidden = model(
+                None,
+                torch.from_numpy(positions[:, start:end]),
+                meta,
+                kv_caches,
+                inputs_embeds=embeds[start:end],
+            )
+            logits.append(model.compute_logits(hidden))
+    return torch.cat(logits)
+
+
+def test_vision_features_match_transformers(loaded: LoadedPair) -> None:
+    prompt = build_prompt(
+        loaded.model_dir, loaded.config, [(100, 60), (230, 150), (56, 56), (60, 300)], seed=3
+    )
+    with torch.inference_mode():
+        ours = loaded.model.embed_multimodal(prompt.pixel_values, prompt.grid_thw)
+        ref = loaded.hf.model.get_image_features(
+            prompt.pixel_values, torch.tensor(prompt.grid_thw)
+        ).pooler_output
+    assert len(ours) == len(ref) == 4
+    merge = loaded.config.vision.spatial_merge_size
+    for (t, h, w), a, b in zip(prompt.grid_thw, ours, ref, strict=True):
+        assert a.shape == (t * h * w // merge**2, loaded.config.hidden_size)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [10_000, 37])
+def test_prompt_logits_match_transformers(loaded: LoadedPair, chunk: int) -> None:
+    prompt = build_prompt(loaded.model_dir, loaded.config, TWO_IMAGES)
+    assert len(set(prompt.grid_thw)) == 2
+    with torch.inference_mode():
+        ref = loaded.hf(**_hf_inputs(prompt)).logits[0]
+    ours = _prefill_logits(loaded, prompt, chunk)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+def _hf_greedy(loaded: LoadedPair, prompt: Prompt, max_new_tokens: int) -> list[int]:
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(
+        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0
+    )
+    with torch.inference_mode():
+        out = loaded.hf.generate(**_hf_inputs(prompt), generation_config=gen)
+    return out[0, len(prompt.input_ids) :].tolist()
+
+
+def test_greedy_generation_matches_transformers(loaded: LoadedPair) -> None:
+    prompts = [
+        build_prompt(loaded.model_dir, loaded.config, TWO_IMAGES),
+        build_prompt(loaded.model_dir, loaded.config, ["Hello, what is", (84, 84), "?"], seed=7),
+        build_prompt(loaded.model_dir, loaded.config, ["The quick brown fox jumps"]),
+    ]
+    expected = [_hf_greedy(loaded, p, 32) for p in prompts]
+    # One request alone, prompt in a single prefill.
+    assert generate_paged(loaded.model, loaded.config, prompts[:1], 32, [10_000]) == expected[:1]
+    # The same, prompt fed in chunks of 13 tokens (chunks cut through the images).
+    assert generate_paged(loaded.model, loaded.config, prompts[:1], 32, [13]) == expected[:1]
+    # All requests in one flat batch: prefill chunks of one run next to decodes of others.
+    assert generate_paged(loaded.model, loaded.config, prompts, 32, [7, 40, 3], seed=1) == expected
+
+
+def test_placeholder_count_mismatch_is_a_loud_error(loaded: LoadedPair) -> None:
+    prompt = build_prompt(loaded.model_dir, loaded.config, ["look", (56, 56)])
+    mm = torch.cat(loaded.model.embed_multimodal(prompt.pixel_values, prompt.grid_thw))
+    with pytest.raises(RequestFailedError, match=r"= 4 multimodal tokens to 3 placeholders"):
+        loaded.model.embed_input_ids(torch.tensor(prompt.input_ids[:-2]), mm)
+
+
+def test_pixel_values_shape_is_checked(loaded: LoadedPair) -> None:
+    pixels = torch.zeros(15, loaded.config.vision.patch_input_dim)
+    with pytest.raises(ValueError, match="expected \\(16, 1176\\)"):
+        loaded.model.embed_multimodal(pixels, [(1, 4, 4)])
+
+
+def test_text_only_positions_are_plain_rope(loaded: LoadedPair) -> None:
+    """With no images, positions are 0..n-1 on every axis and the delta is 0."""
+    ids = list(range(20))
+    positions, delta = get_mrope_positions(
+        ids,
+        (),
+        image_token_id=loaded.config.image_token_id,
+        video_token_id=loaded.config.video_token_id,
+        spatial_merge_size=2,
+    )
+    assert delta == 0
+    np.testing.assert_array_equal(positions, np.tile(np.arange(20), (3, 1)))
