@@ -49,7 +49,8 @@ def _validate_items(request: Request, config: SchedulerConfig) -> None:
             limit = min(limit, config.max_num_batched_tokens)
         if length > limit:
             raise EncoderItemTooLargeError(
-                f"a {feature.modality} needs {length} encoder embeddings but at most {limit} fit "
+                f"one {feature.modality} item needs {length} encoder embeddings but at most "
+                f"{limit} fit "
                 f"(encoder cache {cache_size} slots, encoder budget {compute_budget} per step"
                 + (
                     f", --max-num-batched-tokens {config.max_num_batched_tokens} with "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mmserve.multimodal import MultiModalFeature
 from mmserve.scheduling.request import RequestStatus
@@ -61,7 +61,7 @@ class ModelRunnerOutput:
     (e.g. a placeholder/embedding count mismatch) with their error message."""
 
     sampled_token_ids: dict[str, list[int]]
-    errors: dict[str, str]
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,9 @@ class Request:
         num_prompt = len(self.prompt_token_ids)
         if end <= num_prompt:
             return self.prompt_token_ids[start:end]
-        return self.all_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
 
 def check_stop(request: Request, max_model_len: int, default_eos: tuple[int, ...]) -> bool:

@@ -24,7 +24,9 @@ output resident before the step runs:
 - A prefix-cache hit that covers an item whole means it is never encoded; a hit ending inside
   an item still needs the whole item encoded, and only the tail slice is spliced.
 - An item's reference is dropped once `num_computed_tokens >= offset + length` (consumed);
-  the entry stays resident (freeable) for later requests with the same identity.
+  the entry stays resident (freeable) for later requests with the same identity. So a
+  request only ever holds the items its position cuts through: those need nothing but token
+  budget to finish, which is why a waiting item always gets its slots eventually.
 """
 
 from __future__ import annotations
@@ -343,14 +345,21 @@ class Scheduler:
         return new_token_ids
 
     def _free_consumed_encoder_inputs(self, request: Request) -> None:
-        """Drop references to items whose every occurrence in the request is computed."""
-        needed = {
+        """Drop references to consumed items (`end <= num_computed_tokens`), unless another
+        occurrence of the same identity is cut by the current position.
+
+        NOTE: a later, not yet started occurrence of the same image is not a reason to hold
+        the entry: holding slots for the future can deadlock a small cache. When the window
+        reaches it, the lookup hits if it is still resident and re-encodes it otherwise.
+        """
+        num_computed = request.num_computed_tokens
+        in_progress = {
             f.identifier
             for f in request.mm_features
-            if f.placeholder.offset + f.placeholder.length > request.num_computed_tokens
+            if f.placeholder.offset < num_computed < f.placeholder.end
         }
         for item_idx, feature in enumerate(request.mm_features):
-            if feature.identifier not in needed:
+            if feature.placeholder.end <= num_computed and feature.identifier not in in_progress:
                 self.encoder_cache_manager.free_encoder_input(request, item_idx)
 
     def _release(self, request: Request) -> None:

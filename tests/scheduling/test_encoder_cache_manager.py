@@ -1,0 +1,96 @@
+"""Encoder cache manager: slots, references, resident-but-freeable entries, lazy LRU eviction."""
+
+from __future__ import annotations
+
+import random
+
+from mmserve.scheduling import EncoderCacheManager
+from tests.scheduling.fake_runner import make_request
+
+
+def _img_request(rid: str, identifier: str, num_embeds: int = 1369):
+    return make_request(rid, num_embeds + 10, [(identifier, 5, num_embeds)])
+
+
+def test_five_1369_token_images_fill_8192_slots_and_a_sixth_waits_until_one_finishes():
+    manager = EncoderCacheManager(8192, bytes_per_slot=3584 * 2)
+    running = [_img_request(f"r{i}", f"img-{i}") for i in range(5)]
+    for request in running:
+        assert not manager.check_and_update_cache(request, 0)
+        assert manager.can_allocate(request, 0, compute_budget=8192, num_embeds_to_schedule=0)
+        manager.allocate(request, 0)
+        manager.check_integrity()
+    assert manager.num_free_slots == 8192 - 5 * 1369 == 1347
+    sixth = _img_request("r5", "img-5")
+    # Every resident entry is referenced: nothing can be evicted.
+    assert not manager.can_allocate(sixth, 0, compute_budget=8192, num_embeds_to_schedule=0)
+    assert manager.get_freed_identifiers() == []
+    manager.free(running[1])  # r1 finishes: its entry stays resident, now freeable
+    assert "img-1" in manager.cached and manager.num_free_slots == 1347
+    assert manager.can_allocate(sixth, 0, compute_budget=8192, num_embeds_to_schedule=0)
+    manager.allocate(sixth, 0)
+    manager.check_integrity()
+    assert manager.get_freed_identifiers() == ["img-1"]
+    assert manager.get_freed_identifiers() == []  # drained once
+    assert manager.num_bytes == 8192 * 3584 * 2
+
+
+def test_finished_entry_stays_resident_and_gives_a_later_hit():
+    manager = EncoderCacheManager(4000)
+    first = _img_request("a", "img-x")
+    assert manager.can_allocate(first, 0, 4000, 0)
+    manager.allocate(first, 0)
+    manager.free(first)
+    assert manager.freeable == {"img-x": 1369}
+    later = _img_request("b", "img-x")
+    assert manager.check_and_update_cache(later, 0)
+    assert manager.freeable == {} and manager.cached["img-x"] == {"b"}
+    assert manager.num_freeable_slots == 4000 - 1369
+    assert (manager.queries, manager.hits) == (2, 1)
+    assert manager.check_and_update_cache(later, 0)  # a holder looking again is no new query
+    assert (manager.queries, manager.hits) == (2, 1)
+    manager.check_integrity()
+
+
+def test_compute_budget_is_checked_before_space_and_eviction_is_oldest_first():
+    manager = EncoderCacheManager(3000)
+    for rid, ident in (("a", "old"), ("b", "new")):
+        request = _img_request(rid, ident, 1000)
+        assert manager.can_allocate(request, 0, 3000, 0)
+        manager.allocate(request, 0)
+        manager.free(request)
+    big = _img_request("c", "big", 2500)
+    assert not manager.can_allocate(big, 0, compute_budget=2499, num_embeds_to_schedule=0)
+    assert manager.freed == []  # a budget refusal evicts nothing
+    assert manager.can_allocate(big, 0, compute_budget=2500, num_embeds_to_schedule=0)
+    assert manager.get_freed_identifiers() == ["old", "new"]
+    # Slots promised earlier in the same step count against the space.
+    small = _img_request("d", "small", 600)
+    assert not manager.can_allocate(small, 0, 3000, num_embeds_to_schedule=2500)
+    manager.check_integrity()
+
+
+def test_randomized_operations_keep_the_books_consistent():
+    rng = random.Random(0)
+    manager = EncoderCacheManager(5000)
+    live: dict[str, object] = {}
+    sizes = [rng.randrange(1, 2500) for _ in range(12)]  # one identity, one size
+    for step in range(2000):
+        op = rng.random()
+        if op < 0.5 or not live:
+            k = rng.randrange(12)
+            request = _img_request(f"r{step}", f"img-{k}", sizes[k])
+            if manager.check_and_update_cache(request, 0) or (
+                manager.can_allocate(request, 0, rng.randrange(1, 5000), 0)
+                and manager.allocate(request, 0) is None
+            ):
+                live[request.request_id] = request
+        else:
+            manager.free(live.pop(rng.choice(sorted(live))))
+        manager.check_integrity()
+        manager.get_freed_identifiers()
+    for request in live.values():
+        manager.free(request)
+    manager.check_integrity()
+    assert manager.num_freeable_slots == manager.cache_size
+    assert all(not holders for holders in manager.cached.values())
