@@ -6,7 +6,7 @@ import pytest
 
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import EncoderItemTooLargeError, PromptTooLongError
-from mmserve.scheduling import Scheduler
+from mmserve.scheduling import RequestStatus, Scheduler
 from tests.scheduling.fake_runner import FakeRunner, make_request, run_step
 
 
@@ -54,7 +54,7 @@ def test_8192_slot_cache_holds_five_1369_token_images_and_the_sixth_is_delayed_n
     assert all(out.num_scheduled_tokens[f"r{i}"] == 1 for i in range(5))
 
     # A finished request's image stays resident: a later request with it is a free hit.
-    scheduler.finish_requests("r3", scheduler.requests["r3"].status.FINISHED_ABORTED)
+    scheduler.finish_requests("r3", RequestStatus.FINISHED_ABORTED)
     hits_before = scheduler.make_stats().encoder_cache_hits
     scheduler.add_request(_img_req("r6", "img-3", 4, 1369))
     out, _ = run_step(scheduler, runner)
