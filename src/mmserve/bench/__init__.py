@@ -1,0 +1,1 @@
+"""Serving benchmark client for any OpenAI-compatible chat completions server."""

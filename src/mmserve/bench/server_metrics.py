@@ -1,0 +1,126 @@
+"""Scrapes a Prometheus /metrics endpoint before and after a run and diffs mmserve's counters."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+# Cache tiers as (report name, counter prefix); each has <prefix>_queries_total and _hits_total.
+CACHE_TIERS = (
+    ("processor_cache", "mmserve_processor_cache"),
+    ("encoder_cache", "mmserve_encoder_cache"),
+    ("prefix_cache", "mmserve_prefix_cache"),  # counted in tokens, not requests
+)
+COUNTERS = (
+    ("encoder_items_encoded", "mmserve_encoder_items_encoded"),
+    ("encoder_forward_calls", "mmserve_encoder_forward_calls"),
+    ("embedding_transfer_bytes", "mmserve_embedding_transfer_bytes"),
+)
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Every sample of one scrape, summed over label sets (e.g. one series per model)."""
+
+    samples: dict[str, float]
+
+    def counter(self, name: str) -> float | None:
+        # The parser strips `_total` from counter family names but keeps it on samples, and an
+        # untyped exposition keeps whatever the server wrote: accept both spellings.
+        base = name.removesuffix("_total")
+        for candidate in (base + "_total", base):
+            if candidate in self.samples:
+                return self.samples[candidate]
+        return None
+
+    def has_mmserve_counters(self) -> bool:
+        names = [p + s for _, p in CACHE_TIERS for s in ("_queries", "_hits")]
+        names += [p for _, p in COUNTERS]
+        return any(self.counter(n) is not None for n in names)
+
+
+@dataclass(frozen=True)
+class ScrapeResult:
+    snapshot: MetricsSnapshot | None
+    reason: str | None = None  # why there is no snapshot
+
+
+def parse_metrics(text: str) -> MetricsSnapshot:
+    """Raises ValueError when `text` is not the Prometheus text format."""
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue  # creation timestamps, not counts
+            samples[sample.name] = samples.get(sample.name, 0.0) + float(sample.value)
+    return MetricsSnapshot(samples)
+
+
+async def scrape(client: httpx.AsyncClient, url: str, headers: dict[str, str]) -> ScrapeResult:
+    try:
+        resp = await client.get(url, headers=headers)
+    except httpx.HTTPError as e:
+        return ScrapeResult(None, f"GET {url} failed: {type(e).__name__}")
+    if resp.status_code != 200:
+        return ScrapeResult(None, f"GET {url} returned HTTP {resp.status_code}")
+    try:
+        snapshot = parse_metrics(resp.text)
+    except ValueError:
+        return ScrapeResult(None, f"GET {url} did not return the Prometheus text format")
+    if not snapshot.has_mmserve_counters():
+        return ScrapeResult(None, f"{url} exposes none of mmserve's cache or encoder counters")
+    return ScrapeResult(snapshot)
+
+
+async def scrape_settled(
+    client: httpx.AsyncClient, url: str, headers: dict[str, str], max_wait_s: float = 2.0
+) -> ScrapeResult:
+    """Scrapes until two reads agree: an engine may publish its counters a step after the last
+    response went out, and an early read would drop those from the run."""
+    result = await scrape(client, url, headers)
+    waited_s = 0.0
+    while result.snapshot is not None and waited_s < max_wait_s:
+        await asyncio.sleep(0.25)
+        waited_s += 0.25
+        again = await scrape(client, url, headers)
+        if again.snapshot is None or _counters(again.snapshot) == _counters(result.snapshot):
+            return result if again.snapshot is None else again
+        result = again
+    return result
+
+
+def _counters(s: MetricsSnapshot) -> dict[str, float]:
+    return {k: v for k, v in s.samples.items() if k.startswith("mmserve_") and "_total" in k}
+
+
+def _delta(before: MetricsSnapshot, after: MetricsSnapshot, name: str) -> float | None:
+    a, b = after.counter(name), before.counter(name)
+    return None if a is None or b is None else a - b
+
+
+def _rate(hits: float | None, queries: float | None) -> float | None:
+    return None if hits is None or not queries else hits / queries
+
+
+def diff_snapshots(before: MetricsSnapshot, after: MetricsSnapshot) -> dict:
+    """The run's share of each counter; hit rates over the run and cumulative before/after."""
+    tiers = {}
+    for tier, prefix in CACHE_TIERS:
+        q_name, h_name = prefix + "_queries", prefix + "_hits"
+        queries, hits = _delta(before, after, q_name), _delta(before, after, h_name)
+        tiers[tier] = {
+            "queries": queries,
+            "hits": hits,
+            "hit_rate": _rate(hits, queries),
+            "hit_rate_before": _rate(before.counter(h_name), before.counter(q_name)),
+            "hit_rate_after": _rate(after.counter(h_name), after.counter(q_name)),
+        }
+    counters = {name: _delta(before, after, prefix) for name, prefix in COUNTERS}
+    return {"available": True, "reason": None, "cache_tiers": tiers, **counters}
+
+
+def unavailable(reason: str) -> dict:
+    return {"available": False, "reason": reason}
