@@ -1,0 +1,271 @@
+"""AsyncLLMEngine: the engine loop on a background thread, one output stream per request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from mmserve.engine.factory import ResolvedConfig
+from mmserve.engine.llm_engine import LLMEngine
+from mmserve.engine.outputs import RequestOutput
+from mmserve.errors import InvalidRequestError, MMServeError
+from mmserve.hashing import DEFAULT_NAMESPACE
+from mmserve.multimodal import ProcessedPrompt
+from mmserve.processing.mrope import decode_positions
+from mmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    cache_salt: str | None
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class _Stream:
+    """Delivers one request's outputs from the engine thread to its event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        # RuntimeError: the client's loop is closed, nobody is listening any more
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLMEngine:
+    """Implements `mmserve.engine.protocol.EngineClient` over one `LLMEngine`.
+
+    Only the engine thread touches the LLMEngine; other threads talk to it through a queue of
+    commands (add, abort), so the event loop never waits for a model step.
+    """
+
+    def __init__(self, engine: LLMEngine, resolved: ResolvedConfig, *, model_name: str) -> None:
+        self.engine = engine
+        self.resolved = resolved
+        self.model_name = model_name
+        self.max_model_len = engine.max_model_len
+        self.metrics = engine.metrics
+        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._accepting = True
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="mmserve-engine", daemon=True)
+        self._thread.start()
+
+    def describe(self) -> dict[str, Any]:
+        return self.resolved.as_dict()
+
+    # ------------------------------------------------------------------ CPU stage (no engine)
+
+    async def process_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        multi_modal_uuids: dict[str, list[str | None]] | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> ProcessedPrompt:
+        if multi_modal_uuids:
+            messages = _apply_uuids(messages, multi_modal_uuids)
+        return await self.engine.input_processor.aprocess_chat(
+            messages,
+            mm_processor_kwargs=mm_processor_kwargs,
+            namespace=namespace,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
+    async def process_prompt(
+        self, prompt: str | list[int], *, namespace: str = DEFAULT_NAMESPACE
+    ) -> ProcessedPrompt:
+        processor = self.engine.input_processor
+        if isinstance(prompt, str):
+            processor.check_prompt_text(prompt)
+            return await asyncio.to_thread(processor.process, prompt, namespace=namespace)
+        vocab = processor.tokenizer.vocab_size
+        reserved = set(processor.token_ids.__dict__.values())
+        for tok in prompt:
+            if not isinstance(tok, int) or not 0 <= tok < vocab:
+                raise InvalidRequestError(
+                    f"token id {tok!r} is outside the vocabulary [0, {vocab})"
+                )
+            if tok in reserved:
+                raise InvalidRequestError(
+                    f"token id {tok} is a vision token; send images as image_url content parts"
+                )
+        if len(prompt) > self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt is {len(prompt)} tokens, over --max-model-len {self.max_model_len}"
+            )
+        return ProcessedPrompt(list(prompt), [], decode_positions(0, len(prompt), 0), 0, None)
+
+    # ------------------------------------------------------------------------- generation
+
+    async def generate(
+        self,
+        prompt: ProcessedPrompt,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        if not self._accepting:
+            raise MMServeError("the server is shutting down")
+        stream = _Stream(asyncio.get_running_loop())
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already running")
+            self._streams[request_id] = stream
+        self._commands.put(_Add(request_id, prompt, sampling_params, cache_salt))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(_Abort(request_id))
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def is_healthy(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    async def shutdown(self, timeout_s: float = 20.0) -> None:
+        """Stop accepting, let running requests finish for up to timeout_s, abort the rest."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with self._streams_lock:
+            remaining = list(self._streams)
+        for request_id in remaining:
+            self._commands.put(_Abort(request_id))
+        self._stop.set()
+        await asyncio.to_thread(self._thread.join, 5.0)
+        self.engine.input_processor.media_loader.close()
+
+    # ------------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wait_for_command()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out)
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
+            logger.exception("engine loop crashed")
+            self._error = exc
+            with self._streams_lock:
+                streams = list(self._streams.values())
+            for stream in streams:
+                stream.put(MMServeError("the engine stopped unexpectedly"))
+
+    def _wait_for_command(self) -> None:
+        try:
+            command = self._commands.get(timeout=IDLE_WAIT_S)
+        except queue.Empty:
+            return
+        self._apply(command)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            self._apply(command)
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            for out in self.engine.abort_requests([command.request_id]):
+                self._deliver(out)
+            return
+        with self._streams_lock:
+            stream = self._streams.get(command.request_id)
+        if stream is None:
+            return  # the client left before the engine saw the request
+        try:
+            self.engine.add_request(
+                command.request_id, command.prompt, command.params, cache_salt=command.cache_salt
+            )
+        except MMServeError as exc:
+            stream.put(exc)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.put(out)
+
+
+def _apply_uuids(
+    messages: list[dict[str, Any]], uuids: dict[str, list[str | None]]
+) -> list[dict[str, Any]]:
+    """Copy `multi_modal_uuids={"image": [...]}` onto the image parts, in order."""
+    unknown = set(uuids) - {"image"}
+    if unknown:
+        raise InvalidRequestError(
+            f"multi_modal_uuids has unsupported modalities {sorted(unknown)}; only 'image'",
+            param="multi_modal_uuids",
+        )
+    image_uuids = list(uuids.get("image") or [])
+    out: list[dict[str, Any]] = []
+    k = 0
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "image_url" and k < len(image_uuids):
+                uuid = image_uuids[k]
+                k += 1
+                if uuid is not None:
+                    image_url = dict(part.get("image_url") or {})
+                    image_url.setdefault("uuid", uuid)
+                    part = {**part, "image_url": image_url}
+            parts.append(part)
+        out.append({**message, "content": parts})
+    if k != len(image_uuids):
+        raise InvalidRequestError(
+            f"multi_modal_uuids has {len(image_uuids)} image entries but the messages have {k} "
+            "images; give one entry (or null) per image",
+            param="multi_modal_uuids",
+        )
+    return out

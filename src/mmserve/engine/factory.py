@@ -1,0 +1,236 @@
+"""The one place that wires an engine together from EngineArgs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmserve.config import CacheConfig, SchedulerConfig
+from mmserve.engine.args import EngineArgs
+from mmserve.engine.llm_engine import LLMEngine
+from mmserve.engine.output_processor import OutputProcessor
+from mmserve.execution.encoder_runner import EncoderRunner
+from mmserve.execution.model_runner import ModelRunner
+from mmserve.layers.attention import allocate_kv_caches, kv_cache_bytes_per_block
+from mmserve.metrics import EngineMetrics
+from mmserve.models.config import ModelConfig
+from mmserve.models.loader import load_model
+from mmserve.processing.input_processor import InputProcessor
+from mmserve.processing.media import MediaConfig, MediaLoader
+from mmserve.scheduling.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 2 << 30  # default KV pool on the CPU when nothing sizes it
+GPU_KV_MEMORY_FRACTION = 0.8  # of the memory free after loading weights
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """What the engine actually runs with, after defaults and floors; logged at start-up."""
+
+    model: str
+    architecture: str
+    device: str
+    dtype: str
+    max_model_len: int
+    num_kv_blocks: int
+    kv_cache_bytes: int
+    block_size: int
+    enable_prefix_caching: bool
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_tokens_per_mm_item: int
+    encoder_cache_slots: int
+    encoder_cache_bytes: int
+    encoder_compute_budget: int
+    chunked_mm_input: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in half precision are slow and less accurate
+    ckpt = getattr(torch, checkpoint_dtype, torch.bfloat16)
+    return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def build_engine(args: EngineArgs) -> tuple[LLMEngine, ResolvedConfig]:
+    """Load the model and build processor, scheduler and runner for it."""
+    torch.manual_seed(args.seed)
+    device = resolve_device(args.device)
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"--model {args.model}: no config.json there; is it a model directory?")
+    from mmserve.models.config import load_model_config
+
+    checkpoint_dtype = load_model_config(model_dir).dtype
+    dtype = resolve_dtype(args.dtype, device, checkpoint_dtype)
+    model, model_config = load_model(model_dir, device=device, dtype=dtype)
+    max_model_len = args.max_model_len or model_config.text.max_position_embeddings
+    media = MediaLoader(
+        MediaConfig(
+            allowed_media_domains=args.allowed_media_domains or (),
+            allowed_local_media_path=args.allowed_local_media_path,
+            fetch_timeout_s=args.media_fetch_timeout,
+            max_fetch_bytes=args.max_media_bytes,
+        )
+    )
+    input_processor = InputProcessor.from_pretrained(
+        model_dir,
+        max_model_len=max_model_len,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        mm_processor_kwargs=args.mm_processor_kwargs,
+        mm_processor_cache_gb=args.mm_processor_cache_gb,
+        hash_algorithm=args.hash_algorithm,
+        model_id=args.served_model_name or str(model_dir.resolve()),
+        media_loader=media,
+    )
+    scheduler_config = SchedulerConfig(
+        max_model_len=max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_tokens_per_mm_item=input_processor.max_tokens_per_mm_item,
+        disable_chunked_mm_input=args.disable_chunked_mm_input,
+        encoder_cache_size=args.encoder_cache_size,
+    )
+    bytes_per_block = kv_cache_bytes_per_block(model_config, args.block_size, dtype)
+    num_blocks = _num_kv_blocks(args, scheduler_config, bytes_per_block, device)
+    cache_config = CacheConfig(
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        hash_algorithm=args.hash_algorithm,
+    )
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    bytes_per_slot = model_config.hidden_size * element_bytes
+    tokenizer = input_processor.tokenizer
+    eos_token_ids = tuple(dict.fromkeys([*tokenizer.stop_token_ids, *model_config.eos_token_ids]))
+    metrics = EngineMetrics()
+    scheduler = Scheduler(
+        scheduler_config,
+        cache_config,
+        bytes_per_encoder_slot=bytes_per_slot,
+        eos_token_ids=eos_token_ids,
+    )
+    merge = model_config.spatial_merge_size
+    encoder = EncoderRunner(
+        model.embed_multimodal,
+        device=device,
+        dtype=dtype,
+        # the per-step encoder budget, in input patches (what activation memory scales with)
+        max_patches_per_call=scheduler_config.effective_encoder_compute_budget * merge * merge,
+        metrics=metrics,
+    )
+    runner = ModelRunner(
+        model,
+        allocate_kv_caches(model_config, num_blocks, args.block_size, device, dtype),
+        encoder,
+        block_size=args.block_size,
+        placeholder_token_ids=(model_config.image_token_id, model_config.video_token_id),
+        device=device,
+        seed=args.seed,
+    )
+    metrics.set_gauge("kv_blocks_total", num_blocks)
+    metrics.set_gauge("kv_blocks_free", num_blocks)
+    metrics.set_gauge("encoder_cache_total_slots", scheduler_config.effective_encoder_cache_size)
+    engine = LLMEngine(
+        input_processor=input_processor,
+        scheduler=scheduler,
+        runner=runner,
+        output_processor=OutputProcessor(
+            lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip), metrics
+        ),
+        metrics=metrics,
+        max_model_len=max_model_len,
+        eos_token_ids=eos_token_ids,
+    )
+    resolved = _describe(
+        args,
+        model_config,
+        device,
+        dtype,
+        scheduler_config,
+        cache_config,
+        bytes_per_block,
+        bytes_per_slot,
+        max_model_len,
+    )
+    return engine, resolved
+
+
+def _num_kv_blocks(
+    args: EngineArgs, sched: SchedulerConfig, bytes_per_block: int, device: torch.device
+) -> int:
+    if args.num_gpu_blocks_override is not None:
+        return args.num_gpu_blocks_override
+    if args.kv_cache_memory_bytes is not None:
+        budget = args.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * GPU_KV_MEMORY_FRACTION)
+    else:
+        budget = CPU_KV_CACHE_BYTES
+    # never more than every sequence at full length needs
+    blocks_needed = sched.max_num_seqs * -(-sched.max_model_len // args.block_size)
+    num_blocks = min(budget // bytes_per_block, blocks_needed)
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV cache budget ({budget} bytes) holds no block of {bytes_per_block} bytes; "
+            "raise --kv-cache-memory-bytes"
+        )
+    return int(num_blocks)
+
+
+def _describe(
+    args: EngineArgs,
+    model_config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    sched: SchedulerConfig,
+    cache: CacheConfig,
+    bytes_per_block: int,
+    bytes_per_slot: int,
+    max_model_len: int,
+) -> ResolvedConfig:
+    return ResolvedConfig(
+        model=str(args.model),
+        architecture=model_config.architecture,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        max_model_len=max_model_len,
+        num_kv_blocks=cache.num_blocks,
+        kv_cache_bytes=cache.num_blocks * bytes_per_block,
+        block_size=cache.block_size,
+        enable_prefix_caching=cache.enable_prefix_caching,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_num_seqs=sched.max_num_seqs,
+        max_tokens_per_mm_item=sched.max_tokens_per_mm_item,
+        encoder_cache_slots=sched.effective_encoder_cache_size,
+        encoder_cache_bytes=sched.effective_encoder_cache_size * bytes_per_slot,
+        encoder_compute_budget=sched.effective_encoder_compute_budget,
+        chunked_mm_input=not sched.disable_chunked_mm_input,
+    )
+
+
+def build_async_engine(args: EngineArgs):  # -> AsyncLLMEngine
+    from mmserve.engine.async_engine import AsyncLLMEngine
+
+    engine, resolved = build_engine(args)
+    return AsyncLLMEngine(engine, resolved, model_name=args.resolved_served_model_name)

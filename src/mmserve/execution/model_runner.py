@@ -1,0 +1,228 @@
+"""Executes one SchedulerOutput: encoder items, the splice, the LM forward, sampling."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from mmserve.execution.encoder_runner import EncoderRunner
+from mmserve.execution.request_state import RequestState, RunnerPayload
+from mmserve.execution.sampler import SamplingRow, make_generator, sample
+from mmserve.layers.attention import build_attention_metadata
+from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """The flat token batch of one step (requests in scheduling order)."""
+
+    request_ids: list[str]
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [3, num_tokens]
+    mm_index: torch.Tensor  # [num_mm_tokens] flat indices of placeholder tokens
+    mm_embeds: torch.Tensor | None  # [num_mm_tokens, hidden]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]  # flat index of the last token of each request that samples
+    sample_request_ids: list[str]
+
+
+class ModelRunner:
+    """Holds per-request state, the KV caches and the encoder cache of one model."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[torch.Tensor],
+        encoder_runner: EncoderRunner,
+        *,
+        block_size: int,
+        placeholder_token_ids: tuple[int, ...],
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.encoder = encoder_runner
+        self.block_size = block_size
+        self.placeholder_token_ids = placeholder_token_ids
+        self.device = device
+        self.states: dict[str, RequestState] = {}
+        self._generator = make_generator(seed)
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        errors: dict[str, str] = {}
+        self._encode(so, errors)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput({}, errors)
+        batch = self._prepare_batch(so, errors)
+        if not batch.request_ids:
+            return ModelRunnerOutput({}, errors)
+        attn_metadata = build_attention_metadata(
+            batch.query_lens, batch.seq_lens, batch.block_tables, self.block_size, self.device
+        )
+        embeds = self.model.embed_input_ids(batch.input_ids)  # [num_tokens, hidden]
+        if batch.mm_embeds is not None:
+            embeds[batch.mm_index] = batch.mm_embeds.to(embeds.dtype)
+        hidden = self.model(
+            None, batch.positions, attn_metadata, self.kv_caches, inputs_embeds=embeds
+        )
+        sampled: dict[str, list[int]] = {}
+        if batch.sample_rows:
+            logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_samples, vocab]
+            rows = [self._sampling_row(self.states[r]) for r in batch.sample_request_ids]
+            tokens = sample(logits, rows, self._generator)
+            for request_id, token in zip(batch.sample_request_ids, tokens, strict=True):
+                self.states[request_id].token_ids.append(token)
+                sampled[request_id] = [token]
+        return ModelRunnerOutput(sampled, errors)
+
+    # ---------------------------------------------------------------------------- state
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for request_id in so.finished_req_ids | so.preempted_req_ids:
+            self.states.pop(request_id, None)
+        self.encoder.free(so.free_encoder_identifiers)
+        for new in so.scheduled_new_reqs:
+            payload = new.payload
+            assert isinstance(payload, RunnerPayload), type(payload)
+            self.states[new.request_id] = RequestState(
+                new.request_id,
+                list(new.token_ids),
+                list(new.mm_features),
+                list(new.block_ids),
+                new.num_computed_tokens,
+                payload,
+            )
+        for cached in so.scheduled_cached_reqs:
+            state = self.states[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _sampling_row(self, state: RequestState) -> SamplingRow:
+        p = state.payload
+        return SamplingRow(p.sampling_params, p.generator, state.num_output_tokens, p.eos_token_ids)
+
+    # -------------------------------------------------------------------------- encoder
+
+    def _encode(self, so: SchedulerOutput, errors: dict[str, str]) -> None:
+        """Run every scheduled item through the vision tower in as few calls as possible."""
+        features = [
+            (request_id, self.states[request_id].mm_features[i])
+            for request_id, item_idxs in so.scheduled_encoder_inputs.items()
+            for i in item_idxs
+        ]
+        if not features:
+            return
+        try:
+            self.encoder.encode([f for _, f in features])
+        except Exception:
+            # One bad item must fail only its own request: retry item by item.
+            logger.exception("batched encoder call failed; retrying item by item")
+            for request_id, feature in features:
+                try:
+                    self.encoder.encode([feature])
+                except Exception as exc:  # noqa: BLE001 - reported to that request only
+                    errors[request_id] = f"encoding multimodal item failed: {exc}"
+
+    # ----------------------------------------------------------------------------- batch
+
+    def _prepare_batch(self, so: SchedulerOutput, errors: dict[str, str]) -> _Batch:
+        ids: list[int] = []
+        positions: list[np.ndarray] = []
+        mm_index: list[int] = []
+        mm_parts: list[torch.Tensor] = []
+        b = _Batch([], torch.empty(0), torch.empty(0), torch.empty(0), None, [], [], [], [], [])
+        for request_id, num_tokens in so.num_scheduled_tokens.items():
+            if request_id in errors:
+                continue
+            state = self.states[request_id]
+            start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
+            window_ids = state.token_ids[start:end]
+            try:
+                local_index, parts = self._gather_mm_embeddings(state, start, end, window_ids)
+            except _SpliceError as exc:
+                errors[request_id] = str(exc)
+                continue
+            offset = len(ids)
+            ids.extend(window_ids)
+            positions.append(state.positions(start, end))
+            mm_index.extend(offset + i for i in local_index)
+            mm_parts.extend(parts)
+            b.request_ids.append(request_id)
+            b.query_lens.append(num_tokens)
+            b.seq_lens.append(end)
+            b.block_tables.append(state.block_ids)
+            if end >= len(state.token_ids):
+                b.sample_rows.append(len(ids) - 1)
+                b.sample_request_ids.append(request_id)
+        return _Batch(
+            b.request_ids,
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            torch.from_numpy(np.concatenate(positions, axis=1) if positions else np.zeros((3, 0)))
+            .to(torch.long)
+            .to(self.device),
+            torch.tensor(mm_index, dtype=torch.long, device=self.device),
+            torch.cat(mm_parts) if mm_parts else None,
+            b.query_lens,
+            b.seq_lens,
+            b.block_tables,
+            b.sample_rows,
+            b.sample_request_ids,
+        )
+
+    def _gather_mm_embeddings(
+        self, state: RequestState, start: int, end: int, window_ids: list[int]
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """Slices of each item's embeddings that fall in [start, end), and where they go.
+
+        Item at [offset, offset + length) vs. the scheduled window:
+
+            tokens   ... | start ............................. end | ...
+            item           | offset ........ offset+length |
+            slice          emb[max(start,offset)-offset : min(end,offset+length)-offset]
+
+        The rows gathered must equal the placeholder ids in the window, one for one.
+        """
+        local_index: list[int] = []
+        parts: list[torch.Tensor] = []
+        sizes: list[int] = []
+        for feature in state.mm_features:
+            lo = max(start, feature.placeholder.offset)
+            hi = min(end, feature.placeholder.end)
+            if lo >= hi:
+                continue
+            emb = self.encoder.get(feature.identifier)
+            if emb is None:
+                raise _SpliceError(
+                    f"encoder cache miss for item {feature.identifier[:16]} (a scheduler bug)"
+                )
+            if emb.shape[0] != feature.placeholder.length:
+                raise _SpliceError(
+                    f"Attempted to assign {emb.shape[0]} = {emb.shape[0]} multimodal tokens to "
+                    f"{feature.placeholder.length} placeholders"
+                )
+            parts.append(emb[lo - feature.placeholder.offset : hi - feature.placeholder.offset])
+            sizes.append(hi - lo)
+            local_index.extend(range(lo - start, hi - start))
+        placeholders = [i for i, t in enumerate(window_ids) if t in self.placeholder_token_ids]
+        if placeholders != local_index:
+            expr = " + ".join(str(s) for s in sizes) or "0"
+            raise _SpliceError(
+                f"Attempted to assign {expr} = {len(local_index)} multimodal tokens to "
+                f"{len(placeholders)} placeholders"
+            )
+        return local_index, parts
+
+
+class _SpliceError(Exception):
+    """The embeddings of a request do not match its placeholders; fails that request only."""

@@ -1,0 +1,59 @@
+"""What the runner keeps per request between steps, and what the engine attaches for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mmserve.multimodal import MultiModalFeature
+from mmserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RunnerPayload:
+    """Attached to a scheduler Request by the engine and handed to the runner unread.
+
+    The generator lives here (not in the runner's state) so that a seeded request keeps its
+    random stream across preemption and recompute.
+    """
+
+    sampling_params: SamplingParams
+    mrope_positions: np.ndarray  # [3, num_prompt_tokens] int64
+    mrope_position_delta: int
+    eos_token_ids: tuple[int, ...]
+    generator: torch.Generator | None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self.mrope_positions.shape[1])
+
+
+@dataclass(slots=True)
+class RequestState:
+    """The runner's copy of one running request."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + every token generated so far
+    mm_features: list[MultiModalFeature]
+    block_ids: list[int]
+    num_computed_tokens: int
+    payload: RunnerPayload
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.payload.num_prompt_tokens
+
+    def positions(self, start: int, end: int) -> np.ndarray:
+        """M-RoPE positions [3, end - start] of token indices [start, end)."""
+        p = self.payload
+        num_prompt = p.num_prompt_tokens
+        parts = []
+        if start < num_prompt:
+            parts.append(p.mrope_positions[:, start : min(end, num_prompt)])
+        if end > num_prompt:
+            first = max(start, num_prompt)
+            row = np.arange(first, end, dtype=np.int64) + p.mrope_position_delta
+            parts.append(np.broadcast_to(row, (3, end - first)))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)

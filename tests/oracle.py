@@ -1,0 +1,62 @@
+"""transformers as the reference: greedy generation for a prompt with images, built independently
+of mmserve's processing (HF's PIL image processor, our own placeholder expansion)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from PIL import Image
+from tokenizers import Tokenizer
+
+
+class HFOracle:
+    def __init__(self, model_dir: str | Path) -> None:
+        import transformers
+
+        model_dir = Path(model_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        cls = getattr(transformers, config["architectures"][0])
+        self.model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        pp = json.loads((model_dir / "preprocessor_config.json").read_text())
+        self.processor = transformers.Qwen2VLImageProcessorPil(
+            min_pixels=pp["min_pixels"], max_pixels=pp["max_pixels"]
+        )
+        self.image_token_id = config["image_token_id"]
+        self.merge = 2
+
+    def inputs(self, prompt: str, images: list[Image.Image]) -> dict:
+        ids = self.tok.encode(prompt, add_special_tokens=False).ids
+        out: dict = {}
+        if images:
+            feats = self.processor(images=images, return_tensors="pt")
+            grids = feats["image_grid_thw"].tolist()
+            expanded: list[int] = []
+            k = 0
+            for t in ids:
+                if t == self.image_token_id:
+                    n = grids[k][0] * grids[k][1] * grids[k][2] // self.merge**2
+                    expanded += [t] * n
+                    k += 1
+                else:
+                    expanded.append(t)
+            assert k == len(images)
+            ids = expanded
+            out["pixel_values"] = feats["pixel_values"]
+            out["image_grid_thw"] = feats["image_grid_thw"]
+        input_ids = torch.tensor([ids])
+        out["input_ids"] = input_ids
+        out["attention_mask"] = torch.ones_like(input_ids)
+        out["mm_token_type_ids"] = (input_ids == self.image_token_id).long()
+        return out
+
+    @torch.no_grad()
+    def greedy(self, prompt: str, images: list[Image.Image], max_new_tokens: int) -> list[int]:
+        inputs = self.inputs(prompt, images)
+        n = inputs["input_ids"].shape[1]
+        out = self.model.generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens
+        )
+        return out[0, n:].tolist()
