@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -234,24 +235,53 @@ def process_image(image: Image.Image, cfg: ImageProcessorConfig) -> ProcessedIma
 
     Output rows follow the merge order the vision tower expects (2x2 merge blocks contiguous)
     and each row is [C, T, P, P] flattened, the single frame repeated T times.
+
+    Each channel is resized on its own (Pillow's uint8 arithmetic is per channel, so this is
+    bit-identical to resizing the RGB image, as transformers' PIL backend does) and, for large
+    images, the three channels run on three threads: Pillow and numpy release the GIL.
     """
     rgb = to_rgb(image)
     width, height = rgb.size
     _, grid_h, grid_w = get_grid_thw(width, height, cfg)
-    p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-    # Resize the uint8 image, as transformers' PIL backend does (it never resizes floats).
-    resized = rgb.resize((grid_w * p, grid_h * p), resample=Image.Resampling(cfg.resample))
-    pixels = np.asarray(resized)  # [H, W, 3] uint8
-    # Patchify while still uint8 (4x less data to move), then map levels to floats.
-    blocks = pixels.reshape(grid_h // m, m, p, grid_w // m, m, p, 3)
-    blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)  # [gh/m, gw/m, m, m, 3, P, P]
-    patches = np.ascontiguousarray(blocks).reshape(grid_h * grid_w, 3, p * p)
+    p, t = cfg.patch_size, cfg.temporal_patch_size
     table = _value_table(cfg)
     out = np.empty((grid_h * grid_w, 3, t, p * p), dtype=np.float32)  # [N, C, T, P*P]
-    for c in range(3):
-        values = table[c].take(patches[:, c])  # [N, P*P]
-        for ti in range(t):
-            out[:, c, ti] = values
+
+    def fill(c: int, channel: Image.Image) -> None:
+        _fill_channel(out, c, channel, table[c], (grid_h, grid_w), cfg)
+
+    channels = rgb.split()
+    if grid_h * grid_w * p * p < _PARALLEL_MIN_PIXELS:
+        for c, channel in enumerate(channels):
+            fill(c, channel)
+    else:
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            for future in [pool.submit(fill, c, ch) for c, ch in enumerate(channels)]:
+                future.result()
     return ProcessedImage(
         pixel_values=out.reshape(grid_h * grid_w, 3 * t * p * p), grid_thw=(1, grid_h, grid_w)
     )
+
+
+# Below ~0.5 MP thread start-up costs more than the resize it would overlap.
+_PARALLEL_MIN_PIXELS = 512 * 512
+
+
+def _fill_channel(
+    out: np.ndarray,
+    c: int,
+    channel: Image.Image,
+    table: np.ndarray,
+    grid_hw: tuple[int, int],
+    cfg: ImageProcessorConfig,
+) -> None:
+    """Resize one uint8 channel, patchify it while still uint8, then map levels to floats."""
+    grid_h, grid_w = grid_hw
+    p, m = cfg.patch_size, cfg.merge_size
+    resized = channel.resize((grid_w * p, grid_h * p), resample=Image.Resampling(cfg.resample))
+    pixels = np.asarray(resized)  # [H, W] uint8
+    blocks = pixels.reshape(grid_h // m, m, p, grid_w // m, m, p)
+    blocks = blocks.transpose(0, 3, 1, 4, 2, 5)  # [gh/m, gw/m, m, m, P, P]
+    patches = np.ascontiguousarray(blocks).reshape(grid_h * grid_w, p * p)
+    values = table.take(patches)  # [N, P*P] float32
+    out[:, c] = values[:, None, :]  # the one frame, repeated over T in a single pass
