@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ class ProcessorCache:
 
     A capacity of 0 disables it: every get is a counted miss and put stores nothing. An item
     larger than the whole capacity is not stored (it would evict everything for one entry).
+    Thread-safe: the server processes requests on worker threads.
     """
 
     def __init__(self, capacity_bytes: int) -> None:
@@ -32,6 +34,7 @@ class ProcessorCache:
         self.used_bytes = 0
         self.stats = CacheStats()
         self._items: OrderedDict[str, ProcessedImage] = OrderedDict()
+        self._lock = threading.Lock()
 
     @classmethod
     def from_gb(cls, cache_gb: float) -> ProcessorCache:
@@ -52,25 +55,27 @@ class ProcessorCache:
         return identity in self._items
 
     def get(self, identity: str) -> ProcessedImage | None:
-        self.stats.queries += 1
-        item = self._items.get(identity)
-        if item is None:
-            return None
-        self.stats.hits += 1
-        self._items.move_to_end(identity)
-        return item
+        with self._lock:
+            self.stats.queries += 1
+            item = self._items.get(identity)
+            if item is None:
+                return None
+            self.stats.hits += 1
+            self._items.move_to_end(identity)
+            return item
 
     def put(self, identity: str, item: ProcessedImage) -> None:
         if item.nbytes > self.capacity_bytes:
             return
-        old = self._items.pop(identity, None)
-        if old is not None:
-            self.used_bytes -= old.nbytes
-        while self.used_bytes + item.nbytes > self.capacity_bytes:
-            _, evicted = self._items.popitem(last=False)
-            self.used_bytes -= evicted.nbytes
-        self._items[identity] = item
-        self.used_bytes += item.nbytes
+        with self._lock:
+            old = self._items.pop(identity, None)
+            if old is not None:
+                self.used_bytes -= old.nbytes
+            while self.used_bytes + item.nbytes > self.capacity_bytes:
+                _, evicted = self._items.popitem(last=False)
+                self.used_bytes -= evicted.nbytes
+            self._items[identity] = item
+            self.used_bytes += item.nbytes
 
     def check_integrity(self) -> None:
         assert self.used_bytes == sum(i.nbytes for i in self._items.values())
@@ -95,20 +100,23 @@ class UUIDIndex:
             raise ValueError(f"max_entries must be positive, got {max_entries}")
         self.max_entries = max_entries
         self._records: OrderedDict[tuple[str, str], UUIDRecord] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._records)
 
     def remember(self, namespace: str, uuid: str, record: UUIDRecord) -> None:
-        key = (namespace, uuid)
-        self._records[key] = record
-        self._records.move_to_end(key)
-        while len(self._records) > self.max_entries:
-            self._records.popitem(last=False)
+        with self._lock:
+            key = (namespace, uuid)
+            self._records[key] = record
+            self._records.move_to_end(key)
+            while len(self._records) > self.max_entries:
+                self._records.popitem(last=False)
 
     def lookup(self, namespace: str, uuid: str) -> UUIDRecord | None:
-        key = (namespace, uuid)
-        record = self._records.get(key)
-        if record is not None:
-            self._records.move_to_end(key)
-        return record
+        with self._lock:
+            key = (namespace, uuid)
+            record = self._records.get(key)
+            if record is not None:
+                self._records.move_to_end(key)
+            return record
