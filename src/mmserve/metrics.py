@@ -27,6 +27,7 @@ GAUGE_NAMES = (
     "kv_blocks_free",
     "kv_blocks_total",
     "encoder_cache_used_slots",
+    "encoder_cache_resident_slots",
     "encoder_cache_total_slots",
     "num_requests_running",
     "num_requests_waiting",

@@ -42,8 +42,10 @@ def test_8192_slot_cache_holds_five_1369_token_images_and_the_sixth_is_delayed_n
     assert runner.last_step_encoded_embeds == 5 * 1369
     assert scheduler.encoder_cache_manager.num_free_slots == 1347
     stats = scheduler.make_stats()
-    assert stats.encoder_cache_used_slots == 6845
-    assert stats.encoder_cache_used_bytes == 6845 * 3584 * 2
+    # After the step their images are consumed: resident (a later hit is free) but reclaimable.
+    assert stats.encoder_cache_resident_slots == 6845
+    assert stats.encoder_cache_used_slots == 0
+    assert stats.encoder_cache_used_bytes == 0
     assert (stats.num_running, stats.num_waiting) == (6, 0)
 
     # The five are decoding; their images are consumed, so they are resident but freeable.
@@ -104,7 +106,8 @@ def test_same_image_in_two_requests_of_one_step_is_encoded_once():
         run_step(scheduler, runner)
     stats = scheduler.make_stats()
     assert (stats.encoder_cache_queries, stats.encoder_cache_hits) == (3, 2)
-    assert stats.encoder_cache_used_slots == 300
+    assert stats.encoder_cache_resident_slots == 300
+    assert stats.encoder_cache_used_slots == 0
 
 
 def test_chunks_cut_through_an_image_encoded_once_then_sliced():

@@ -87,7 +87,9 @@ class LLMEngine:
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         ids = list(request_ids)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-        return [out for i in ids if (out := self.output_processor.abort(i)) is not None]
+        outputs = [out for i in ids if (out := self.output_processor.abort(i)) is not None]
+        self._record_stats()  # the engine may go idle now: gauges must not stay stale
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -123,6 +125,7 @@ class LLMEngine:
         m.set_gauge("num_requests_waiting", s.num_waiting)
         m.set_gauge("kv_blocks_free", s.num_free_kv_blocks)
         m.set_gauge("encoder_cache_used_slots", s.encoder_cache_used_slots)
+        m.set_gauge("encoder_cache_resident_slots", s.encoder_cache_resident_slots)
         m.set_counter("prefix_cache_queries", s.prefix_cache_queries)
         m.set_counter("prefix_cache_hits", s.prefix_cache_hits)
         m.set_counter("encoder_cache_queries", s.encoder_cache_queries)

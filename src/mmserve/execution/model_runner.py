@@ -214,7 +214,14 @@ class ModelRunner:
             parts.append(emb[lo - feature.placeholder.offset : hi - feature.placeholder.offset])
             sizes.append(hi - lo)
             local_index.extend(range(lo - start, hi - start))
-        placeholders = [i for i, t in enumerate(window_ids) if t in self.placeholder_token_ids]
+        # Only prompt tokens can be placeholders: a generated token that happens to be a vision
+        # id is ordinary text (the model produced it; there is no image behind it).
+        num_prompt_in_window = max(0, min(end, state.payload.num_prompt_tokens) - start)
+        placeholders = [
+            i
+            for i, t in enumerate(window_ids[:num_prompt_in_window])
+            if t in self.placeholder_token_ids
+        ]
         if placeholders != local_index:
             expr = " + ".join(str(s) for s in sizes) or "0"
             raise _SpliceError(

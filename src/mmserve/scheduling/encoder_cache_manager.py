@@ -35,7 +35,13 @@ class EncoderCacheManager:
 
     @property
     def num_used_slots(self) -> int:
+        """Slots held by resident entries, referenced or not."""
         return self.cache_size - self.num_free_slots
+
+    @property
+    def num_referenced_slots(self) -> int:
+        """Slots held by entries some unfinished request still needs (not reclaimable)."""
+        return self.cache_size - self.num_freeable_slots
 
     @property
     def num_bytes(self) -> int:

@@ -86,8 +86,9 @@ class SchedulerStats:
     num_running: int
     num_waiting: int
     num_free_kv_blocks: int
-    encoder_cache_used_slots: int
+    encoder_cache_used_slots: int  # referenced by unfinished requests
     encoder_cache_used_bytes: int
+    encoder_cache_resident_slots: int  # referenced + freeable entries still resident
     prefix_cache_queries: int
     prefix_cache_hits: int
     encoder_cache_queries: int
