@@ -265,6 +265,8 @@ def process_image(image: Image.Image, cfg: ImageProcessorConfig) -> ProcessedIma
 
 # Below ~0.5 MP thread start-up costs more than the resize it would overlap.
 _PARALLEL_MIN_PIXELS = 512 * 512
+# Patches per gather chunk: ~1 MB of float32 values, small enough to stay in cache.
+_CHUNK_PATCHES = 1024
 
 
 def _fill_channel(
@@ -275,13 +277,22 @@ def _fill_channel(
     grid_hw: tuple[int, int],
     cfg: ImageProcessorConfig,
 ) -> None:
-    """Resize one uint8 channel, patchify it while still uint8, then map levels to floats."""
+    """Resize one uint8 channel, then patchify and map levels to floats in cache-sized chunks.
+
+    The gather reads the uint8 pixels through a transposed view, so patchifying costs no pass
+    of its own; chunking keeps the gather's temporaries small and reused instead of faulting
+    in hundreds of MB of fresh pages for a 4K image.
+    """
     grid_h, grid_w = grid_hw
     p, m = cfg.patch_size, cfg.merge_size
     resized = channel.resize((grid_w * p, grid_h * p), resample=Image.Resampling(cfg.resample))
     pixels = np.asarray(resized)  # [H, W] uint8
     blocks = pixels.reshape(grid_h // m, m, p, grid_w // m, m, p)
-    blocks = blocks.transpose(0, 3, 1, 4, 2, 5)  # [gh/m, gw/m, m, m, P, P]
-    patches = np.ascontiguousarray(blocks).reshape(grid_h * grid_w, p * p)
-    values = table.take(patches)  # [N, P*P] float32
-    out[:, c] = values[:, None, :]  # the one frame, repeated over T in a single pass
+    blocks = blocks.transpose(0, 3, 1, 4, 2, 5)  # [gh/m, gw/m, m, m, P, P] view
+    patches_per_row = m * grid_w  # one row of merge blocks
+    step = max(1, _CHUNK_PATCHES // patches_per_row)
+    for r0 in range(0, grid_h // m, step):
+        values = table.take(blocks[r0 : r0 + step])  # [rows, gw/m, m, m, P, P] float32
+        n0 = r0 * patches_per_row
+        n1 = n0 + values.shape[0] * patches_per_row
+        out[n0:n1, c] = values.reshape(-1, 1, p * p)  # the one frame, repeated over T
