@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,43 +12,17 @@ from PIL import Image
 
 from mmserve.errors import InvalidRequestError, PromptTooLongError, TooManyItemsError
 from mmserve.hashing import DEFAULT_NAMESPACE, Hasher
-from mmserve.multimodal import MultiModalFeature, PlaceholderRange, ProcessedPrompt
+from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.chat import check_user_text, parse_chat_messages
 from mmserve.processing.image_processor import ImageProcessorConfig, max_tokens_per_item
 from mmserve.processing.item_resolver import ItemResolver
 from mmserve.processing.media import MediaLoader
 from mmserve.processing.mrope import get_mrope_positions
+from mmserve.processing.placeholders import VisionTokenIds, expand_image_pads, find_image_pads
 from mmserve.processing.processor_cache import ProcessorCache
 from mmserve.processing.tokenizer import Tokenizer
 
 ImageInput = Image.Image | None  # None: a UUID-only reference to an image sent before
-
-
-@dataclass(frozen=True)
-class VisionTokenIds:
-    """The model's vision token ids, from config.json (with the tokenizer's strings for them)."""
-
-    image_token_id: int
-    video_token_id: int
-    vision_start_token_id: int
-    vision_end_token_id: int
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> VisionTokenIds:
-        text = config.get("text_config") or {}
-
-        def get(name: str) -> int:
-            value = config.get(name, text.get(name))
-            if value is None:
-                raise ValueError(f"config.json has no {name}; is this a Qwen2-VL checkpoint?")
-            return int(value)
-
-        return cls(
-            get("image_token_id"),
-            get("video_token_id"),
-            get("vision_start_token_id"),
-            get("vision_end_token_id"),
-        )
 
 
 class InputProcessor:
@@ -153,7 +126,7 @@ class InputProcessor:
             )
         self._check_item_limit(len(images))
         input_ids = self.tokenizer.encode(prompt)
-        pad_positions = self._check_markers(input_ids, len(images))
+        pad_positions = find_image_pads(input_ids, len(images), self.token_ids)
         cfg = self.image_config.with_overrides(mm_processor_kwargs)
         plans = [
             self.resolver.plan(img, uuid, cfg, namespace)
@@ -168,7 +141,23 @@ class InputProcessor:
                 param="messages",
             )
         items = [self.resolver.resolve(plan, cfg, namespace) for plan in plans]
-        return self._assemble(prompt, input_ids, pad_positions, items)
+        expanded, features = expand_image_pads(
+            input_ids, pad_positions, items, self.token_ids.image_token_id
+        )
+        mrope = get_mrope_positions(
+            expanded,
+            [f.grid_thw for f in features],
+            image_token_id=self.token_ids.image_token_id,
+            video_token_id=self.token_ids.video_token_id,
+            spatial_merge_size=self.image_config.merge_size,
+        )
+        return ProcessedPrompt(
+            prompt_token_ids=expanded,
+            mm_features=features,
+            mrope_positions=mrope.positions,
+            mrope_position_delta=mrope.delta,
+            prompt=prompt,
+        )
 
     def process_generate_input(
         self, prompt: str | Mapping[str, Any], *, namespace: str = DEFAULT_NAMESPACE
@@ -291,73 +280,6 @@ class InputProcessor:
                 f'{{"image": {limit}}}; send at most {limit} images per request',
                 param="messages",
             )
-
-    def _check_markers(self, input_ids: list[int], num_images: int) -> list[int]:
-        """Positions of the image pads; each must sit as <vision_start><image_pad><vision_end>."""
-        t = self.token_ids
-        if t.video_token_id in input_ids:
-            raise InvalidRequestError("video input is not supported yet", param="prompt")
-        pads = [i for i, tok in enumerate(input_ids) if tok == t.image_token_id]
-        if len(pads) != num_images:
-            raise InvalidRequestError(
-                f"the prompt has {len(pads)} image marker(s) but {num_images} image(s) were "
-                "given; put exactly one <|vision_start|><|image_pad|><|vision_end|> per image",
-                param="prompt",
-            )
-        n = len(input_ids)
-        for i in pads:
-            if not (
-                i > 0
-                and input_ids[i - 1] == t.vision_start_token_id
-                and i + 1 < n
-                and input_ids[i + 1] == t.vision_end_token_id
-            ):
-                raise InvalidRequestError(
-                    "each <|image_pad|> must appear as <|vision_start|><|image_pad|><|vision_end|>",
-                    param="prompt",
-                )
-        starts = sum(1 for tok in input_ids if tok == t.vision_start_token_id)
-        ends = sum(1 for tok in input_ids if tok == t.vision_end_token_id)
-        if starts != num_images or ends != num_images:
-            raise InvalidRequestError(
-                "the prompt has <|vision_start|>/<|vision_end|> tokens that do not wrap an image",
-                param="prompt",
-            )
-        return pads
-
-    def _assemble(self, prompt, input_ids, pad_positions, items) -> ProcessedPrompt:
-        expanded: list[int] = []
-        features: list[MultiModalFeature] = []
-        prev = 0
-        for pos, item in zip(pad_positions, items, strict=True):
-            expanded += input_ids[prev:pos]
-            offset = len(expanded)
-            expanded += [self.token_ids.image_token_id] * item.num_tokens
-            features.append(
-                MultiModalFeature(
-                    identifier=item.identity,
-                    modality="image",
-                    placeholder=PlaceholderRange(offset=offset, length=item.num_tokens),
-                    data=item.data,
-                    grid_thw=item.grid_thw,
-                )
-            )
-            prev = pos + 1
-        expanded += input_ids[prev:]
-        mrope = get_mrope_positions(
-            expanded,
-            [f.grid_thw for f in features],
-            image_token_id=self.token_ids.image_token_id,
-            video_token_id=self.token_ids.video_token_id,
-            spatial_merge_size=self.image_config.merge_size,
-        )
-        return ProcessedPrompt(
-            prompt_token_ids=expanded,
-            mm_features=features,
-            mrope_positions=mrope.positions,
-            mrope_position_delta=mrope.delta,
-            prompt=prompt,
-        )
 
     def check_prompt_text(self, text: str) -> None:
         """Refuse raw text (e.g. /v1/completions) that spells a vision token without an image."""
