@@ -19,6 +19,9 @@ class HFOracle:
         config = json.loads((model_dir / "config.json").read_text())
         cls = getattr(transformers, config["architectures"][0])
         self.model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+        # Generate exactly max_new_tokens like mmserve's ignore_eos: EOS may be sampled but does
+        # not stop generation (min_new_tokens would instead forbid it, which is not the same).
+        self.model.generation_config.eos_token_id = None
         self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         pp = json.loads((model_dir / "preprocessor_config.json").read_text())
         self.processor = transformers.Qwen2VLImageProcessorPil(
@@ -56,7 +59,5 @@ class HFOracle:
     def greedy(self, prompt: str, images: list[Image.Image], max_new_tokens: int) -> list[int]:
         inputs = self.inputs(prompt, images)
         n = inputs["input_ids"].shape[1]
-        out = self.model.generate(
-            **inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens
-        )
+        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         return out[0, n:].tolist()
