@@ -141,3 +141,52 @@ def test_text_only_positions_are_plain_rope(loaded: LoadedPair) -> None:
     )
     assert delta == 0
     np.testing.assert_array_equal(positions, np.tile(np.arange(20), (3, 1)))
+
+
+def test_video_and_multi_frame_items_match_transformers(loaded: LoadedPair) -> None:
+    """Items with t > 1 (frames attend separately, windows per frame) next to images."""
+    torch.manual_seed(0)
+    grids = [(2, 8, 12), (1, 4, 8), (3, 4, 4)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), loaded.config.vision.patch_input_dim)
+    with torch.inference_mode():
+        ours = torch.cat(loaded.model.embed_multimodal(pixels, grids))
+        ref = loaded.hf.model.visual(pixels, grid_thw=torch.tensor(grids)).pooler_output
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+
+
+def test_video_prompt_logits_match_transformers(loaded: LoadedPair) -> None:
+    """Video placeholders, video M-RoPE (Qwen2.5-VL: tokens_per_second spacing) and splicing."""
+    config = loaded.config
+    torch.manual_seed(1)
+    grid = (3, 8, 12)
+    pixels = torch.randn(3 * 8 * 12, config.vision.patch_input_dim)
+    num_embeds = 3 * 8 * 12 // config.vision.spatial_merge_size**2
+    ids = [5, 6, 7, config.vision_start_token_id] + [config.video_token_id] * num_embeds
+    ids += [config.vision_end_token_id, 8, 9, 10]
+    seconds = [0.9]  # with tokens_per_second=2: temporal interval 1.8 -> 0, 1, 3
+    kwargs = {"second_per_grid_ts": torch.tensor(seconds)} if config.vision.is_windowed else {}
+    with torch.inference_mode():
+        ref = loaded.hf(
+            input_ids=torch.tensor([ids]),
+            pixel_values_videos=pixels,
+            video_grid_thw=torch.tensor([grid]),
+            mm_token_type_ids=torch.tensor([[2 * (t == config.video_token_id) for t in ids]]),
+            **kwargs,
+        ).logits[0]
+        positions, _ = get_mrope_positions(
+            ids,
+            (),
+            image_token_id=config.image_token_id,
+            video_token_id=config.video_token_id,
+            spatial_merge_size=config.vision.spatial_merge_size,
+            video_grid_thw=[grid],
+            second_per_grid_ts=seconds,
+            tokens_per_second=config.vision.tokens_per_second,
+        )
+        mm = loaded.model.embed_multimodal(pixels, [grid])[0]
+        embeds = loaded.model.embed_input_ids(torch.tensor(ids), mm)
+        meta = build_attention_metadata([len(ids)], [len(ids)], [[3, 1, 0, 2, 5, 4, 6, 9, 8, 7]], 8)
+        kv = allocate_kv_caches(config, 10, 8, "cpu", torch.float32)
+        hidden = loaded.model(None, torch.from_numpy(positions), meta, kv, inputs_embeds=embeds)
+        ours = loaded.model.compute_logits(hidden)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
