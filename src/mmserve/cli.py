@@ -168,7 +168,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a(
         "--max-media-bytes",
         type=int,
-        default=32 * 1024 * 1024,
+        default=20 * 1024 * 1024,
         help="Largest media item to fetch or decode, in bytes.",
     )
     a(

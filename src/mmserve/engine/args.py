@@ -75,7 +75,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     hash_algorithm: str = "blake3"
     media_fetch_timeout: float = 5.0
-    max_media_bytes: int = 32 * 1024 * 1024
+    max_media_bytes: int = 20 * 1024 * 1024
     max_request_body_bytes: int = 64 * 1024 * 1024
     log_level: str = "info"
     uvicorn_log_level: str = "warning"

@@ -26,7 +26,8 @@ from mmserve.scheduling.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 2 << 30  # default KV pool on the CPU when nothing sizes it
-GPU_KV_MEMORY_FRACTION = 0.8  # of the memory free after loading weights
+GPU_KV_MEMORY_FRACTION = 0.8
+SERVER_DECODE_WORKERS = 2  # of the memory free after loading weights
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,13 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> tor
     return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
-def build_engine(args: EngineArgs) -> tuple[LLMEngine, ResolvedConfig]:
-    """Load the model and build processor, scheduler and runner for it."""
+def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngine, ResolvedConfig]:
+    """Load the model and build processor, scheduler and runner for it.
+
+    `decode_workers` > 0 decodes media bytes in that many worker processes, so that a decoder
+    crash or hang fails one request instead of the server (the server uses it; the offline API
+    decodes in-process).
+    """
     torch.manual_seed(args.seed)
     device = resolve_device(args.device)
     model_dir = Path(args.model)
@@ -90,6 +96,7 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, ResolvedConfig]:
             allowed_local_media_path=args.allowed_local_media_path,
             fetch_timeout_s=args.media_fetch_timeout,
             max_fetch_bytes=args.max_media_bytes,
+            decode_workers=decode_workers,
         )
     )
     input_processor = InputProcessor.from_pretrained(
@@ -232,5 +239,5 @@ def _describe(
 def build_async_engine(args: EngineArgs):  # -> AsyncLLMEngine
     from mmserve.engine.async_engine import AsyncLLMEngine
 
-    engine, resolved = build_engine(args)
+    engine, resolved = build_engine(args, decode_workers=SERVER_DECODE_WORKERS)
     return AsyncLLMEngine(engine, resolved, model_name=args.resolved_served_model_name)
