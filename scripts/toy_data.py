@@ -1,0 +1,278 @@
+"""Synthetic pictures and questions for the bundled toy model: sampling, drawing, chat prompts.
+
+Everything here is a pure function of a `numpy.random.Generator`, so a seed fixes the whole
+stream. Pictures hold one or two solid shapes in distinct colours on a plain grey background;
+each `Example` pairs one or two pictures with a question and its exact answer string.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import jinja2
+import numpy as np
+from PIL import Image, ImageDraw
+
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30),
+    "green": (30, 170, 50),
+    "blue": (30, 70, 225),
+    "yellow": (240, 215, 25),
+    "purple": (135, 40, 185),
+    "orange": (245, 135, 20),
+}
+SHAPES = ("circle", "square", "triangle", "star")
+# The answer to "Where is the shape?" for the 3x3 cell [row][col] holding the shape's centre.
+POSITIONS = (
+    ("top left", "top", "top right"),
+    ("left", "centre", "right"),
+    ("bottom left", "bottom", "bottom right"),
+)
+COUNTS = ("one", "two")
+ORDINALS = ("the first", "the second")
+
+QUESTIONS = {
+    "describe": "What is in the image?",
+    "colour": "What colour is the shape?",
+    "shape": "What shape is it?",
+    "position": "Where is the shape?",
+    "count": "How many shapes are there?",
+    "which": "Which image shows a {shape}?",
+    "same_colour": "Are the two shapes the same colour?",
+}
+ONE_IMAGE_TASKS = ("describe", "colour", "shape", "position", "count")
+TWO_IMAGE_TASKS = ("which", "same_colour")
+TASKS = ONE_IMAGE_TASKS + TWO_IMAGE_TASKS
+
+# Plain words for random system prompts, so the model copes with long shared prefixes.
+WORDS = tuple(
+    (  # noqa: SIM905 - a paragraph reads better than 80 one-word lines
+        "you are a helpful assistant that answers questions about pictures briefly and exactly "
+        "please look at the image carefully then reply with a few words only the user may ask "
+        "about colour shape position or count be precise short clear honest kind calm simple "
+        "this is a test of the serving engine cache prefix system prompt with many plain words "
+        "red green blue yellow purple orange circle square triangle star left right top bottom"
+    ).split()
+)
+
+# A centre closer than this (fraction of the side) to a 3x3 grid line would make
+# "Where is the shape?" ambiguous, so such centres are never drawn.
+CELL_MARGIN = 0.03
+MIN_SIDE, MAX_SIDE = 56, 448
+
+
+@dataclass(frozen=True)
+class Shape:
+    kind: str  # one of SHAPES
+    colour: str  # one of COLOURS
+    rgb: tuple[int, int, int]  # the colour, slightly jittered
+    cx: float  # centre, pixels from the left
+    cy: float  # centre, pixels from the top
+    radius: float  # half the side of the bounding square, pixels
+
+
+@dataclass(frozen=True)
+class Picture:
+    width: int
+    height: int
+    background: tuple[int, int, int]
+    shapes: tuple[Shape, ...]
+
+
+@dataclass(frozen=True)
+class Example:
+    task: str
+    pictures: tuple[Picture, ...]
+    question: str
+    answer: str
+    system: str | None  # None: the chat template's default system prompt
+
+
+def position_of(shape: Shape, width: int, height: int) -> str:
+    col = min(int(3 * shape.cx / width), 2)
+    row = min(int(3 * shape.cy / height), 2)
+    return POSITIONS[row][col]
+
+
+def describe(picture: Picture) -> str:
+    return " and ".join(f"a {s.colour} {s.kind}" for s in picture.shapes)
+
+
+def sample_size(rng: np.random.Generator) -> tuple[int, int]:
+    """Width and height in [56, 448]: mostly small, with aspect ratios up to 3:1 either way."""
+    long_side = MIN_SIDE * 8 ** (rng.random() ** 1.6)
+    aspect = math.exp(rng.uniform(0.0, math.log(3.0))) if rng.random() < 0.6 else 1.0
+    short_side = max(MIN_SIDE, long_side / aspect)
+    long_px, short_px = round(min(long_side, MAX_SIDE)), round(min(short_side, MAX_SIDE))
+    return (long_px, short_px) if rng.random() < 0.5 else (short_px, long_px)
+
+
+def _jitter(rng: np.random.Generator, rgb: tuple[int, int, int]) -> tuple[int, int, int]:
+    noise = rng.integers(-15, 16, size=3)
+    return tuple(int(np.clip(c + n, 0, 255)) for c, n in zip(rgb, noise, strict=True))
+
+
+def _background(rng: np.random.Generator) -> tuple[int, int, int]:
+    grey = int(rng.integers(20, 236))
+    return (grey, grey, grey)
+
+
+def _axis_range(cell: int, side: int, radius: float) -> tuple[float, float]:
+    """Centre coordinates that keep the shape inside the picture and its centre inside `cell`."""
+    lo = max(radius, (cell / 3 + CELL_MARGIN) * side)
+    hi = min(side - radius, ((cell + 1) / 3 - CELL_MARGIN) * side)
+    return lo, hi
+
+
+def sample_single(rng: np.random.Generator, kind: str | None = None, colour: str | None = None):
+    """A picture of one shape whose centre lies well inside a random cell of the 3x3 grid."""
+    width, height = sample_size(rng)
+    kind = kind or SHAPES[rng.integers(len(SHAPES))]
+    colour = colour or list(COLOURS)[rng.integers(len(COLOURS))]
+    row, col = int(rng.integers(3)), int(rng.integers(3))
+    short = min(width, height)
+    # The largest radius that still lets the centre sit inside the chosen cell.
+    max_radius = min(
+        0.31 * short,
+        ((col + 1) / 3 - CELL_MARGIN) * width if col == 0 else width,
+        (1 - (col / 3 + CELL_MARGIN)) * width if col == 2 else width,
+        ((row + 1) / 3 - CELL_MARGIN) * height if row == 0 else height,
+        (1 - (row / 3 + CELL_MARGIN)) * height if row == 2 else height,
+    )
+    # Large shapes: the tiny vision tower tells shapes apart only when they span several patches.
+    radius = rng.uniform(min(0.21 * short, max_radius), max_radius)
+    x_lo, x_hi = _axis_range(col, width, radius)
+    y_lo, y_hi = _axis_range(row, height, radius)
+    shape = Shape(
+        kind,
+        colour,
+        _jitter(rng, COLOURS[colour]),
+        cx=rng.uniform(x_lo, x_hi),
+        cy=rng.uniform(y_lo, y_hi),
+        radius=radius,
+    )
+    return Picture(width, height, _background(rng), (shape,))
+
+
+def sample_pair(rng: np.random.Generator) -> Picture:
+    """A picture of two shapes in different colours that do not touch."""
+    width, height = sample_size(rng)
+    short = min(width, height)
+    colours = rng.choice(len(COLOURS), size=2, replace=False)
+    while True:
+        shapes = []
+        for c in colours:
+            radius = rng.uniform(0.12, 0.22) * short
+            name = list(COLOURS)[c]
+            shapes.append(
+                Shape(
+                    SHAPES[rng.integers(len(SHAPES))],
+                    name,
+                    _jitter(rng, COLOURS[name]),
+                    cx=rng.uniform(radius, width - radius),
+                    cy=rng.uniform(radius, height - radius),
+                    radius=radius,
+                )
+            )
+        a, b = shapes
+        if math.hypot(a.cx - b.cx, a.cy - b.cy) > 1.05 * (a.radius + b.radius) + 2:
+            return Picture(width, height, _background(rng), tuple(shapes))
+
+
+def _system_prompt(rng: np.random.Generator) -> str | None:
+    if rng.random() < 0.65:
+        return None
+    num_words = int(math.exp(rng.uniform(0.0, math.log(160.0))))
+    words = rng.choice(len(WORDS), size=num_words)
+    text = " ".join(WORDS[w] for w in words)
+    return text[0].upper() + text[1:] + "."
+
+
+def sample_example(rng: np.random.Generator, task: str) -> Example:
+    """One question of `task` (see TASKS) about freshly drawn pictures, with its exact answer."""
+    system = _system_prompt(rng)
+    if task in ("describe", "colour", "shape", "position"):
+        pic = sample_single(rng)
+        s = pic.shapes[0]
+        answer = {
+            "describe": describe(pic),
+            "colour": s.colour,
+            "shape": s.kind,
+            "position": position_of(s, pic.width, pic.height),
+        }[task]
+        return Example(task, (pic,), QUESTIONS[task], answer, system)
+    if task == "count":
+        num_shapes = int(rng.integers(1, 3))
+        pic = sample_single(rng) if num_shapes == 1 else sample_pair(rng)
+        return Example(task, (pic,), QUESTIONS[task], COUNTS[num_shapes - 1], system)
+    if task == "which":
+        kinds = rng.choice(len(SHAPES), size=2, replace=False)
+        pics = tuple(sample_single(rng, kind=SHAPES[k]) for k in kinds)
+        target = int(rng.integers(2))
+        question = QUESTIONS[task].format(shape=SHAPES[kinds[target]])
+        return Example(task, pics, question, ORDINALS[target], system)
+    if task == "same_colour":
+        is_same = bool(rng.random() < 0.5)
+        colours = rng.choice(len(COLOURS), size=2, replace=False)
+        names = [list(COLOURS)[c] for c in colours]
+        first = sample_single(rng, colour=names[0])
+        second = sample_single(rng, colour=names[0] if is_same else names[1])
+        return Example(task, (first, second), QUESTIONS[task], "yes" if is_same else "no", system)
+    raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+
+
+def _star_points(s: Shape) -> list[tuple[float, float]]:
+    points = []
+    for i in range(10):
+        r = s.radius if i % 2 == 0 else 0.42 * s.radius
+        angle = -math.pi / 2 + i * math.pi / 5
+        points.append((s.cx + r * math.cos(angle), s.cy + r * math.sin(angle)))
+    return points
+
+
+def draw(picture: Picture) -> Image.Image:
+    """Render a picture as an RGB image of exactly picture.width x picture.height."""
+    image = Image.new("RGB", (picture.width, picture.height), picture.background)
+    pen = ImageDraw.Draw(image)
+    for s in picture.shapes:
+        box = (s.cx - s.radius, s.cy - s.radius, s.cx + s.radius, s.cy + s.radius)
+        if s.kind == "circle":
+            pen.ellipse(box, fill=s.rgb)
+        elif s.kind == "square":
+            pen.rectangle(box, fill=s.rgb)
+        elif s.kind == "triangle":
+            apex = (s.cx, s.cy - s.radius)
+            pen.polygon([apex, (box[2], box[3]), (box[0], box[3])], fill=s.rgb)
+        elif s.kind == "star":
+            pen.polygon(_star_points(s), fill=s.rgb)
+        else:
+            raise ValueError(f"unknown shape {s.kind!r}")
+    return image
+
+
+def render_prompt(example: Example, chat_template: str) -> str:
+    """The chat template's rendering of the example's prompt, up to the assistant header."""
+    content = [{"type": "image"} for _ in example.pictures]
+    content.append({"type": "text", "text": example.question})
+    messages = [{"role": "user", "content": content}]
+    if example.system is not None:
+        messages.insert(0, {"role": "system", "content": example.system})
+    return _compiled(chat_template).render(messages=messages, add_generation_prompt=True)
+
+
+@lru_cache(maxsize=4)
+def _compiled(chat_template: str) -> jinja2.Template:
+    # Compiling the template costs ~10 ms, far more than rendering it.
+    return jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(chat_template)
+
+
+def tokenizer_corpus(rng: np.random.Generator, num_examples: int = 3000) -> list[str]:
+    """Texts to train the BPE tokenizer on: every question, answer and system-prompt word."""
+    texts = ["You are a helpful assistant.", " ".join(WORDS)]
+    for _ in range(num_examples):
+        ex = sample_example(rng, TASKS[rng.integers(len(TASKS))])
+        texts.extend([ex.question, ex.answer, ex.system or ""])
+    texts.extend(QUESTIONS.values())
+    return texts

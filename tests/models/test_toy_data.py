@@ -1,0 +1,157 @@
+"""The toy model's data generator: seeded, and every answer agrees with the drawn picture."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.factory import QWEN2_VL_CHAT_TEMPLATE, build_tokenizer, preprocessor_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+from toy_data import (  # noqa: E402
+    COLOURS,
+    COUNTS,
+    ORDINALS,
+    POSITIONS,
+    SHAPES,
+    TASKS,
+    Example,
+    Picture,
+    draw,
+    render_prompt,
+    sample_example,
+)
+
+
+def _stream(seed: int, n: int) -> list[Example]:
+    rng = np.random.default_rng(seed)
+    return [sample_example(rng, TASKS[i % len(TASKS)]) for i in range(n)]
+
+
+def test_same_seed_same_examples_and_pixels() -> None:
+    a, b = _stream(7, 28), _stream(7, 28)
+    assert a == b
+    for x, y in zip(a, b, strict=True):
+        for p, q in zip(x.pictures, y.pictures, strict=True):
+            assert draw(p).tobytes() == draw(q).tobytes()
+    assert _stream(8, 28) != a
+
+
+def _pixels_of(picture: Picture, rgb: tuple[int, int, int]) -> np.ndarray:
+    arr = np.asarray(draw(picture))  # [H, W, 3]
+    return np.argwhere((arr == np.array(rgb)).all(axis=-1))  # [num_pixels, 2] (row, col)
+
+
+def _seen_shape(picture: Picture, rgb: tuple[int, int, int]) -> str:
+    """Classify a drawn shape by how much of its bounding box it fills."""
+    pts = _pixels_of(picture, rgb)
+    box = (np.ptp(pts[:, 0]) + 1) * (np.ptp(pts[:, 1]) + 1)
+    fill = len(pts) / box
+    return (
+        "square"
+        if fill > 0.9
+        else "circle"
+        if fill > 0.65
+        else "triangle"
+        if fill > 0.43
+        else "star"
+    )
+
+
+def _seen_colour(rgb: tuple[int, int, int]) -> str:
+    return min(
+        COLOURS, key=lambda c: sum((a - b) ** 2 for a, b in zip(COLOURS[c], rgb, strict=True))
+    )
+
+
+def _seen_position(picture: Picture, rgb: tuple[int, int, int]) -> str:
+    pts = _pixels_of(picture, rgb)
+    (top, left), (bottom, right) = pts.min(axis=0), pts.max(axis=0)
+    row = int(3 * (top + bottom + 1) / 2 / picture.height)
+    col = int(3 * (left + right + 1) / 2 / picture.width)
+    return POSITIONS[row][col]
+
+
+def _seen_colours(picture: Picture) -> list[str]:
+    arr = np.asarray(draw(picture)).reshape(-1, 3)
+    colours = {tuple(int(v) for v in px) for px in np.unique(arr, axis=0)}
+    return [_seen_colour(c) for c in colours if c != picture.background]
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_answers_match_the_drawn_pictures(task: str) -> None:
+    rng = np.random.default_rng(123)
+    for _ in range(60):
+        ex = sample_example(rng, task)
+        shapes = [p.shapes[0] for p in ex.pictures]
+        if task in ("describe", "colour", "shape", "position"):
+            pic, rgb = ex.pictures[0], shapes[0].rgb
+            seen = {
+                "colour": _seen_colour(rgb),
+                "shape": _seen_shape(pic, rgb),
+                "position": _seen_position(pic, rgb),
+                "describe": f"a {_seen_colour(rgb)} {_seen_shape(pic, rgb)}",
+            }[task]
+            assert ex.answer == seen, ex
+        elif task == "count":
+            assert ex.answer == COUNTS[len(_seen_colours(ex.pictures[0])) - 1]
+        elif task == "which":
+            seen = [_seen_shape(p, s.rgb) for p, s in zip(ex.pictures, shapes, strict=True)]
+            asked = next(s for s in SHAPES if ex.question == f"Which image shows a {s}?")
+            assert seen.count(asked) == 1
+            assert ex.answer == ORDINALS[seen.index(asked)]
+        else:
+            first, second = (_seen_colours(p) for p in ex.pictures)
+            assert ex.answer == ("yes" if first == second else "no")
+
+
+def test_picture_sizes_cover_the_dynamic_resolution_range() -> None:
+    pictures = [p for ex in _stream(3, 700) for p in ex.pictures]
+    widths = np.array([p.width for p in pictures])
+    heights = np.array([p.height for p in pictures])
+    assert widths.min() >= 56 and heights.min() >= 56
+    assert widths.max() <= 448 and heights.max() <= 448
+    assert max(widths.max(), heights.max()) > 380
+    aspect = widths / heights
+    assert aspect.min() < 0.45 and aspect.max() > 2.2
+    assert np.median(np.maximum(widths, heights)) < 224
+
+
+@pytest.mark.parametrize("num_images", [1, 2])
+@pytest.mark.parametrize("system", [None, "Be brief and exact."])
+def test_prompt_is_the_chat_template_rendering(
+    tmp_path: Path, num_images: int, system: str | None
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    build_tokenizer(tmp_path)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    pic = Picture(64, 64, (128, 128, 128), ())
+    ex = Example("which", (pic,) * num_images, "Which image shows a star?", "the first", system)
+    content = [{"type": "image"}] * num_images + [{"type": "text", "text": ex.question}]
+    messages = [{"role": "user", "content": content}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    expected = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert render_prompt(ex, QWEN2_VL_CHAT_TEMPLATE) == expected
+
+
+def test_training_pixels_match_the_transformers_image_processor() -> None:
+    transformers = pytest.importorskip("transformers")
+    from toy_batches import PixelConfig, image_patches
+
+    cfg = preprocessor_config(112 * 112, 168 * 168)
+    processor = transformers.Qwen2VLImageProcessorPil(
+        **{k: v for k, v in cfg.items() if k not in ("image_processor_type", "processor_class")}
+    )
+    px = PixelConfig.from_dict(cfg)
+    for ex in _stream(5, 14):
+        for picture in ex.pictures:
+            image = draw(picture)
+            want = processor(images=[image], return_tensors="np")
+            got, grid = image_patches(image, px)
+            assert [list(grid)] == want["image_grid_thw"].tolist()
+            np.testing.assert_allclose(got, want["pixel_values"], atol=1e-5)
