@@ -157,3 +157,23 @@ def test_image_inside_the_hit_is_not_encoded_and_straddling_image_is():
     assert hit == 48
     assert encoded == [1]  # Y is encoded whole; X, inside the computed prefix, is not
     assert runner.num_items_encoded == 3
+
+
+def test_a_request_sharing_blocks_computed_this_step_waits_one_step_and_hits():
+    scheduler, runner = _scheduler(), FakeRunner(8192, BS)
+    first = make_request("first", 70, [("img-a", 5, 40)], max_tokens=2)
+    same = make_request("same", 70, [("img-a", 5, 40)], max_tokens=2)
+    other = make_request("other", 70, [("img-b", 5, 40)], text_seed=3, max_tokens=2)
+    for r in (first, same, other):
+        scheduler.add_request(r)
+    out, _ = run_step(scheduler, runner)
+    # "same" shares its first block with "first", which computes it in this very step: it is
+    # deferred (not blocking "other" behind it) instead of recomputing the prefix and image.
+    assert set(out.num_scheduled_tokens) == {"first", "other"}
+    out, _ = run_step(scheduler, runner)
+    (new,) = out.scheduled_new_reqs
+    assert new.request_id == "same" and new.num_computed_tokens == 64  # 4 full blocks hit
+    assert "same" not in out.scheduled_encoder_inputs  # the image is inside the hit
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler, runner)
+    scheduler.check_integrity()

@@ -24,6 +24,7 @@ def _setup(**scheduler_kwargs) -> tuple[Scheduler, FakeRunner]:
 def _img_req(rid: str, identifier: str, text_before: int, num_embeds: int, **kwargs):
     kwargs.setdefault("ignore_eos", True)
     kwargs.setdefault("max_tokens", 200)
+    kwargs.setdefault("text_seed", sum(map(ord, rid)))  # no shared text prefix between requests
     return make_request(
         rid, text_before + num_embeds + 10, [(identifier, text_before, num_embeds)], **kwargs
     )

@@ -128,7 +128,7 @@ def test_max_num_seqs_and_token_budget_bound_every_step():
     scheduler = _setup(max_num_seqs=3, max_num_batched_tokens=200)
     runner = FakeRunner(256, 16)
     for i in range(8):
-        scheduler.add_request(make_request(f"r{i}", 30 + i, max_tokens=4))
+        scheduler.add_request(make_request(f"r{i}", 30 + i, text_seed=i, max_tokens=4))
     stats_seen = []
     while scheduler.has_unfinished_requests():
         out, _ = run_step(scheduler, runner)

@@ -142,7 +142,8 @@ def _attend_prefill(
 ) -> torch.Tensor:
     """Causal attention of one sequence's last q_len tokens over all its seq_len keys.
 
-    query [q_len, num_heads, head_dim], key/value [seq_len, num_heads, head_dim].
+    query [q_len, num_heads, head_dim], key/value [seq_len, num_kv_heads, head_dim] (GQA: each
+    KV head serves num_heads / num_kv_heads query heads).
     """
     q_len, num_heads, _ = query.shape
     seq_len = key.shape[0]
@@ -150,7 +151,9 @@ def _attend_prefill(
     k = key.transpose(0, 1).unsqueeze(0)  # [1, num_heads, seq_len, head_dim]
     v = value.transpose(0, 1).unsqueeze(0)
     if q_len == seq_len and q_len * seq_len * num_heads <= max_score_elements:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=num_heads != k.shape[1]
+        )
         return out.squeeze(0).transpose(0, 1)
     context_len = seq_len - q_len
     chunk = max(1, max_score_elements // (seq_len * num_heads))
@@ -161,7 +164,14 @@ def _attend_prefill(
         query_pos = torch.arange(context_len + start, context_len + end, device=query.device)
         mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [chunk, seq_len] True = attend
         outs.append(
-            F.scaled_dot_product_attention(q[:, :, start:end], k, v, attn_mask=mask, scale=scale)
+            F.scaled_dot_product_attention(
+                q[:, :, start:end],
+                k,
+                v,
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=num_heads != k.shape[1],
+            )
         )
     return torch.cat(outs, dim=2).squeeze(0).transpose(0, 1)
 
@@ -181,17 +191,20 @@ def _attend_decodes(
     n, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     max_blocks = block_tables.shape[1]
+    num_keys = max_blocks * block_size
     ids = block_tables.long()
-    # [n, max_blocks * block_size, num_kv_heads, head_dim]
-    key = kv_cache[0][ids].view(n, max_blocks * block_size, num_kv_heads, head_dim)
-    value = kv_cache[1][ids].view(n, max_blocks * block_size, num_kv_heads, head_dim)
-    key = key.repeat_interleave(num_queries_per_kv, dim=2).transpose(1, 2)
-    value = value.repeat_interleave(num_queries_per_kv, dim=2).transpose(1, 2)
-    key_pos = torch.arange(max_blocks * block_size, device=query.device)
+    # [n, num_kv_heads, num_keys, head_dim]: keys of each sequence, read through its blocks
+    flat_ids = ids.reshape(-1)
+    key = kv_cache[0].index_select(0, flat_ids).view(n, num_keys, num_kv_heads, head_dim)
+    value = kv_cache[1].index_select(0, flat_ids).view(n, num_keys, num_kv_heads, head_dim)
+    key, value = key.transpose(1, 2), value.transpose(1, 2)
+    key_pos = torch.arange(num_keys, device=query.device)
     mask = (key_pos.unsqueeze(0) < seq_lens.unsqueeze(1)).view(n, 1, 1, -1)  # [n, 1, 1, keys]
-    q = query.unsqueeze(2)  # [n, num_heads, 1, head_dim]
+    # GQA without copying K/V: the query heads that share a KV head become that head's
+    # "query rows" ([n, num_kv_heads, group, head_dim]); head h = kv_head * group + g.
+    q = query.view(n, num_kv_heads, num_queries_per_kv, head_dim)
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
-    return out.squeeze(2)
+    return out.reshape(n, num_heads, head_dim)
 
 
 def paged_attention(
@@ -235,8 +248,6 @@ def paged_attention(
             continue
         num_blocks = -(-seq_lens[i] // block_size)
         k, v = _gather_kv(kv_cache, metadata.block_tables[i, :num_blocks].long(), seq_lens[i])
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
         out[start:end] = _attend_prefill(query[start:end], k, v, scale, max_score_elements)
     return out
 

@@ -61,6 +61,8 @@ class _Step:
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    # hashes of the full KV blocks this step will compute (to defer requests that share them)
+    inflight_block_hashes: set[str] = field(default_factory=set)
 
 
 class Scheduler:
@@ -205,6 +207,11 @@ class Scheduler:
             request = self.waiting.popleft()
             computed = self.kv_cache_manager.get_computed_blocks(request)
             num_computed = computed.num_computed_tokens
+            if self._next_block_in_flight(request, num_computed, step):
+                # NOTE: its next prefix block is being computed by another request in this
+                # very step; waiting one step turns that recomputation into a cache hit.
+                skipped.append(request)
+                continue
             num_new = min(request.num_tokens - num_computed, step.token_budget)
             num_new, items, rolled_back = self._try_schedule_encoder_inputs(
                 request, num_computed, num_new, step
@@ -273,8 +280,26 @@ class Scheduler:
             num_embeds_to_schedule += feature.num_embeds
         return num_new, to_encode, False
 
+    def _next_block_in_flight(self, request: Request, num_computed: int, step: _Step) -> bool:
+        if not step.inflight_block_hashes:
+            return False
+        next_block = num_computed // self.cache_config.block_size
+        hashes = request.block_hashes
+        return next_block < len(hashes) and hashes[next_block] in step.inflight_block_hashes
+
     def _commit(self, request: Request, num_new: int, items: list[int], step: _Step) -> None:
         """Book a scheduled request: encoder slots, budgets, and its advanced position."""
+        if self.cache_config.enable_prefix_caching and request.num_computed_tokens < (
+            request.num_prompt_tokens
+        ):
+            kv = self.kv_cache_manager
+            kv.update_block_hashes(request)
+            bs = self.cache_config.block_size
+            first, last = (
+                request.num_computed_tokens // bs,
+                (request.num_computed_tokens + num_new) // bs,
+            )
+            step.inflight_block_hashes.update(request.block_hashes[first:last])
         for item_idx in items:
             self.encoder_cache_manager.allocate(request, item_idx)
             step.encoder_budget -= request.mm_features[item_idx].num_embeds
