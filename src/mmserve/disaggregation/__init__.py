@@ -1,1 +1,0 @@
-"""Disaggregation stage of mmserve."""
