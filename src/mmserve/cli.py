@@ -272,12 +272,21 @@ async def _serve(engine_args: EngineArgs) -> None:
 
 
 def _log_configuration(engine_args: EngineArgs, engine: Any, name: str) -> None:
+    """One block: what the engine resolved (sizes with their byte cost), then the flags."""
     lines = [f"  served model name: {name}"]
-    for key, value in vars(engine_args).items():
-        if key != "api_key":
-            lines.append(f"  {key}: {json.dumps(value) if isinstance(value, dict) else value}")
-    lines.append(f"  api_key: {'set' if engine_args.api_key else 'not set'}")
     describe = getattr(engine, "describe", None)
     if callable(describe):
-        lines.extend(f"  {key}: {value}" for key, value in describe().items())
-    logger.info("resolved configuration:\n%s", "\n".join(lines))
+        lines.append("  engine (resolved):")
+        lines.extend(f"    {key}: {_with_units(key, value)}" for key, value in describe().items())
+    lines.append("  flags:")
+    for key, value in vars(engine_args).items():
+        if key != "api_key":
+            lines.append(f"    {key}: {json.dumps(value) if isinstance(value, dict) else value}")
+    lines.append(f"    api_key: {'set' if engine_args.api_key else 'not set'}")
+    logger.info("configuration:\n%s", "\n".join(lines))
+
+
+def _with_units(key: str, value: Any) -> str:
+    if key.endswith("_bytes") and isinstance(value, int):
+        return f"{value} ({value / (1 << 20):.1f} MiB)"
+    return str(value)

@@ -100,7 +100,7 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(tmp_path: Path) -
     assert result["status"] == 200, result
     assert result["body"]["usage"]["completion_tokens"] == 20  # type: ignore[index]
     # One configuration block with the engine's resolved values, and no secret in it.
-    assert "resolved configuration" in stderr
+    assert "configuration:" in stderr
     assert "kv_blocks: 16" in stderr and "encoder_cache_slots: 4096" in stderr
     assert "from-env" not in stderr
     assert json.dumps("echo-ckpt")[1:-1] in stderr
