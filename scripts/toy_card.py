@@ -18,6 +18,15 @@ TASK_ROWS = {
 }
 
 
+def _commands(args: argparse.Namespace) -> str:
+    base = f"python scripts/train_toy_model.py --out src/mmserve/models/toy --seed {args.seed}"
+    run = f"--steps {args.steps} --batch-size {args.batch_size} --lr {args.lr}"
+    if not args.resume:
+        return f"{base} {run}"
+    # A resumed checkpoint: the first stage ran with the script's defaults.
+    return f"{base}\n{base} --resume {run}"
+
+
 def write_model_card(
     out: Path, accs: dict[str, float], args: argparse.Namespace, num_params: int, pre: dict
 ) -> None:
@@ -66,8 +75,7 @@ Ask anything else and the reply is meaningless.
 ## How to reproduce
 
 ```
-python scripts/train_toy_model.py --out src/mmserve/models/toy --seed {args.seed} \\
-    --steps {args.steps} --batch-size {args.batch_size} --lr {args.lr}
+{_commands(args)}
 ```
 
 About 12-15 minutes on two idle CPU cores (transformers and torch, the development

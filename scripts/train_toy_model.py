@@ -70,22 +70,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=2800)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=24)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-per-task", type=int, default=200)
     parser.add_argument("--threads", type=int, default=0, help="0: one per free core")
     parser.add_argument(
         "--eval-only", action="store_true", help="evaluate the checkpoint in --out, no training"
     )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue training the checkpoint in --out"
+    )
     parser.add_argument("--device", default="cpu", help="torch device to train on")
     return parser.parse_args()
 
 
 def free_cores() -> int:
-    """Cores not already busy with other work (the 1-minute load average), at least two when
-    the machine has them: on a shared machine more threads also mean a fairer share of it."""
+    """Cores not already busy with other work (the 1-minute load average). More threads than
+    free cores is far slower, not faster: each step's threads wait on the descheduled one."""
     total = os.cpu_count() or 1
-    return max(min(2, total), total - int(os.getloadavg()[0] + 0.5))
+    return max(1, total - int(os.getloadavg()[0] + 0.5))
 
 
 def build_model(ids: dict[str, int], vocab_size: int, seed: int) -> transformers.PreTrainedModel:
@@ -209,7 +212,7 @@ def main() -> None:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
 
-    if args.eval_only:
+    if args.eval_only or args.resume:
         tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     else:
         tok = build_tokenizer(
@@ -225,10 +228,17 @@ def main() -> None:
     held_out = Sampler(args.seed + 1_000_003, tok, special, px)
     monitor = {t: held_out.draw(64, t) for t in TASKS}
     if not args.eval_only:
-        model = build_model(ids, vocab_size, args.seed)
+        if args.resume:
+            model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
+                out, dtype=torch.float32
+            )
+        else:
+            model = build_model(ids, vocab_size, args.seed)
         log.info("parameters: %d", sum(p.numel() for p in model.parameters()))
         model.to(args.device)
-        train(model, args, Sampler(args.seed, tok, special, px), monitor, special)
+        # A resumed run draws a training stream of its own rather than replaying the first.
+        train_seed = args.seed + 1 if args.resume else args.seed
+        train(model, args, Sampler(train_seed, tok, special, px), monitor, special)
         save(model, out, special)
     reloaded = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
         out, dtype=torch.float32
