@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,11 +13,6 @@ import httpx
 import pytest
 
 from tests.bench.standin_server import free_port
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("mmserve.api.server") is None,
-    reason="mmserve.api.server does not exist yet; remove this guard when `mmserve serve` lands",
-)
 
 
 @pytest.fixture(scope="module")
