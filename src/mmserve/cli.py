@@ -119,8 +119,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     a(
         "--api-key",
+        nargs="+",
         default=None,
-        help=f"Require 'Authorization: Bearer KEY' on /v1/*; also read from ${API_KEY_ENV}.",
+        metavar="KEY",
+        help=(
+            "Require 'Authorization: Bearer KEY' on /v1/* (several keys: one per tenant, each "
+            f"with its own media-UUID namespace); also read from ${API_KEY_ENV} (comma-separated)."
+        ),
     )
     a(
         "--dtype",
@@ -213,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(run_bench_serve(args) or 0)
     if args.api_key is None:
-        args.api_key = os.environ.get(API_KEY_ENV) or None
+        env_keys = [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+        args.api_key = env_keys or None
     try:
         engine_args = EngineArgs.from_cli(args)
     except ValueError as exc:
@@ -254,7 +260,7 @@ async def _serve(engine_args: EngineArgs) -> None:
     _log_configuration(engine_args, engine, name)
     app = create_app(
         engine,
-        api_key=engine_args.api_key,
+        api_keys=engine_args.api_key,
         served_model_name=name,
         max_request_body_bytes=engine_args.max_request_body_bytes,
         shutdown_timeout_s=ENGINE_SHUTDOWN_S,

@@ -26,7 +26,7 @@ def engine() -> EchoEngine:
 
 def make_app(engine: EchoEngine, **kwargs: object) -> FastAPI:
     options: dict[str, object] = {
-        "api_key": None,
+        "api_keys": None,
         "served_model_name": MODEL,
         "max_request_body_bytes": 1 << 20,
         "status_interval_s": None,

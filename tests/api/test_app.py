@@ -119,7 +119,7 @@ async def test_engine_failure_of_one_request_is_400_not_500(client: httpx.AsyncC
 
 
 async def test_api_key_guards_v1_only(engine: EchoEngine) -> None:
-    app = make_app(engine, api_key="s3cret")
+    app = make_app(engine, api_keys=("s3cret", "other-tenant"))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         assert_openai_error(await c.get("/v1/models"), 401)
         wrong = {"Authorization": "Bearer nope"}
@@ -131,9 +131,13 @@ async def test_api_key_guards_v1_only(engine: EchoEngine) -> None:
         assert (await c.get("/v1/models", headers=good)).status_code == 200
         resp = await c.post("/v1/chat/completions", json=chat("hi"), headers=good)
         assert resp.status_code == 200
-    # The caller's UUID namespace comes from its key, without revealing the key.
-    assert engine.namespaces[-1] not in ("default", "s3cret")
-    assert "s3cret" not in engine.namespaces[-1]
+        other = {"Authorization": "Bearer other-tenant"}
+        resp = await c.post("/v1/chat/completions", json=chat("hi"), headers=other)
+        assert resp.status_code == 200
+    # Each key is its own UUID namespace, derived from the key without revealing it.
+    first, second = engine.namespaces[-2:]
+    assert first != second
+    assert first not in ("default", "s3cret") and "s3cret" not in first
 
 
 async def test_namespace_is_default_without_api_key(client: httpx.AsyncClient, engine) -> None:

@@ -47,7 +47,7 @@ def test_every_flag_reaches_its_field(tmp_path: Path) -> None:
     assert args.limit_mm_per_prompt == {"image": 2}
     assert args.mm_processor_kwargs == {"max_pixels": 50176}
     assert args.allowed_media_domains == ("a.example", "b.example", "c.example")
-    assert args.api_key == "sk-zebra" and "sk-zebra" not in repr(args)
+    assert args.api_key == ("sk-zebra",) and "sk-zebra" not in repr(args)
     assert (args.dtype, args.device, args.seed, args.hash_algorithm) == (
         "float32",
         "cpu",

@@ -9,7 +9,7 @@ import hmac
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -50,9 +50,9 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 _CLIENT_GONE_STATUS = 499
 
 
-def caller_namespace(api_key: str | None, token: str | None) -> str:
-    """Whose UUID namespace a request uses: a short digest of its key ("default" without auth)."""
-    if api_key is None or token is None:
+def caller_namespace(token: str | None) -> str:
+    """Whose UUID namespace a request uses: a digest of its key ("default" without auth)."""
+    if token is None:
         return "default"
     return "key-" + hashlib.sha256(token.encode()).hexdigest()[:16]
 
@@ -60,7 +60,7 @@ def caller_namespace(api_key: str | None, token: str | None) -> str:
 def create_app(
     engine: EngineClient,
     *,
-    api_key: str | None,
+    api_keys: Sequence[str] | None,
     served_model_name: str,
     max_request_body_bytes: int,
     status_interval_s: float | None = 5.0,
@@ -85,20 +85,23 @@ def create_app(
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_request_body_bytes)
     registry = build_registry(engine.metrics)
 
+    keys = [k.encode() for k in api_keys or ()]
+
     def authenticate(request: Request) -> str:
-        if api_key is None:
+        if not keys:
             return "default"
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
+        given = token.strip().encode()
+        # compare against every key (no early exit), each in constant time
+        matches = [hmac.compare_digest(given, k) for k in keys]
+        if scheme.lower() != "bearer" or not any(matches):
             raise APIError(
                 401,
                 "missing or invalid API key: send 'Authorization: Bearer <key>' with the key "
                 "the server was started with (--api-key)",
                 code="invalid_api_key",
             )
-        return caller_namespace(api_key, token.strip())
+        return caller_namespace(token.strip())
 
     v1 = APIRouter(prefix="/v1")
 

@@ -66,7 +66,7 @@ class EngineArgs:
     mm_processor_kwargs: dict[str, Any] | None = None
     allowed_media_domains: tuple[str, ...] | None = None
     allowed_local_media_path: str | None = None
-    api_key: str | None = field(default=None, repr=False)
+    api_key: tuple[str, ...] | None = field(default=None, repr=False)
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -120,8 +120,11 @@ class EngineArgs:
                     )
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("--served-model-name must not be empty")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("--api-key must not be empty (omit it to disable authentication)")
+        if self.api_key is not None:
+            keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
+            if not keys or not all(isinstance(k, str) and k.strip() for k in keys):
+                raise ValueError("--api-key must not be empty (omit it to disable authentication)")
+            object.__setattr__(self, "api_key", keys)
 
     @property
     def resolved_served_model_name(self) -> str:
