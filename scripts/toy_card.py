@@ -70,7 +70,8 @@ Held-out greedy accuracy ({args.eval_per_task} fresh examples per question, tran
 |---|---|---|---|
 {rows}
 
-Ask anything else and the reply is meaningless.
+Below ~97% a task is not reliable yet: expect wrong shapes, positions and "which image"
+answers. Ask anything else and the reply is meaningless.
 
 ## How to reproduce
 
@@ -78,7 +79,7 @@ Ask anything else and the reply is meaningless.
 {_commands(args)}
 ```
 
-About 12-15 minutes on two idle CPU cores (transformers and torch, the development
+Each stage takes about 10-15 minutes on two idle CPU cores (transformers and torch, the development
 dependencies); `--device cuda` also works. Add `--eval-only` to re-measure the accuracy of
 the checkpoint in `--out` without training. The run is deterministic for a given seed and
 thread count; a different thread count changes floating-point rounding, not the accuracy.
