@@ -1,0 +1,102 @@
+"""A real `python -m mmserve serve` subprocess on 127.0.0.1, and small helpers to drive it."""
+
+from __future__ import annotations
+
+import base64
+import io
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+from PIL import Image
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(raw: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(raw).decode()}"
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def user(*parts: dict | str) -> list[dict]:
+    content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
+    return [{"role": "user", "content": content}]
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def wait_until_idle(url: str, timeout_s: float = 20.0) -> dict[str, float]:
+    """Poll /metrics until no request runs and every KV block and encoder slot is free."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = read_metrics(url)
+        idle = (
+            m["mmserve_num_requests_running"] == 0
+            and m["mmserve_num_requests_waiting"] == 0
+            and m["mmserve_kv_blocks_free"] == m["mmserve_kv_blocks_total"]
+            and m["mmserve_encoder_cache_used_slots"] == 0
+        )
+        if idle:
+            return m
+        assert time.monotonic() < deadline, f"server did not become idle: {m}"
+        time.sleep(0.2)
+
+
+class Server:
+    def __init__(self, model_dir: Path, log_path: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        argv = ["serve", "--model", str(model_dir), "--port", str(self.port), *extra]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mmserve", *argv], stdout=self.log, stderr=self.log
+        )
+        self.log_path = log_path
+        deadline = time.monotonic() + 180
+        while True:
+            assert self.proc.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start:\n" + log_path.read_text()
+            time.sleep(0.2)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()

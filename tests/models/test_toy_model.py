@@ -1,0 +1,68 @@
+"""The bundled toy model, served by mmserve's offline API, really answers about the pictures,
+exactly as transformers does with the same weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mmserve import LLM, SamplingParams
+from mmserve.engine.args import bundled_toy_model_dir
+from tests.oracle import HFOracle
+from tests.toy_examples import ONE_IMAGE_TASKS, TASKS, TWO_IMAGE_TASKS, held_out
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+NUM_PER_TASK = 100
+
+
+@pytest.fixture(scope="module")
+def toy() -> LLM:
+    return LLM()  # no model: the bundled toy checkpoint
+
+
+def _accuracy(llm: LLM, task: str, num: int) -> float:
+    questions = held_out(task, num)
+    outs = llm.chat([q.messages() for q in questions], GREEDY, use_tqdm=False)
+    right = sum(o.outputs[0].text.strip() == q.answer for o, q in zip(outs, questions, strict=True))
+    return right / num
+
+
+def test_llm_with_no_model_loads_the_toy(toy):
+    assert Path(toy.engine_args.model) == Path(bundled_toy_model_dir())
+    assert toy.get_tokenizer().token_to_id("<|image_pad|>") is not None
+
+
+@pytest.mark.parametrize("task", ONE_IMAGE_TASKS)
+def test_one_image_tasks_at_least_97_percent(toy, task):
+    assert _accuracy(toy, task, NUM_PER_TASK) >= 0.97
+
+
+@pytest.mark.parametrize("task", TWO_IMAGE_TASKS)
+def test_two_image_tasks_at_least_90_percent(toy, task):
+    assert _accuracy(toy, task, NUM_PER_TASK) >= 0.90
+
+
+def test_greedy_answers_equal_transformers_on_200_held_out_prompts(toy):
+    oracle = HFOracle(bundled_toy_model_dir())
+    tokenizer = toy.get_tokenizer()
+    questions = [q for task in TASKS for q in held_out(task, 200 // len(TASKS) + 1, seed=7)][:200]
+    outs = toy.chat([q.messages() for q in questions], GREEDY, use_tqdm=False)
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    for q, out in zip(questions, outs, strict=True):
+        prompt = tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+        prompt = _collapse_image_pads(prompt)
+        expected = _until(oracle.greedy(prompt, list(q.images), GREEDY.max_tokens), im_end)
+        assert out.outputs[0].token_ids == expected, (q.task, q.question)
+
+
+def _until(tokens: list[int], stop: int) -> list[int]:
+    return tokens[: tokens.index(stop) + 1] if stop in tokens else tokens
+
+
+def _collapse_image_pads(prompt: str) -> str:
+    """mmserve's expanded prompt back to one <|image_pad|> per image (the oracle expands it)."""
+    pad = "<|image_pad|>"
+    while pad + pad in prompt:
+        prompt = prompt.replace(pad + pad, pad)
+    return prompt
