@@ -23,9 +23,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from mmserve import LLM, SamplingParams  # noqa: E402
 from tests.factory import random_image, write_tiny_checkpoint  # noqa: E402
 from tests.oracle import HFOracle  # noqa: E402
+
+from mmserve import LLM, SamplingParams  # noqa: E402
 
 SIZES = [(224, 224), (448, 336), (336, 448), (448, 448), (280, 196)]
 # Proportioned like Qwen2-VL-7B at 1/14 width: ViT width ~0.37x the LM's, depth ~1.14x.
