@@ -108,3 +108,24 @@ def test_preemption_recomputes_to_the_same_answer(diverse_checkpoint):
     stats = tight.engine.scheduler.make_stats()
     assert stats.num_free_kv_blocks == 40
     assert any(r for r in [tight.engine.metrics.snapshot().counters["requests_finished"] == 6])
+
+
+def test_a_refused_request_in_a_batch_leaves_nothing_behind(diverse_checkpoint):
+    from mmserve.errors import EncoderItemTooLargeError
+
+    # The server-wide cap keeps items at 4 tokens, so the encoder cache holds few slots; one
+    # request raises its own cap, and its item can never fit: refused when it is added.
+    llm = LLM(
+        model=str(diverse_checkpoint),
+        mm_processor_kwargs={"max_pixels": 56 * 56},
+        max_num_batched_tokens=16,
+    )
+    huge = {**_image_request(2), "multi_modal_data": {"image": random_image(448, 448)}}
+    huge["mm_processor_kwargs"] = {"max_pixels": 448 * 448}
+    with pytest.raises(EncoderItemTooLargeError):
+        llm.generate([_image_request(1), huge], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests()
+    stats = llm.engine.scheduler.make_stats()
+    assert stats.num_free_kv_blocks == llm.engine.scheduler.cache_config.num_blocks
+    out = llm.generate(_image_request(1), SamplingParams(temperature=0, max_tokens=2))
+    assert len(out[0].outputs[0].token_ids) == 2

@@ -101,10 +101,6 @@ class LLM:
                     "pass one, or one per prompt"
                 )
         order: dict[str, int] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            request_id = str(next(self._ids))
-            self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt)
-            order[request_id] = i
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = tqdm(
             total=len(prompts),
@@ -112,6 +108,10 @@ class LLM:
             disable=not use_tqdm or len(prompts) < PROGRESS_BAR_MIN_PROMPTS,
         )
         try:
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt)
+                order[request_id] = i
             while any(r is None for r in results):
                 for out in self.engine.step():
                     if out.finished and out.request_id in order:
