@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -105,7 +106,7 @@ class AsyncLLMEngine:
             processor.check_prompt_text(prompt)
             return await asyncio.to_thread(processor.process, prompt, namespace=namespace)
         vocab = processor.tokenizer.vocab_size
-        reserved = set(processor.token_ids.__dict__.values())
+        reserved = set(dataclasses.astuple(processor.token_ids))
         for tok in prompt:
             if not isinstance(tok, int) or not 0 <= tok < vocab:
                 raise InvalidRequestError(

@@ -13,6 +13,7 @@ from mmserve.execution.sampler import make_generator
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.input_processor import InputProcessor
+from mmserve.processing.mrope import decode_positions
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.outputs import ModelRunnerOutput
 from mmserve.scheduling.request import Request, RequestStatus
@@ -58,8 +59,6 @@ class LLMEngine:
             max_tokens = min(max_tokens, params.max_tokens)
         positions, delta = prompt.mrope_positions, prompt.mrope_position_delta
         if positions is None:  # a text-only prompt built without the processor
-            from mmserve.processing.mrope import decode_positions
-
             positions, delta = decode_positions(0, num_prompt, 0), 0
         payload = RunnerPayload(
             sampling_params=params,
