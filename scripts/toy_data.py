@@ -59,8 +59,14 @@ WORDS = tuple(
 
 # A centre closer than this (fraction of the side) to a 3x3 grid line would make
 # "Where is the shape?" ambiguous, so such centres are never drawn.
-CELL_MARGIN = 0.03
+CELL_MARGIN = 0.05
 MIN_SIDE, MAX_SIDE = 56, 448
+# Shape radius as a fraction of the picture's short side: large for the questions about what
+# the shape is, smaller for "Where is the shape?" so that its centre can sit inside any cell.
+BIG_RADIUS = (0.28, 0.42)
+CELL_RADIUS = (0.18, 0.30)
+# Share of pictures that are not square (aspect ratios up to 3:1 either way).
+NON_SQUARE = 0.35
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ def describe(picture: Picture) -> str:
 def sample_size(rng: np.random.Generator) -> tuple[int, int]:
     """Width and height in [56, 448]: mostly small, with aspect ratios up to 3:1 either way."""
     long_side = MIN_SIDE * 8 ** (rng.random() ** 1.6)
-    aspect = math.exp(rng.uniform(0.0, math.log(3.0))) if rng.random() < 0.6 else 1.0
+    aspect = math.exp(rng.uniform(0.0, math.log(3.0))) if rng.random() < NON_SQUARE else 1.0
     short_side = max(MIN_SIDE, long_side / aspect)
     long_px, short_px = round(min(long_side, MAX_SIDE)), round(min(short_side, MAX_SIDE))
     return (long_px, short_px) if rng.random() < 0.5 else (short_px, long_px)
@@ -126,23 +132,35 @@ def _axis_range(cell: int, side: int, radius: float) -> tuple[float, float]:
     return lo, hi
 
 
-def sample_single(rng: np.random.Generator, kind: str | None = None, colour: str | None = None):
-    """A picture of one shape whose centre lies well inside a random cell of the 3x3 grid."""
+def sample_single(
+    rng: np.random.Generator,
+    kind: str | None = None,
+    colour: str | None = None,
+    in_cell: bool = False,
+) -> Picture:
+    """A picture of one shape. With `in_cell` its centre lies well inside a random cell of the
+    3x3 grid (for "Where is the shape?"); otherwise the shape is large and anywhere it fits."""
     width, height = sample_size(rng)
     kind = kind or SHAPES[rng.integers(len(SHAPES))]
     colour = colour or list(COLOURS)[rng.integers(len(COLOURS))]
-    row, col = int(rng.integers(3)), int(rng.integers(3))
     short = min(width, height)
+    if not in_cell:
+        # Large shapes: the tiny vision tower tells shapes apart only when they span many
+        # patches, so these fill 56-84% of the short side.
+        radius = rng.uniform(BIG_RADIUS[0], BIG_RADIUS[1]) * short
+        cx, cy = rng.uniform(radius, width - radius), rng.uniform(radius, height - radius)
+        shape = Shape(kind, colour, _jitter(rng, COLOURS[colour]), cx, cy, radius)
+        return Picture(width, height, _background(rng), (shape,))
+    row, col = int(rng.integers(3)), int(rng.integers(3))
     # The largest radius that still lets the centre sit inside the chosen cell.
     max_radius = min(
-        0.31 * short,
+        CELL_RADIUS[1] * short,
         ((col + 1) / 3 - CELL_MARGIN) * width if col == 0 else width,
         (1 - (col / 3 + CELL_MARGIN)) * width if col == 2 else width,
         ((row + 1) / 3 - CELL_MARGIN) * height if row == 0 else height,
         (1 - (row / 3 + CELL_MARGIN)) * height if row == 2 else height,
     )
-    # Large shapes: the tiny vision tower tells shapes apart only when they span several patches.
-    radius = rng.uniform(min(0.21 * short, max_radius), max_radius)
+    radius = rng.uniform(min(CELL_RADIUS[0] * short, max_radius), max_radius)
     x_lo, x_hi = _axis_range(col, width, radius)
     y_lo, y_hi = _axis_range(row, height, radius)
     shape = Shape(
@@ -182,9 +200,9 @@ def sample_pair(rng: np.random.Generator) -> Picture:
 
 
 def _system_prompt(rng: np.random.Generator) -> str | None:
-    if rng.random() < 0.65:
+    if rng.random() < 0.75:
         return None
-    num_words = int(math.exp(rng.uniform(0.0, math.log(160.0))))
+    num_words = int(math.exp(rng.uniform(0.0, math.log(120.0))))
     words = rng.choice(len(WORDS), size=num_words)
     text = " ".join(WORDS[w] for w in words)
     return text[0].upper() + text[1:] + "."
@@ -194,7 +212,7 @@ def sample_example(rng: np.random.Generator, task: str) -> Example:
     """One question of `task` (see TASKS) about freshly drawn pictures, with its exact answer."""
     system = _system_prompt(rng)
     if task in ("describe", "colour", "shape", "position"):
-        pic = sample_single(rng)
+        pic = sample_single(rng, in_cell=task == "position")
         s = pic.shapes[0]
         answer = {
             "describe": describe(pic),

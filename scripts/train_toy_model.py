@@ -1,8 +1,9 @@
 """Train the bundled toy Qwen2-VL checkpoint (src/mmserve/models/toy) on synthetic shape pictures.
 
-    python scripts/train_toy_model.py --out src/mmserve/models/toy --seed 0
+    python scripts/train_toy_model.py --out src/mmserve/models/toy --seed 0 --threads 1
 
-Deterministic from --seed (for a fixed thread count); about 15 minutes on two idle CPU cores.
+Deterministic from --seed (for a fixed thread count); the model card (README.md beside the
+weights) records the exact command, the measured training time and the machine load.
 Prints held-out greedy accuracy per task, measured with transformers on the saved bf16 weights
 loaded back in float32, and writes it into the model card.
 """
@@ -35,7 +36,7 @@ from tests.factory import (  # noqa: E402
     tiny_config_dict,
 )
 from toy_batches import Encoded, PixelConfig, SpecialIds, collate, encode  # noqa: E402
-from toy_card import write_model_card  # noqa: E402
+from toy_card import TrainStats, write_model_card  # noqa: E402
 from toy_data import TASKS, sample_example, tokenizer_corpus  # noqa: E402
 
 log = logging.getLogger("train_toy_model")
@@ -43,13 +44,13 @@ log = logging.getLogger("train_toy_model")
 # Two-image questions need the language model to compare two pictures, so they are drawn
 # more often than the one-image ones, which the vision tower alone mostly answers.
 TASK_WEIGHTS = {
-    "describe": 1.0,
-    "colour": 0.5,
-    "shape": 1.2,
-    "position": 1.3,
-    "count": 0.5,
-    "which": 1.6,
-    "same_colour": 1.2,
+    "describe": 1.4,
+    "colour": 0.3,
+    "shape": 1.4,
+    "position": 2.0,
+    "count": 0.3,
+    "which": 1.4,
+    "same_colour": 0.4,
 }
 # Small pictures are upscaled to at least 8x8 patches so that a shape covers several of them.
 MIN_PIXELS, MAX_PIXELS = 112 * 112, 168 * 168
@@ -60,7 +61,9 @@ TEXT = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "max_position_embeddings": 4096,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+    # A low theta: with head_dim 32 the width band gets the lowest frequencies, and at theta
+    # 10000 they barely turn across a 6-token-wide picture, so left and right look alike.
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10.0, "mrope_section": [4, 6, 6]},
 }
 VISION = {"depth": 4, "embed_dim": 64, "num_heads": 4, "mlp_ratio": 2, "hidden_size": 128}
 
@@ -69,10 +72,19 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=2800)
+    parser.add_argument("--steps", type=int, default=2600)
     parser.add_argument("--batch-size", type=int, default=24)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-per-task", type=int, default=200)
+    parser.add_argument("--eval-every", type=int, default=500, help="steps between held-out checks")
+    parser.add_argument("--vision-dim", type=int, default=VISION["embed_dim"])
+    parser.add_argument("--vision-lr-scale", type=float, default=1.0)
+    parser.add_argument(
+        "--weights",
+        default="",
+        help="task mix overrides, e.g. 'which=2,same_colour=1.2' (default: TASK_WEIGHTS)",
+    )
+    parser.add_argument("--rope-theta", type=float, default=TEXT["rope_parameters"]["rope_theta"])
     parser.add_argument("--threads", type=int, default=0, help="0: one per free core")
     parser.add_argument(
         "--eval-only", action="store_true", help="evaluate the checkpoint in --out, no training"
@@ -84,6 +96,17 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def parse_weights(text: str) -> dict[str, float]:
+    """'which=2,same_colour=1.2' -> {"which": 2.0, "same_colour": 1.2}."""
+    mix = {}
+    for item in filter(None, text.split(",")):
+        task, _, weight = item.partition("=")
+        if task not in TASK_WEIGHTS:
+            raise SystemExit(f"--weights: unknown task {task!r}; expected one of {TASKS}")
+        mix[task] = float(weight)
+    return mix
+
+
 def free_cores() -> int:
     """Cores not already busy with other work (the 1-minute load average). More threads than
     free cores is far slower, not faster: each step's threads wait on the descheduled one."""
@@ -91,8 +114,12 @@ def free_cores() -> int:
     return max(1, total - int(os.getloadavg()[0] + 0.5))
 
 
-def build_model(ids: dict[str, int], vocab_size: int, seed: int) -> transformers.PreTrainedModel:
-    cfg = tiny_config_dict("qwen2_vl", vocab_size, ids, text=dict(TEXT), vision=dict(VISION))
+def build_model(
+    ids: dict[str, int], vocab_size: int, seed: int, args: argparse.Namespace
+) -> transformers.PreTrainedModel:
+    vision = {**VISION, "embed_dim": args.vision_dim}
+    text = {**TEXT, "rope_parameters": {**TEXT["rope_parameters"], "rope_theta": args.rope_theta}}
+    cfg = tiny_config_dict("qwen2_vl", vocab_size, ids, text=text, vision=vision)
     cfg["tie_word_embeddings"] = cfg["text_config"]["tie_word_embeddings"] = True
     cfg.pop("architectures")
     cfg["torch_dtype"] = "bfloat16"
@@ -105,10 +132,13 @@ def build_model(ids: dict[str, int], vocab_size: int, seed: int) -> transformers
 class Sampler:
     """Encoded examples drawn from the task mix (or one task) with a private seeded stream."""
 
-    def __init__(self, seed: int, tok, ids: SpecialIds, px: PixelConfig) -> None:
+    def __init__(
+        self, seed: int, tok, ids: SpecialIds, px: PixelConfig, mix: dict[str, float] | None = None
+    ) -> None:
         self.rng = np.random.default_rng(seed)
         self.tok, self.ids, self.px = tok, ids, px
-        weights = np.array([TASK_WEIGHTS[t] for t in TASKS])
+        mix = {**TASK_WEIGHTS, **(mix or {})}
+        weights = np.array([mix[t] for t in TASKS])
         self.probs = weights / weights.sum()
 
     def batches(self, batch_size: int, group: int = 4):
@@ -170,19 +200,25 @@ def save(model, out: Path, ids: SpecialIds) -> None:
     bf16.save_pretrained(out, safe_serialization=True)
 
 
-def train(model, args, sampler: Sampler, monitor: dict[str, list[Encoded]], ids: SpecialIds):
-    params_decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    params_plain = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": params_decay, "weight_decay": 0.01}, {"params": params_plain}],
-        lr=args.lr,
-        betas=(0.9, 0.98),
-    )
+def train(
+    model, args, sampler: Sampler, monitor: dict[str, list[Encoded]], ids: SpecialIds
+) -> TrainStats:
+    """Train in place; returns the wall time and the busiest 1-minute load average seen."""
+    groups = []
+    for is_vision in (False, True):
+        # The vision tower sits behind the language model and learns slowest: its own lr scale.
+        named = [(n, p) for n, p in model.named_parameters() if ("visual" in n) == is_vision]
+        scale = args.vision_lr_scale if is_vision else 1.0
+        groups.append({"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.01})
+        groups.append({"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0})
+        groups[-1]["scale"] = groups[-2]["scale"] = scale
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
     start = time.time()
+    max_load = os.getloadavg()[0]
     batches = sampler.batches(args.batch_size)
     for step in range(args.steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr)
+            group["lr"] = group["scale"] * lr_at(step, args.steps, args.lr)
         model.train()
         inputs = {k: v.to(args.device) for k, v in collate(next(batches), ids).items()}
         loss = model(**inputs).loss
@@ -192,11 +228,13 @@ def train(model, args, sampler: Sampler, monitor: dict[str, list[Encoded]], ids:
         opt.step()
         if step % 50 == 0 or step == args.steps - 1:
             log.info("step %d loss %.4f (%.0fs)", step, loss.item(), time.time() - start)
-        if (step + 1) % 500 == 0 or step == args.steps - 1:
+            max_load = max(max_load, os.getloadavg()[0])
+        if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
             model.eval()
             accs = {t: teacher_forced_accuracy(model, b, ids) for t, b in monitor.items()}
             log.info("step %d held-out: %s", step + 1, _fmt(accs))
             save(model, args.out, ids)
+    return TrainStats(time.time() - start, torch.get_num_threads(), max_load)
 
 
 def _fmt(accs: dict[str, float]) -> str:
@@ -227,18 +265,22 @@ def main() -> None:
     # Held-out examples come from their own stream, never from the training one.
     held_out = Sampler(args.seed + 1_000_003, tok, special, px)
     monitor = {t: held_out.draw(64, t) for t in TASKS}
+    stats = None
     if not args.eval_only:
         if args.resume:
             model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
                 out, dtype=torch.float32
             )
         else:
-            model = build_model(ids, vocab_size, args.seed)
+            model = build_model(ids, vocab_size, args.seed, args)
         log.info("parameters: %d", sum(p.numel() for p in model.parameters()))
         model.to(args.device)
         # A resumed run draws a training stream of its own rather than replaying the first.
         train_seed = args.seed + 1 if args.resume else args.seed
-        train(model, args, Sampler(train_seed, tok, special, px), monitor, special)
+        mix = parse_weights(args.weights)
+        log.info("task mix: %s", {**TASK_WEIGHTS, **mix})
+        sampler = Sampler(train_seed, tok, special, px, mix)
+        stats = train(model, args, sampler, monitor, special)
         save(model, out, special)
     reloaded = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
         out, dtype=torch.float32
@@ -247,7 +289,7 @@ def main() -> None:
     accs = {t: greedy_accuracy(reloaded, b, special, tok) for t, b in evaluation.items()}
     log.info("held-out greedy accuracy (bf16 weights, float32 compute): %s", _fmt(accs))
     num_params = sum(p.numel() for p in reloaded.parameters())
-    write_model_card(out, accs, args, num_params, pre)
+    write_model_card(out, accs, args, num_params, pre, stats)
 
 
 if __name__ == "__main__":
