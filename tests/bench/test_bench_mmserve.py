@@ -60,9 +60,15 @@ def test_bench_against_mmserve_accounts_for_every_request(mmserve_url: str, tmp_
     assert (result["completed"], result["failed"]) == (8, 0), result["errors_by_kind"]
     assert len(result["requests"]) == 8 and all(r["success"] for r in result["requests"])
     assert result["total_output_tokens"] == 32  # ignore_eos: exactly max_tokens each
+    # Inter-token gaps exist only between non-empty text chunks: a toy answer like "red"
+    # followed by special tokens (ignore_eos) streams one chunk and has no ITL sample.
+    has_gaps = any(r["content_chunks"] >= 2 for r in result["requests"])
     for key in ("ttft", "tpot", "itl", "e2el"):
         s = result[key]
-        assert 0 < s["p50_ms"] <= s["p90_ms"] <= s["p99_ms"], (key, s)
+        if key == "itl" and not has_gaps:
+            assert s is None, s
+            continue
+        assert s is not None and 0 < s["p50_ms"] <= s["p90_ms"] <= s["p99_ms"], (key, result)
     assert result["request_throughput"] > 0 and result["output_throughput"] > 0
 
     server = result["server_metrics"]

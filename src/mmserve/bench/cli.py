@@ -263,6 +263,7 @@ def _request_row(o: RequestOutput, r: BenchRequest) -> dict:
         "latency_s": o.latency_s,
         "tpot_s": o.tpot_s,
         "output_tokens": o.output_tokens,
+        "content_chunks": o.num_content_chunks,
         "prompt_tokens": o.prompt_tokens,
         "num_images": r.num_images,
         "num_repeated_images": r.num_repeated_images,
