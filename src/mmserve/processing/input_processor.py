@@ -217,12 +217,9 @@ class InputProcessor:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> ProcessedPrompt:
         """Offline `LLM.chat` (and any sync caller): render, load media, process."""
-        prompt, sources, uuids = self.render_chat(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=chat_template_kwargs,
+        prompt, sources, uuids = self._render_checked(
+            messages, add_generation_prompt, chat_template_kwargs
         )
-        self._check_item_limit(len(sources))
         images = [self._load(src) for src in sources]
         return self.process(
             prompt,
@@ -242,12 +239,9 @@ class InputProcessor:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> ProcessedPrompt:
         """HTTP chat: media fetched concurrently, CPU work off the event loop."""
-        prompt, sources, uuids = self.render_chat(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=chat_template_kwargs,
+        prompt, sources, uuids = self._render_checked(
+            messages, add_generation_prompt, chat_template_kwargs
         )
-        self._check_item_limit(len(sources))
 
         async def load(src: Any) -> ImageInput:
             return None if src is None else await self.media_loader.aload_image(src)
@@ -263,6 +257,21 @@ class InputProcessor:
         )
 
     # ---- helpers ------------------------------------------------------------------------
+
+    def _render_checked(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[str, list[Any], list[str | None]]:
+        """render_chat, then the item limit (before any media is fetched)."""
+        prompt, sources, uuids = self.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        self._check_item_limit(len(sources))
+        return prompt, sources, uuids
 
     def _load(self, source: Any) -> ImageInput:
         return None if source is None else self.media_loader.load_image(source)
