@@ -93,3 +93,22 @@ def test_metadata_slots_follow_block_tables() -> None:
 def test_metadata_rejects_a_block_table_too_short() -> None:
     with pytest.raises(ValueError, match="fewer than seq_len=9"):
         build_attention_metadata([9], [9], [[0, 1]], block_size=4)
+
+
+def test_decode_groups_cover_every_sequence_once_and_cut_only_where_padding_is_large() -> None:
+    from mmserve.layers.attention import _decode_groups
+
+    assert _decode_groups([]) == []
+    # Equal lengths: nothing to gain from a cut.
+    assert _decode_groups([5] * 10) == [list(range(10))]
+    # Two clusters far apart: cut between them, each group sorted by length.
+    lengths = [20, 2, 21, 3, 2, 20]
+    groups = _decode_groups(lengths)
+    assert sorted(map(sorted, groups)) == [[0, 2, 5], [1, 3, 4]]
+    rng = random.Random(0)
+    for _ in range(50):
+        lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 70))]
+        groups = _decode_groups(lengths)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
+        assert padded <= len(lengths) * max(lengths)

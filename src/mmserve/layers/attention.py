@@ -17,8 +17,9 @@ tokens are `query[query_start_loc[i]:query_start_loc[i+1]]` and they are its *la
     new token j attends to keys at positions 0 ... (seq_len - q_len + j)
 
 The path here is a reference implementation (torch SDPA, any device, any float dtype):
-correct for any block layout; decodes are batched into one SDPA call, prefill chunks run one
-sequence at a time with their queries cut into chunks to bound the score matrix.
+correct for any block layout; decodes are batched into one SDPA call per group of sequences of
+similar length (little padding), prefill chunks run one sequence at a time with their queries
+cut into chunks to bound the score matrix.
 """
 
 from __future__ import annotations
@@ -207,6 +208,32 @@ def _attend_decodes(
     return out.reshape(n, num_heads, head_dim)
 
 
+def _decode_groups(num_blocks: list[int], min_saving: float = 0.2) -> list[list[int]]:
+    """Indices of decode sequences in groups of similar length, so that padding every sequence
+    to its group's longest wastes little; num_blocks[i] = blocks sequence i reads.
+
+    Sorted by length, a group is cut in two where that saves the most padded blocks, as long
+    as the saving is at least `min_saving` of the group's padded size (each group costs a few
+    more kernel launches).
+    """
+    order = sorted(range(len(num_blocks)), key=num_blocks.__getitem__)
+    pending, groups = ([order] if order else []), []
+    while pending:
+        group = pending.pop()
+        sizes = [num_blocks[i] for i in group]
+        padded = len(group) * sizes[-1]
+        best_cut, best_cost = 0, padded
+        for cut in range(1, len(group)):
+            cost = cut * sizes[cut - 1] + (len(group) - cut) * sizes[-1]
+            if cost < best_cost:
+                best_cut, best_cost = cut, cost
+        if best_cut and padded - best_cost >= max(4, min_saving * padded):
+            pending += [group[:best_cut], group[best_cut:]]
+        else:
+            groups.append(group)
+    return groups
+
+
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -230,10 +257,12 @@ def paged_attention(
     out = torch.empty_like(query)
     loc, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     decode_idx = [i for i in range(metadata.num_seqs) if loc[i + 1] - loc[i] == 1]
-    if decode_idx:
-        idx = torch.tensor(decode_idx, device=query.device)
-        token_idx = metadata.query_start_loc[:-1].long()[idx]
-        max_blocks = -(-max(seq_lens[i] for i in decode_idx) // block_size)
+    decode_blocks = [-(-seq_lens[i] // block_size) for i in decode_idx]
+    for members in _decode_groups(decode_blocks):
+        seqs = [decode_idx[m] for m in members]
+        idx = torch.tensor(seqs, device=query.device)
+        token_idx = torch.tensor([loc[i] for i in seqs], device=query.device)
+        max_blocks = max(decode_blocks[m] for m in members)
         out[token_idx] = _attend_decodes(
             query[token_idx],
             kv_cache,
