@@ -11,6 +11,7 @@ import torch
 
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.engine.args import EngineArgs
+from mmserve.engine.host_allocator import tune_host_allocator
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.execution.encoder_runner import EncoderRunner
@@ -81,6 +82,8 @@ def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngin
     """
     torch.manual_seed(args.seed)
     device = resolve_device(args.device)
+    if device.type == "cpu":
+        tune_host_allocator()  # activations live in host memory: reuse it, do not re-fault it
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"--model {args.model}: no config.json there; is it a model directory?")

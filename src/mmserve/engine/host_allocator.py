@@ -1,0 +1,45 @@
+"""Keep freed host memory in the process instead of handing it back to the OS after each step.
+
+glibc's malloc serves large blocks with mmap and trims the top of the heap as soon as a few
+tens of MB are free, so a CPU engine that allocates the same activation buffers every step
+(K/V gathered for decodes, ViT attention scores) pays to fault fresh zeroed pages in every
+time: a third of a 2-thread CPU run of benchmarks/compare_hf.py went to page faults. Raising
+both thresholds makes malloc reuse what it already has; resident memory then stays at its peak
+(bounded by what the engine ever held at once, plus at most TRIM_THRESHOLD of idle heap).
+benchmarks/RESULTS.md has the measured effect.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import platform
+
+logger = logging.getLogger(__name__)
+
+# mallopt(3) parameter numbers from glibc's malloc.h.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# Blocks below this come from the heap, not from a fresh mmap. 32 MiB is the most glibc honours
+# on 64-bit Linux (larger values are accepted and silently ignored), so bigger blocks still
+# fault in every time.
+MMAP_THRESHOLD = 32 << 20
+TRIM_THRESHOLD = 1 << 30  # keep up to 1 GiB of free heap top instead of returning it
+
+
+def tune_host_allocator() -> bool:
+    """Apply the thresholds above to this process's glibc malloc; False (and nothing changed)
+    on other C libraries or when glibc refuses a value. Idempotent."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    libc = ctypes.CDLL(name)
+    ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )
+    if not ok:
+        logger.warning("glibc refused the malloc thresholds; CPU steps may page-fault more")
+    return ok
