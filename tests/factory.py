@@ -137,7 +137,11 @@ def tiny_config_dict(arch: str, vocab_size: int, ids: dict[str, int], **override
         "num_key_value_heads": 2,
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [2, 3, 3],
+        },
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"],
@@ -226,7 +230,7 @@ def write_tiny_checkpoint(
     with torch.no_grad():
         # transformers initialises norms to ones and biases to zeros; perturb them so that a
         # loader that forgets a norm or a bias fails the parity tests.
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out, safe_serialization=True)

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
-
 from scripts.toy_data import ONE_IMAGE_TASKS, TASKS, TWO_IMAGE_TASKS, draw, sample_example
 
 __all__ = ["ONE_IMAGE_TASKS", "TASKS", "TWO_IMAGE_TASKS", "ToyQuestion", "held_out"]

@@ -13,7 +13,22 @@ from mmserve import LLM, SamplingParams
 from tests.factory import random_image
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
-WORDS = "red blue green circle square star left right top bottom image picture what is".split()
+WORDS = [
+    "red",
+    "blue",
+    "green",
+    "circle",
+    "square",
+    "star",
+    "left",
+    "right",
+    "top",
+    "bottom",
+    "image",
+    "picture",
+    "what",
+    "is",
+]
 
 
 def _random_request(rng: random.Random, pictures: list) -> dict | str:
