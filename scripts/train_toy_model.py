@@ -85,6 +85,12 @@ def parse_args() -> argparse.Namespace:
         help="task mix overrides, e.g. 'which=2,same_colour=1.2' (default: TASK_WEIGHTS)",
     )
     parser.add_argument("--rope-theta", type=float, default=TEXT["rope_parameters"]["rope_theta"])
+    parser.add_argument(
+        "--mrope-section",
+        default=",".join(map(str, TEXT["rope_parameters"]["mrope_section"])),
+        help="frequency bands for time, height and width, summing to head_dim / 2",
+    )
+    parser.add_argument("--text-layers", type=int, default=TEXT["num_hidden_layers"])
     parser.add_argument("--threads", type=int, default=0, help="0: one per free core")
     parser.add_argument(
         "--eval-only", action="store_true", help="evaluate the checkpoint in --out, no training"
@@ -118,7 +124,12 @@ def build_model(
     ids: dict[str, int], vocab_size: int, seed: int, args: argparse.Namespace
 ) -> transformers.PreTrainedModel:
     vision = {**VISION, "embed_dim": args.vision_dim}
-    text = {**TEXT, "rope_parameters": {**TEXT["rope_parameters"], "rope_theta": args.rope_theta}}
+    rope = {
+        **TEXT["rope_parameters"],
+        "rope_theta": args.rope_theta,
+        "mrope_section": [int(x) for x in args.mrope_section.split(",")],
+    }
+    text = {**TEXT, "num_hidden_layers": args.text_layers, "rope_parameters": rope}
     cfg = tiny_config_dict("qwen2_vl", vocab_size, ids, text=text, vision=vision)
     cfg["tie_word_embeddings"] = cfg["text_config"]["tie_word_embeddings"] = True
     cfg.pop("architectures")
@@ -252,6 +263,11 @@ def main() -> None:
 
     if args.eval_only or args.resume:
         tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+        # The card describes the checkpoint in --out, whatever the flags' defaults say.
+        text_cfg = json.loads((out / "config.json").read_text())["text_config"]
+        args.rope_theta = text_cfg["rope_parameters"]["rope_theta"]
+        args.mrope_section = ",".join(map(str, text_cfg["rope_parameters"]["mrope_section"]))
+        args.text_layers = text_cfg["num_hidden_layers"]
     else:
         tok = build_tokenizer(
             out, tokenizer_corpus(np.random.default_rng(args.seed)), vocab_size=512
