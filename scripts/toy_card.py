@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def _commands(args: argparse.Namespace) -> str:
         f" --vision-dim {args.vision_dim} --rope-theta {args.rope_theta:g}"
         f" --mrope-section {args.mrope_section} --text-layers {args.text_layers}"
         f" --vision-lr-scale {args.vision_lr_scale:g}"
+        + (" --vision-ids" if args.vision_ids else "")
         + (f" --weights {args.weights}" if args.weights else "")
         + (f" --threads {args.threads}" if args.threads else "")
     )
@@ -62,6 +64,16 @@ def _shortfalls(accs: dict[str, float]) -> str:
     if not short:
         return "Every question meets its target."
     return "Still short of target, so expect wrong answers there: " + ", ".join(short) + "."
+
+
+def _labels(args: argparse.Namespace) -> str:
+    if not args.vision_ids:
+        return ""
+    return (
+        " with its picture labels on by default (each picture is preceded by `Picture 1: `,"
+        " `Picture 2: `, ...; Qwen2-VL's `add_vision_id`, which the template here turns on"
+        " unless a caller sets it to false)"
+    )
 
 
 def _rotary(args: argparse.Namespace) -> str:
@@ -125,11 +137,11 @@ cell of a 3x3 grid; two-shape pictures hold shapes 24-44% across. Shapes: {", ".
 Colours: {", ".join(COLOURS)}. Picture sizes range from 56 to 448 pixels a side, mostly
 small, {100 * NON_SQUARE:.0f}% of them with aspect ratios up to 3:1 either way; the image
 processor resizes them to between {pre["min_pixels"]} and {pre["max_pixels"]} pixels
-({min_tokens} to {max_tokens} image tokens each). Prompts use the Qwen2-VL chat template, the
-picture(s) before the question, with the default system prompt or (one time in four) a random
-system prompt of up to ~120 plain words. Loss is on the answer and `<|im_end|>` only. The
-tokenizer is a 512-token byte-level BPE trained on the same text, with the Qwen2-VL special
-tokens and chat template.
+({min_tokens} to {max_tokens} image tokens each). Prompts use the Qwen2-VL chat
+template{_labels(args)}, the picture(s) before the question, with the default system prompt
+or (one time in four) a random system prompt of up to ~120 plain words. Loss is on the answer
+and `<|im_end|>` only. The tokenizer is a 512-token byte-level BPE trained on the same text,
+with the Qwen2-VL special tokens and chat template.
 
 ## What it answers
 
@@ -160,3 +172,17 @@ training. The run is deterministic for a given seed and thread count (`--threads
 a different thread count changes floating-point rounding and so the exact weights.
 """
     (out / "README.md").write_text(text)
+    write_accuracy(out, accs, args.eval_per_task)
+
+
+def write_accuracy(out: Path, accs: dict[str, float], num_per_task: int) -> None:
+    """accuracy.json: the card's figures, machine-readable, for tests/models/test_toy_model.py."""
+    record = {
+        "measured_by": (
+            "scripts/train_toy_model.py held-out evaluation: transformers greedy generate, "
+            f"{num_per_task} fresh examples per task, these bf16 weights computed in float32"
+        ),
+        "num_per_task": num_per_task,
+        "accuracy": {task: round(acc, 4) for task, acc in accs.items()},
+    }
+    (out / "accuracy.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -65,6 +65,13 @@ TEXT = {
     # 10000 they barely turn across a 6-token-wide picture, so left and right look alike.
     "rope_parameters": {"rope_type": "default", "rope_theta": 10.0, "mrope_section": [4, 6, 6]},
 }
+# Qwen2-VL's own template can label each picture ("Picture 1: <|vision_start|>..."), off unless
+# the caller passes add_vision_id. With --vision-ids the toy's template labels them by default,
+# so the two-image questions can tell the first picture from the second by a nearby token.
+LABELLED_CHAT_TEMPLATE = QWEN2_VL_CHAT_TEMPLATE.replace(
+    "{% if add_vision_id %}", "{% if add_vision_id is not defined or add_vision_id %}"
+)
+assert LABELLED_CHAT_TEMPLATE != QWEN2_VL_CHAT_TEMPLATE
 VISION = {"depth": 4, "embed_dim": 64, "num_heads": 4, "mlp_ratio": 2, "hidden_size": 128}
 
 
@@ -91,6 +98,11 @@ def parse_args() -> argparse.Namespace:
         help="frequency bands for time, height and width, summing to head_dim / 2",
     )
     parser.add_argument("--text-layers", type=int, default=TEXT["num_hidden_layers"])
+    parser.add_argument(
+        "--vision-ids",
+        action="store_true",
+        help="chat template labels each picture ('Picture 1: ') unless add_vision_id=False",
+    )
     parser.add_argument("--threads", type=int, default=0, help="0: one per free core")
     parser.add_argument(
         "--eval-only", action="store_true", help="evaluate the checkpoint in --out, no training"
@@ -144,10 +156,16 @@ class Sampler:
     """Encoded examples drawn from the task mix (or one task) with a private seeded stream."""
 
     def __init__(
-        self, seed: int, tok, ids: SpecialIds, px: PixelConfig, mix: dict[str, float] | None = None
+        self,
+        seed: int,
+        tok,
+        ids: SpecialIds,
+        px: PixelConfig,
+        template: str,
+        mix: dict[str, float] | None = None,
     ) -> None:
         self.rng = np.random.default_rng(seed)
-        self.tok, self.ids, self.px = tok, ids, px
+        self.tok, self.ids, self.px, self.template = tok, ids, px, template
         mix = {**TASK_WEIGHTS, **(mix or {})}
         weights = np.array([mix[t] for t in TASKS])
         self.probs = weights / weights.sum()
@@ -166,7 +184,7 @@ class Sampler:
         for _ in range(num):
             name = task or TASKS[self.rng.choice(len(TASKS), p=self.probs)]
             ex = sample_example(self.rng, name)
-            out.append(encode(ex, self.tok, self.ids, self.px, QWEN2_VL_CHAT_TEMPLATE))
+            out.append(encode(ex, self.tok, self.ids, self.px, self.template))
         return out
 
 
@@ -268,10 +286,14 @@ def main() -> None:
         args.rope_theta = text_cfg["rope_parameters"]["rope_theta"]
         args.mrope_section = ",".join(map(str, text_cfg["rope_parameters"]["mrope_section"]))
         args.text_layers = text_cfg["num_hidden_layers"]
+        template = json.loads((out / "tokenizer_config.json").read_text())["chat_template"]
+        args.vision_ids = template == LABELLED_CHAT_TEMPLATE
     else:
-        tok = build_tokenizer(
-            out, tokenizer_corpus(np.random.default_rng(args.seed)), vocab_size=512
-        )
+        template = LABELLED_CHAT_TEMPLATE if args.vision_ids else QWEN2_VL_CHAT_TEMPLATE
+        corpus = tokenizer_corpus(np.random.default_rng(args.seed))
+        if args.vision_ids:
+            corpus.append("Picture 1: Picture 2:")
+        tok = build_tokenizer(out, corpus, vocab_size=512, chat_template=template)
     ids = special_token_ids(tok)
     special = SpecialIds(ids["<|image_pad|>"], ids["<|im_end|>"], ids["<|endoftext|>"])
     pre = preprocessor_config(MIN_PIXELS, MAX_PIXELS)
@@ -279,7 +301,7 @@ def main() -> None:
     px = PixelConfig.from_dict(pre)
     vocab_size = ((tok.get_vocab_size() + 63) // 64) * 64
     # Held-out examples come from their own stream, never from the training one.
-    held_out = Sampler(args.seed + 1_000_003, tok, special, px)
+    held_out = Sampler(args.seed + 1_000_003, tok, special, px, template)
     monitor = {t: held_out.draw(64, t) for t in TASKS}
     stats = None
     if not args.eval_only:
@@ -295,7 +317,7 @@ def main() -> None:
         train_seed = args.seed + 1 if args.resume else args.seed
         mix = parse_weights(args.weights)
         log.info("task mix: %s", {**TASK_WEIGHTS, **mix})
-        sampler = Sampler(train_seed, tok, special, px, mix)
+        sampler = Sampler(train_seed, tok, special, px, template, mix)
         stats = train(model, args, sampler, monitor, special)
         save(model, out, special)
     reloaded = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
