@@ -3,7 +3,7 @@
 glibc's malloc serves large blocks with mmap and trims the top of the heap as soon as a few
 tens of MB are free, so a CPU engine that allocates the same activation buffers every step
 (K/V gathered for decodes, ViT attention scores) pays to fault fresh zeroed pages in every
-time: a third of a 2-thread CPU run of benchmarks/compare_hf.py went to page faults. Raising
+time: over a quarter of a 2-thread CPU run of benchmarks/compare_hf.py went to that. Raising
 both thresholds makes malloc reuse what it already has; resident memory then stays at its peak
 (bounded by what the engine ever held at once, plus at most TRIM_THRESHOLD of idle heap).
 benchmarks/RESULTS.md has the measured effect.
