@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +80,7 @@ def _labels(args: argparse.Namespace) -> str:
 def _rotary(args: argparse.Namespace) -> str:
     """What the language model's M-RoPE settings are and what is known about the choice."""
     t, h, w = (int(x) for x in args.mrope_section.split(","))
-    return (
+    return textwrap.fill(
         f"The language model's rotary base is {args.rope_theta:g} (`rope_theta`; Qwen2-VL uses "
         f"10000) and its M-RoPE bands are [{t}, {h}, {w}] (time, height, width) of the head's "
         f"{t + h + w} frequencies, fastest first. M-RoPE hands the width axis the slowest "
@@ -89,7 +90,8 @@ def _rotary(args: argparse.Namespace) -> str:
         'explanation for "which image" staying at chance and same-colour varying between runs. '
         "A base of 300-1000 with bands [1, 3, 12] learned same-colour reliably (97.5-100%) but "
         'position more slowly (94% after 5000 steps), and "which image" stayed at chance there '
-        "too."
+        "too.",
+        width=96,
     )
 
 
@@ -153,6 +155,9 @@ Held-out greedy accuracy ({args.eval_per_task} fresh examples per question, tran
 | task | question | answers | accuracy |
 |---|---|---|---|
 {rows}
+
+The same figures are in `accuracy.json` (machine-readable): mmserve's tests check that the
+engine reproduces them on fresh held-out questions (`tests/models/test_toy_model.py`).
 
 Targets: at least 97% on each one-image question, 90% on each two-image one.
 {_shortfalls(accs)} Ask anything else and the reply is meaningless.
