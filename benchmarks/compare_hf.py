@@ -7,6 +7,7 @@ other, with the same torch thread count. Prints throughput of each, the ratio, a
 images each ran through the vision tower.
 
     .venv/bin/python benchmarks/compare_hf.py [--num-requests 64] [--output-len 32]
+    python benchmarks/compare_hf.py --device cuda --dtype bfloat16     # on a GPU machine
 """
 
 from __future__ import annotations
@@ -75,14 +76,21 @@ def build_workload(num_requests: int, seed: int):
     return workload, len(unique)
 
 
-def run_mmserve(model_dir: Path, workload, output_len: int) -> dict:
-    llm = LLM(model=str(model_dir))
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_mmserve(model_dir: Path, workload, output_len: int, device: str, dtype: str) -> dict:
+    llm = LLM(model=str(model_dir), device=device, dtype=dtype)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     requests = [{"prompt": p, "multi_modal_data": {"image": img}} for p, img in workload]
     llm.generate(requests[:2], params, use_tqdm=False)  # warm-up (not timed)
     before = llm.engine.metrics.snapshot().counters
+    _sync(device)
     start = time.perf_counter()
     outs = llm.generate(requests, params, use_tqdm=False)
+    _sync(device)
     elapsed = time.perf_counter() - start
     after = llm.engine.metrics.snapshot().counters
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -99,9 +107,12 @@ def run_mmserve(model_dir: Path, workload, output_len: int) -> dict:
 
 
 @torch.no_grad()
-def run_transformers(model_dir: Path, workload, output_len: int, batch_size: int) -> dict:
+def run_transformers(
+    model_dir: Path, workload, output_len: int, batch_size: int, device: str, dtype: str
+) -> dict:
     oracle = HFOracle(model_dir)
-    model = oracle.model
+    torch_dtype = torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
+    model = oracle.model.to(device, torch_dtype)
     pad_id = 0
     model.generation_config.pad_token_id = pad_id
 
@@ -114,16 +125,18 @@ def run_transformers(model_dir: Path, workload, output_len: int, batch_size: int
             ids.append(torch.nn.functional.pad(s["input_ids"][0], (pad, 0), value=pad_id))
             mask.append(torch.nn.functional.pad(s["attention_mask"][0], (pad, 0), value=0))
             types.append(torch.nn.functional.pad(s["mm_token_type_ids"][0], (pad, 0), value=0))
-        return {
+        inputs = {
             "input_ids": torch.stack(ids),
             "attention_mask": torch.stack(mask),
             "mm_token_type_ids": torch.stack(types),
-            "pixel_values": torch.cat([s["pixel_values"] for s in singles]),
+            "pixel_values": torch.cat([s["pixel_values"] for s in singles]).to(torch_dtype),
             "image_grid_thw": torch.cat([s["image_grid_thw"] for s in singles]),
-        }, width
+        }
+        return {k: v.to(device) for k, v in inputs.items()}, width
 
     warm, _ = batch_inputs(workload[:2])
     model.generate(**warm, max_new_tokens=2, do_sample=False)
+    _sync(device)
     start = time.perf_counter()
     tokens = 0
     outputs = []
@@ -133,6 +146,7 @@ def run_transformers(model_dir: Path, workload, output_len: int, batch_size: int
         new = out[:, width:]
         tokens += new.numel()
         outputs.extend(new.tolist())
+    _sync(device)
     elapsed = time.perf_counter() - start
     return {
         "seconds": elapsed,
@@ -151,6 +165,10 @@ def main() -> int:
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (both engines)")
+    ap.add_argument(
+        "--dtype", default="float32", help="float32 (outputs compared exactly) or bfloat16"
+    )
     ap.add_argument("--result-json", type=Path)
     args = ap.parse_args()
     if args.threads:
@@ -158,13 +176,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_checkpoint(Path(tmp) / "ckpt", "qwen2_vl", seed=args.seed, **SHAPE)
         workload, num_unique = build_workload(args.num_requests, args.seed)
-        ours = run_mmserve(model_dir, workload, args.output_len)
-        theirs = run_transformers(model_dir, workload, args.output_len, args.hf_batch_size)
+        ours = run_mmserve(model_dir, workload, args.output_len, args.device, args.dtype)
+        theirs = run_transformers(
+            model_dir, workload, args.output_len, args.hf_batch_size, args.device, args.dtype
+        )
     same = sum(a == b for a, b in zip(ours.pop("outputs"), theirs.pop("outputs"), strict=True))
     ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
     print(
         f"workload: {args.num_requests} requests, {num_unique} unique images, "
-        f"{args.output_len} output tokens each, torch threads {torch.get_num_threads()}"
+        f"{args.output_len} output tokens each, torch threads {torch.get_num_threads()}, "
+        f"{args.device} {args.dtype}"
     )
     print(f"{'':14}{'seconds':>10}{'tok/s':>10}{'images encoded':>16}{'ViT calls':>11}")
     for name, r in (("mmserve", ours), ("transformers", theirs)):
