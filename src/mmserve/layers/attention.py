@@ -53,6 +53,10 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative new-token counts
     query_start_loc_cpu: tuple[int, ...] = field(default=())
     seq_lens_cpu: tuple[int, ...] = field(default=())
+    # decode_batches(block_size), worked out once per step and shared by every layer
+    _decode_batches: dict[int, list[DecodeBatch]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not self.query_start_loc_cpu:
@@ -77,6 +81,35 @@ class AttentionMetadata:
     def query_lens(self) -> list[int]:
         loc = self.query_start_loc_cpu
         return [loc[i + 1] - loc[i] for i in range(self.num_seqs)]
+
+    def decode_batches(self, block_size: int) -> list[DecodeBatch]:
+        """The one-token sequences, grouped by length (see `_decode_groups`)."""
+        if block_size not in self._decode_batches:
+            loc, seq_lens = self.query_start_loc_cpu, self.seq_lens_cpu
+            decode_idx = [i for i in range(self.num_seqs) if loc[i + 1] - loc[i] == 1]
+            blocks = [-(-seq_lens[i] // block_size) for i in decode_idx]
+            device = self.block_tables.device
+            batches = []
+            for members in _decode_groups(blocks):
+                seqs = [decode_idx[m] for m in members]
+                batches.append(
+                    DecodeBatch(
+                        seq_idx=torch.tensor(seqs, device=device),
+                        token_idx=torch.tensor([loc[i] for i in seqs], device=device),
+                        max_blocks=max(blocks[m] for m in members),
+                    )
+                )
+            self._decode_batches[block_size] = batches
+        return self._decode_batches[block_size]
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """Decode sequences attended in one SDPA call, their keys padded to `max_blocks` blocks."""
+
+    seq_idx: torch.Tensor  # [n] int64: rows of the metadata's per-sequence tensors
+    token_idx: torch.Tensor  # [n] int64: the sequences' new tokens in the flat batch
+    max_blocks: int
 
 
 def build_attention_metadata(
@@ -255,22 +288,16 @@ def paged_attention(
     group = num_heads // num_kv_heads
     query = query.to(kv_cache.dtype)
     out = torch.empty_like(query)
-    loc, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-    decode_idx = [i for i in range(metadata.num_seqs) if loc[i + 1] - loc[i] == 1]
-    decode_blocks = [-(-seq_lens[i] // block_size) for i in decode_idx]
-    for members in _decode_groups(decode_blocks):
-        seqs = [decode_idx[m] for m in members]
-        idx = torch.tensor(seqs, device=query.device)
-        token_idx = torch.tensor([loc[i] for i in seqs], device=query.device)
-        max_blocks = max(decode_blocks[m] for m in members)
-        out[token_idx] = _attend_decodes(
-            query[token_idx],
+    for batch in metadata.decode_batches(block_size):
+        out[batch.token_idx] = _attend_decodes(
+            query[batch.token_idx],
             kv_cache,
-            metadata.block_tables[idx, :max_blocks],
-            metadata.seq_lens[idx],
+            metadata.block_tables[batch.seq_idx, : batch.max_blocks],
+            metadata.seq_lens[batch.seq_idx],
             group,
             scale,
         )
+    loc, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     for i in range(metadata.num_seqs):
         start, end = loc[i], loc[i + 1]
         if end - start <= 1:
