@@ -12,6 +12,7 @@ from toy_data import (
     BIG_RADIUS,
     CELL_RADIUS,
     COLOURS,
+    EXTRA_TASKS,
     NON_SQUARE,
     ONE_IMAGE_TASKS,
     POSITIONS,
@@ -35,6 +36,7 @@ TASK_ROWS = {
     "count": ("How many shapes are there?", "one / two"),
     "which": ("Which image shows a circle? (two images)", "the first / the second"),
     "same_colour": ("Are the two shapes the same colour? (two images)", "yes / no"),
+    "nth_colour": ("What colour is the shape in the first image? (two images)", "red"),
 }
 
 
@@ -45,8 +47,11 @@ def _commands(args: argparse.Namespace) -> str:
         f" --vision-dim {args.vision_dim} --rope-theta {args.rope_theta:g}"
         f" --mrope-section {args.mrope_section} --text-layers {args.text_layers}"
         f" --vision-lr-scale {args.vision_lr_scale:g}"
+        f" --vision-rope-theta {args.vision_rope_theta:g}"
+        f" --min-pixels {args.min_pixels} --max-pixels {args.max_pixels}"
         + (" --vision-ids" if args.vision_ids else "")
         + (f" --weights {args.weights}" if args.weights else "")
+        + "".join(f" --stage {stage}" for stage in args.stage)
         + (f" --threads {args.threads}" if args.threads else "")
     )
     if not args.resume:
@@ -56,14 +61,21 @@ def _commands(args: argparse.Namespace) -> str:
     return f"{base}{threads}\n{base} --resume {run}"
 
 
+def _target(task: str) -> float | None:
+    """The accuracy the model is specified to reach on `task`; None for our extra questions."""
+    if task in EXTRA_TASKS:
+        return None
+    return 0.97 if task in ONE_IMAGE_TASKS else 0.90
+
+
 def _shortfalls(accs: dict[str, float]) -> str:
     short = [
         f"{task} ({100 * acc:.1f}%)"
         for task, acc in accs.items()
-        if acc < (0.97 if task in ONE_IMAGE_TASKS else 0.90)
+        if _target(task) is not None and acc < _target(task)
     ]
     if not short:
-        return "Every question meets its target."
+        return "Every specified question meets its target."
     return "Still short of target, so expect wrong answers there: " + ", ".join(short) + "."
 
 
@@ -77,21 +89,69 @@ def _labels(args: argparse.Namespace) -> str:
     )
 
 
-def _rotary(args: argparse.Namespace) -> str:
-    """What the language model's M-RoPE settings are and what is known about the choice."""
+def _lessons(args: argparse.Namespace) -> str:
+    """Why the model is trained the way it is: what this project measured, in short."""
     t, h, w = (int(x) for x in args.mrope_section.split(","))
-    return textwrap.fill(
-        f"The language model's rotary base is {args.rope_theta:g} (`rope_theta`; Qwen2-VL uses "
-        f"10000) and its M-RoPE bands are [{t}, {h}, {w}] (time, height, width) of the head's "
-        f"{t + h + w} frequencies, fastest first. M-RoPE hands the width axis the slowest "
-        "frequencies: at a base of 10000 they barely turn across a picture a few tokens wide and "
-        "the model could not tell left from right, hence the low base. A base of 10 leaves no "
-        "slow frequency, so attention cannot match content tens of tokens back; that is our best "
-        'explanation for "which image" staying at chance and same-colour varying between runs. '
-        "A base of 300-1000 with bands [1, 3, 12] learned same-colour reliably (97.5-100%) but "
-        'position more slowly (94% after 5000 steps), and "which image" stayed at chance there '
-        "too.",
-        width=96,
+    paragraphs = [
+        "## Why it is trained this way",
+        "What a model this small can learn in ~20 CPU-minutes comes down to a few things; each "
+        "was measured (runs of 900-6600 steps, 64-200 held-out questions per task).",
+        "- **Reading a picture.** A shape is told apart by a few of its picture's tokens (the "
+        "corners and edges), but the language model reads a picture through attention, which "
+        "starts out as an average over all of them. The same vision tower under a linear head "
+        "learned shape to 98% in 600 steps with its tokens max-pooled, and to only 56% with "
+        "them averaged. Shape is therefore the slowest one-picture question, and fewer tokens "
+        "per picture help: at 7056-12544 pixels (9-16 tokens) a training step costs about half "
+        "of one at 12544-28224 (16-36 tokens), with the same accuracy per step.",
+        "- **First or second picture.** Telling the first picture from the second never "
+        "emerged while mixed with other questions (not at half the mix for 900 steps, not with "
+        '"Picture 1:" labels, not at a rotary base of 100), yet it is learned in 200-300 steps '
+        "when it is the only question (nth_colour), and it survives the return to the mix. "
+        '"Which image shows a circle?" behaves the same once shapes are known: 78% after 300 '
+        "steps and 91% after 600 on its own; still at chance after 1,400 steps at over a third of "
+        "the mix. Hence the curriculum: one-picture questions first, then each two-picture "
+        "question on its own, then everything together, which brings the one-picture answers "
+        "back.",
+        "- **Same colour.** On its own, same-colour was learned within 300 steps in two runs "
+        "(95.5% and 99% at the end) and not in a third, the 6600-step run shipped on 2026-11-30 "
+        "(54%); why some runs take it and others do not is not yet understood.",
+        f"- **Rotary base.** The language model's rotary base is {args.rope_theta:g} "
+        f"(`rope_theta`; Qwen2-VL uses 10000) and its M-RoPE bands are [{t}, {h}, {w}] (time, "
+        f"height, width) of the head's {t + h + w} frequencies, fastest first. M-RoPE hands the "
+        "width axis the slowest frequencies: at a base of 10000 they barely turn across a "
+        "picture a few tokens wide, and the model could not tell left from right. At a base of "
+        "100 the same curriculum learned position about 600 steps later than at 10, and "
+        "nothing else faster.",
+    ]
+    return "\n\n".join(p if p.startswith("#") else textwrap.fill(p, width=96) for p in paragraphs)
+
+
+def _mix(weights: dict[str, float]) -> str:
+    total = sum(weights.values())
+    return ", ".join(f"{task} {100 * w / total:.0f}%" for task, w in weights.items() if w > 0)
+
+
+def _curriculum(stages: dict[int, dict[str, float]], steps: int) -> str:
+    """The task mix of each training stage ({first step: full task weights}), in words."""
+    starts = sorted(stages)
+    ends = [*starts[1:], steps]
+    return "\n".join(
+        f"- steps {start}-{end - 1}: {_mix(stages[start])}"
+        for start, end in zip(starts, ends, strict=True)
+    )
+
+
+def _stages_text(stages: dict[int, dict[str, float]] | None, steps: int) -> str:
+    if stages is None:
+        return "The training curriculum is in the command under How to reproduce."
+    if len(stages) == 1:
+        return f"Every step drew from one mix of questions: {_mix(stages[0])}."
+    return (
+        "Training is a curriculum: each stage draws its questions in these shares.\n\n"
+        + _curriculum(stages, steps)
+        + '\n\n`nth_colour` ("What colour is the shape in the first image?") is not one of the'
+        " questions this model was built for: it teaches the language model to tell the first"
+        " picture from the second (see below)."
     )
 
 
@@ -102,6 +162,11 @@ def _timing(stats: TrainStats | None) -> str:
         f"Measured: training took {stats.seconds / 60:.1f} minutes with {stats.threads} torch"
         f" thread(s); the busiest 1-minute load average seen meanwhile was {stats.max_load:.1f}"
         " (this process included)."
+        + (
+            " That is over the ~20 minutes the run is meant to fit in."
+            if stats.seconds > 21 * 60
+            else ""
+        )
     )
 
 
@@ -112,9 +177,13 @@ def write_model_card(
     num_params: int,
     pre: dict,
     stats: TrainStats | None = None,
+    stages: dict[int, dict[str, float]] | None = None,
 ) -> None:
+    """README.md and accuracy.json for the checkpoint in `out`. `stages` is the training
+    curriculum ({first step: task weights}); None when only re-evaluating."""
     rows = "\n".join(
         f"| {task} | {TASK_ROWS[task][0]} | {TASK_ROWS[task][1]} | {100 * acc:.1f}% |"
+        f" {'extra' if _target(task) is None else f'{100 * _target(task):.0f}%'} |"
         for task, acc in accs.items()
     )
     positions = ", ".join(p for row in POSITIONS for p in row)
@@ -132,8 +201,9 @@ changes. It knows nothing about real images or language beyond the questions bel
 ## What it was trained on
 
 Pictures generated by `scripts/toy_data.py`: one shape (or two, for the counting question) on
-a plain grey background. A shape is {200 * BIG_RADIUS[0]:.0f}-{200 * BIG_RADIUS[1]:.0f}% of
-the picture's short side across, anywhere it fits; for "Where is the shape?" it is
+a plain grey background; the two-picture questions show two one-shape pictures. A shape is
+{200 * BIG_RADIUS[0]:.0f}-{200 * BIG_RADIUS[1]:.0f}% of the picture's short side across,
+anywhere it fits; for "Where is the shape?" it is
 {200 * CELL_RADIUS[0]:.0f}-{200 * CELL_RADIUS[1]:.0f}% across with its centre well inside one
 cell of a 3x3 grid; two-shape pictures hold shapes 24-44% across. Shapes: {", ".join(SHAPES)}.
 Colours: {", ".join(COLOURS)}. Picture sizes range from 56 to 448 pixels a side, mostly
@@ -145,6 +215,8 @@ or (one time in four) a random system prompt of up to ~120 plain words. Loss is 
 and `<|im_end|>` only. The tokenizer is a 512-token byte-level BPE trained on the same text,
 with the Qwen2-VL special tokens and chat template.
 
+{_stages_text(stages, args.steps)}
+
 ## What it answers
 
 Answers are exact strings, ending with `<|im_end|>`. Positions use a 3x3 grid: {positions}.
@@ -152,17 +224,18 @@ Answers are exact strings, ending with `<|im_end|>`. Positions use a 3x3 grid: {
 Held-out greedy accuracy ({args.eval_per_task} fresh examples per question, transformers
 `generate`, these bf16 weights computed in float32):
 
-| task | question | answers | accuracy |
-|---|---|---|---|
+| task | question | answers | accuracy | target |
+|---|---|---|---|---|
 {rows}
 
 The same figures are in `accuracy.json` (machine-readable): mmserve's tests check that the
 engine reproduces them on fresh held-out questions (`tests/models/test_toy_model.py`).
 
-Targets: at least 97% on each one-image question, 90% on each two-image one.
+Targets: at least 97% on each one-image question, 90% on each two-image one, for the questions
+the model is specified to answer; count and nth_colour are extras of our own (see above).
 {_shortfalls(accs)} Ask anything else and the reply is meaningless.
 
-{_rotary(args)}
+{_lessons(args)}
 
 ## How to reproduce
 

@@ -41,10 +41,17 @@ QUESTIONS = {
     "count": "How many shapes are there?",
     "which": "Which image shows a {shape}?",
     "same_colour": "Are the two shapes the same colour?",
+    "nth_colour": "What colour is the shape in the {ordinal} image?",
 }
 ONE_IMAGE_TASKS = ("describe", "colour", "shape", "position", "count")
-TWO_IMAGE_TASKS = ("which", "same_colour")
+# nth_colour is not one of the questions the model was asked to answer: it trains the language
+# model to tell the first picture from the second on the easiest feature (colour, learned in a
+# few hundred steps), which "which image shows a circle?" then builds on.
+TWO_IMAGE_TASKS = ("which", "same_colour", "nth_colour")
 TASKS = ONE_IMAGE_TASKS + TWO_IMAGE_TASKS
+# Questions of our own, beyond the ones the model is specified to answer (no accuracy target):
+# count gives the two-shape pictures a question; nth_colour is a training aid (see above).
+EXTRA_TASKS = ("count", "nth_colour")
 
 # Plain words for random system prompts, so the model copes with long shared prefixes.
 WORDS = tuple(
@@ -238,6 +245,13 @@ def sample_example(rng: np.random.Generator, task: str) -> Example:
         first = sample_single(rng, colour=names[0])
         second = sample_single(rng, colour=names[0] if is_same else names[1])
         return Example(task, (first, second), QUESTIONS[task], "yes" if is_same else "no", system)
+    if task == "nth_colour":
+        colours = rng.choice(len(COLOURS), size=2, replace=False)
+        names = [list(COLOURS)[c] for c in colours]
+        pics = tuple(sample_single(rng, colour=name) for name in names)
+        target = int(rng.integers(2))
+        question = QUESTIONS[task].format(ordinal=ORDINALS[target].removeprefix("the "))
+        return Example(task, pics, question, names[target], system)
     raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
 
 

@@ -8,9 +8,23 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
-from scripts.toy_data import ONE_IMAGE_TASKS, TASKS, TWO_IMAGE_TASKS, draw, sample_example
+from scripts.toy_data import (
+    EXTRA_TASKS,
+    ONE_IMAGE_TASKS,
+    TASKS,
+    TWO_IMAGE_TASKS,
+    draw,
+    sample_example,
+)
 
-__all__ = ["ONE_IMAGE_TASKS", "TASKS", "TWO_IMAGE_TASKS", "ToyQuestion", "held_out"]
+__all__ = [
+    "EXTRA_TASKS",
+    "ONE_IMAGE_TASKS",
+    "TASKS",
+    "TWO_IMAGE_TASKS",
+    "ToyQuestion",
+    "held_out",
+]
 
 HELD_OUT_SEED = 20261130
 

@@ -7,7 +7,9 @@ The toy model's answers change with the picture, so a cache that served the wron
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -81,15 +83,20 @@ def test_same_picture_after_a_one_token_longer_prefix(server):
 
 
 def test_shrinking_max_pixels_keeps_answers_right(server):
+    # The smallest the toy's image processor allows: every picture down to min_pixels.
+    config = Path(bundled_toy_model_dir()) / "preprocessor_config.json"
+    min_pixels = json.loads(config.read_text())["min_pixels"]
     for colour in ("orange", "blue"):
         part = _url_part(_circle(colour, size=336))
         assert _ask(server, part, "What colour is the shape?") == colour
-        small = {"mm_processor_kwargs": {"max_pixels": 112 * 112}}
+        small = {"mm_processor_kwargs": {"max_pixels": min_pixels}}
         assert _ask(server, part, "What colour is the shape?", **small) == colour
 
 
 def test_held_out_questions_through_the_server(server):
-    for q in held_out("colour", 10, seed=99) + held_out("same_colour", 10, seed=99):
+    # nth_colour asks about one of two pictures of different colours: a cache that swapped the
+    # pictures' embeddings or KV blocks would answer with the other picture's colour.
+    for q in held_out("colour", 10, seed=99) + held_out("nth_colour", 10, seed=99):
         parts = [_url_part(image) for image in q.images]
         assert _ask_parts(server, parts, q.question, q.system) == q.answer
 

@@ -104,6 +104,12 @@ def test_answers_match_the_drawn_pictures(task: str) -> None:
             asked = next(s for s in SHAPES if ex.question == f"Which image shows a {s}?")
             assert seen.count(asked) == 1
             assert ex.answer == ORDINALS[seen.index(asked)]
+        elif task == "nth_colour":
+            seen = [_seen_colours(p) for p in ex.pictures]
+            assert all(len(colours) == 1 for colours in seen) and seen[0] != seen[1]
+            nth = 0 if "first" in ex.question else 1
+            assert ex.question == f"What colour is the shape in the {ORDINALS[nth][4:]} image?"
+            assert ex.answer == seen[nth][0]
         else:
             first, second = (_seen_colours(p) for p in ex.pictures)
             assert ex.answer == ("yes" if first == second else "no")
@@ -139,11 +145,16 @@ def test_prompt_is_the_chat_template_rendering(
     assert render_prompt(ex, QWEN2_VL_CHAT_TEMPLATE) == expected
 
 
-def test_training_pixels_match_the_transformers_image_processor() -> None:
+@pytest.mark.parametrize(
+    ("min_pixels", "max_pixels"), [(84 * 84, 112 * 112), (112 * 112, 168 * 168)]
+)
+def test_training_pixels_match_the_transformers_image_processor(
+    min_pixels: int, max_pixels: int
+) -> None:
     transformers = pytest.importorskip("transformers")
     from toy_batches import PixelConfig, image_patches
 
-    cfg = preprocessor_config(112 * 112, 168 * 168)
+    cfg = preprocessor_config(min_pixels, max_pixels)
     processor = transformers.Qwen2VLImageProcessorPil(
         **{k: v for k, v in cfg.items() if k not in ("image_processor_type", "processor_class")}
     )

@@ -12,14 +12,17 @@ import pytest
 from mmserve import LLM, SamplingParams
 from mmserve.engine.args import bundled_toy_model_dir
 from tests.oracle import HFOracle
-from tests.toy_examples import TASKS, TWO_IMAGE_TASKS, held_out
+from tests.toy_examples import EXTRA_TASKS, TASKS, TWO_IMAGE_TASKS, held_out
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 NUM_PER_TASK = 100
-# The issue's targets (>= 97% one-image, >= 90% two-image). The committed checkpoint meets them
-# for colour only so far (see the model card); the test below holds mmserve to what
-# transformers measured for these weights, which is the engine's part of the bargain.
-TARGETS = {task: 0.90 if task in TWO_IMAGE_TASKS else 0.97 for task in TASKS}
+# The issue's targets (>= 97% one-image, >= 90% two-image). Where the committed checkpoint falls
+# short of one (its model card says which), the test below holds mmserve to what transformers
+# measured for these weights instead: that is the engine's part of the bargain.
+# count and nth_colour are questions of our own, with no target.
+TARGETS = {
+    task: 0.90 if task in TWO_IMAGE_TASKS else 0.97 for task in TASKS if task not in EXTRA_TASKS
+}
 
 
 def _card() -> dict:
@@ -50,7 +53,7 @@ def test_accuracy_through_mmserve_matches_the_model_card(toy, task):
     card = _card()
     p = card["accuracy"][task]
     stderr = math.sqrt(p * (1 - p) * (1 / NUM_PER_TASK + 1 / card["num_per_task"]))
-    expected = min(TARGETS[task], p - max(0.03, 3 * stderr))
+    expected = min(TARGETS.get(task, 1.0), p - max(0.03, 3 * stderr))
     assert _accuracy(toy, task, NUM_PER_TASK) >= expected
 
 
@@ -82,3 +85,28 @@ def _collapse_image_pads(prompt: str) -> str:
     while pad + pad in prompt:
         prompt = prompt.replace(pad + pad, pad)
     return prompt
+
+
+@pytest.mark.parametrize(
+    ("picture", "question", "answer"),
+    [
+        ("red_circle.png", "What is in the image?", "a red circle"),
+        ("red_circle.png", "What colour is the shape?", "red"),
+        ("blue_square.png", "Where is the shape?", "top right"),
+    ],
+)
+def test_the_readme_first_run_answers(toy, picture, question, answer):
+    """The project README promises these answers for the pictures in docs/examples."""
+    from PIL import Image
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "examples" / picture
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": Image.open(path)},
+                {"type": "text", "text": question},
+            ],
+        }
+    ]
+    assert toy.chat(messages, GREEDY, use_tqdm=False)[0].outputs[0].text.strip() == answer
