@@ -113,8 +113,9 @@ def _lessons(args: argparse.Namespace) -> str:
         "question on its own, then everything together, which brings the one-picture answers "
         "back.",
         "- **Same colour.** On its own, same-colour was learned within 300 steps in two runs "
-        "(95.5% and 99% at the end) and not in a third, the 6600-step run shipped on 2026-11-30 "
-        "(54%); why some runs take it and others do not is not yet understood.",
+        "(95.5% and 99% at the end) and not in a third, the 6600-step first command of the "
+        "checkpoint shipped on 2026-11-30 (54%), whose second command taught it with one more "
+        "300-step stage (97%); why a stage takes in some runs and not others is not understood.",
         f"- **Rotary base.** The language model's rotary base is {args.rope_theta:g} "
         f"(`rope_theta`; Qwen2-VL uses 10000) and its M-RoPE bands are [{t}, {h}, {w}] (time, "
         f"height, width) of the head's {t + h + w} frequencies, fastest first. M-RoPE hands the "
