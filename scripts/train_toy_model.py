@@ -369,6 +369,9 @@ def main() -> None:
             model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
                 out, dtype=torch.float32
             )
+            # Loading records float32 in the sub-configs; the saved checkpoint is bf16 and its
+            # config.json should say only that (top level), as a fresh run's does.
+            model.config.text_config.dtype = model.config.vision_config.dtype = None
         else:
             model = build_model(ids, vocab_size, args.seed, args)
         log.info("parameters: %d", sum(p.numel() for p in model.parameters()))
