@@ -12,12 +12,11 @@ from toy_data import (
     BIG_RADIUS,
     CELL_RADIUS,
     COLOURS,
-    EXTRA_TASKS,
     NON_SQUARE,
-    ONE_IMAGE_TASKS,
     POSITIONS,
     QUESTIONS,
     SHAPES,
+    accuracy_target,
 )
 
 
@@ -61,18 +60,16 @@ def _commands(args: argparse.Namespace) -> str:
     return f"{base}{threads}\n{base} --resume {run}"
 
 
-def _target(task: str) -> float | None:
-    """The accuracy the model is specified to reach on `task`; None for our extra questions."""
-    if task in EXTRA_TASKS:
-        return None
-    return 0.97 if task in ONE_IMAGE_TASKS else 0.90
+def _target_text(task: str) -> str:
+    target = accuracy_target(task)
+    return "extra" if target is None else f"{100 * target:.0f}%"
 
 
 def _shortfalls(accs: dict[str, float]) -> str:
     short = [
         f"{task} ({100 * acc:.1f}%)"
         for task, acc in accs.items()
-        if _target(task) is not None and acc < _target(task)
+        if accuracy_target(task) is not None and acc < accuracy_target(task)
     ]
     if not short:
         return "Every specified question meets its target."
@@ -184,7 +181,7 @@ def write_model_card(
     curriculum ({first step: task weights}); None when only re-evaluating."""
     rows = "\n".join(
         f"| {task} | {TASK_ROWS[task][0]} | {TASK_ROWS[task][1]} | {100 * acc:.1f}% |"
-        f" {'extra' if _target(task) is None else f'{100 * _target(task):.0f}%'} |"
+        f" {_target_text(task)} |"
         for task, acc in accs.items()
     )
     positions = ", ".join(p for row in POSITIONS for p in row)

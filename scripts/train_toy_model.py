@@ -167,6 +167,12 @@ def parse_stages(items: list[str]) -> dict[int, dict[str, float]]:
     return stages
 
 
+def curriculum(args: argparse.Namespace) -> dict[int, dict[str, float]]:
+    """{first step: the full task weights from there on}: --weights from step 0, then --stage."""
+    mixes = {0: {**TASK_WEIGHTS, **parse_weights(args.weights)}, **parse_stages(args.stage)}
+    return dict(sorted(mixes.items()))
+
+
 def free_cores() -> int:
     """Cores not already busy with other work (the 1-minute load average). More threads than
     free cores is far slower, not faster: each step's threads wait on the descheduled one."""
@@ -280,7 +286,12 @@ def save(model, out: Path, ids: SpecialIds) -> None:
 
 
 def train(
-    model, args, sampler: Sampler, monitor: dict[str, list[Encoded]], ids: SpecialIds
+    model,
+    args,
+    sampler: Sampler,
+    stages: dict[int, dict[str, float]],
+    monitor: dict[str, list[Encoded]],
+    ids: SpecialIds,
 ) -> TrainStats:
     """Train in place; returns the wall time and the busiest 1-minute load average seen."""
     groups = []
@@ -294,13 +305,11 @@ def train(
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
     start = time.time()
     max_load = os.getloadavg()[0]
-    stages = parse_stages(args.stage)
-    batches = sampler.batches(args.batch_size)
     for step in range(args.steps):
         if step in stages:
             sampler.set_mix(stages[step])
             batches = sampler.batches(args.batch_size)  # a fresh pool, all in the new mix
-            log.info("from step %d: task mix %s", step, {**TASK_WEIGHTS, **stages[step]})
+            log.info("from step %d: task mix %s", step, stages[step])
         for group in opt.param_groups:
             group["lr"] = group["scale"] * lr_at(step, args.steps, args.lr)
         model.train()
@@ -345,6 +354,8 @@ def main() -> None:
         args.text_layers = text_cfg["num_hidden_layers"]
         template = json.loads((out / "tokenizer_config.json").read_text())["chat_template"]
         args.vision_ids = template == LABELLED_CHAT_TEMPLATE
+        kept = json.loads((out / "preprocessor_config.json").read_text())
+        args.min_pixels, args.max_pixels = kept["min_pixels"], kept["max_pixels"]
     else:
         template = LABELLED_CHAT_TEMPLATE if args.vision_ids else QWEN2_VL_CHAT_TEMPLATE
         corpus = tokenizer_corpus(np.random.default_rng(args.seed))
@@ -353,9 +364,6 @@ def main() -> None:
         tok = build_tokenizer(out, corpus, vocab_size=512, chat_template=template)
     ids = special_token_ids(tok)
     special = SpecialIds(ids["<|image_pad|>"], ids["<|im_end|>"], ids["<|endoftext|>"])
-    if args.eval_only or args.resume:
-        kept = json.loads((out / "preprocessor_config.json").read_text())
-        args.min_pixels, args.max_pixels = kept["min_pixels"], kept["max_pixels"]
     pre = preprocessor_config(args.min_pixels, args.max_pixels)
     (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n")
     px = PixelConfig.from_dict(pre)
@@ -363,7 +371,7 @@ def main() -> None:
     # Held-out examples come from their own stream, never from the training one.
     held_out = Sampler(args.seed + 1_000_003, tok, special, px, template)
     monitor = {t: held_out.draw(64, t) for t in TASKS}
-    stats = None
+    stats = stages = None
     if not args.eval_only:
         if args.resume:
             model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
@@ -378,10 +386,9 @@ def main() -> None:
         model.to(args.device)
         # A resumed run draws a training stream of its own rather than replaying the first.
         train_seed = args.seed + 1 if args.resume else args.seed
-        mix = parse_weights(args.weights)
-        log.info("task mix: %s", {**TASK_WEIGHTS, **mix})
-        sampler = Sampler(train_seed, tok, special, px, template, mix)
-        stats = train(model, args, sampler, monitor, special)
+        stages = curriculum(args)
+        sampler = Sampler(train_seed, tok, special, px, template)
+        stats = train(model, args, sampler, stages, monitor, special)
         save(model, out, special)
     reloaded = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
         out, dtype=torch.float32
@@ -390,10 +397,6 @@ def main() -> None:
     accs = {t: greedy_accuracy(reloaded, b, special, tok) for t, b in evaluation.items()}
     log.info("held-out greedy accuracy (bf16 weights, float32 compute): %s", _fmt(accs))
     num_params = sum(p.numel() for p in reloaded.parameters())
-    stages = None
-    if not args.eval_only:
-        mixes = {0: parse_weights(args.weights), **parse_stages(args.stage)}
-        stages = {start: {**TASK_WEIGHTS, **mix} for start, mix in mixes.items()}
     write_model_card(out, accs, args, num_params, pre, stats, stages)
 
 

@@ -13,6 +13,7 @@ from scripts.toy_data import (
     ONE_IMAGE_TASKS,
     TASKS,
     TWO_IMAGE_TASKS,
+    accuracy_target,
     draw,
     sample_example,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "TASKS",
     "TWO_IMAGE_TASKS",
     "ToyQuestion",
+    "accuracy_target",
     "held_out",
 ]
 
