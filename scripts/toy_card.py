@@ -21,10 +21,22 @@ from toy_data import (
 
 
 @dataclass(frozen=True)
+class StageEnd:
+    """How a one-question stage ended: at which step, how far past its plan, how well."""
+
+    task: str
+    step: int
+    extra_steps: int
+    accuracy: float  # the held-out monitor's teacher-forced accuracy on `task`
+
+
+@dataclass(frozen=True)
 class TrainStats:
     seconds: float  # wall time of the training loop (held-out checks and saves included)
     threads: int  # torch threads
     max_load: float  # the busiest 1-minute load average seen while training
+    stages: dict[int, dict[str, float]]  # the curriculum as it ran: {first step: task weights}
+    stage_ends: list[StageEnd]  # one per one-question stage, in order
 
 
 TASK_ROWS = {
@@ -51,6 +63,11 @@ def _commands(args: argparse.Namespace) -> str:
         + (" --vision-ids" if args.vision_ids else "")
         + (f" --weights {args.weights}" if args.weights else "")
         + "".join(f" --stage {stage}" for stage in args.stage)
+        + (
+            f" --stage-gate {args.stage_gate:g} --stage-max-extra {args.stage_max_extra}"
+            if args.stage_gate > 0
+            else ""
+        )
         + (f" --threads {args.threads}" if args.threads else "")
     )
     if not args.resume:
@@ -109,10 +126,24 @@ def _lessons(args: argparse.Namespace) -> str:
         "the mix. Hence the curriculum: one-picture questions first, then each two-picture "
         "question on its own, then everything together, which brings the one-picture answers "
         "back.",
-        "- **Same colour.** On its own, same-colour was learned within 300 steps in two runs "
-        "(95.5% and 99% at the end) and not in a third, the 6600-step first command of the "
-        "checkpoint shipped on 2026-11-30 (54%), whose second command taught it with one more "
-        "300-step stage (97%); why a stage takes in some runs and not others is not understood.",
+        "- **Whether a stage takes.** A one-question stage does not take in the same number of "
+        "steps from run to run. Same-colour alone was learned within 300 steps in four runs "
+        "(within 100 in one), took 550 in another, and had not been learned after 300 in the "
+        "first command of the checkpoint shipped on 2026-11-30 (54%), whose second command "
+        "taught it with one more 300-step stage (97%). Which passed 90% after 650 steps alone in "
+        "that run, and was at 86% and 83% after 1,000 steps in two others; a stage asking the "
+        'same on colour first ("Which image shows a red shape?", learned in 500 steps) did not '
+        "speed it up (86% after 800). `--stage-gate` lets a "
+        "one-question stage run on until its held-out monitor says it has taken (up to "
+        "`--stage-max-extra` more steps); it is off by default, because the shipped checkpoint "
+        "was trained without it.",
+        "- **Learning rate.** Holding the peak rate (1e-3) through the one-question stages, "
+        "instead of the cosine decay from the start, left which at chance after 1,000 steps "
+        "alone; at the ~5e-4 the cosine gives there it learns.",
+        "- **Twenty minutes.** Both one-command runs of about 20 minutes that ran to the end (5,600"
+        " steps, stage gate on) fell short: which at 88.5% and 89%, describe at 95.5% and 95%, and"
+        " same-colour at 84% in the second (see Other runs). The two commands below take 28.4"
+        " minutes.",
         f"- **Rotary base.** The language model's rotary base is {args.rope_theta:g} "
         f"(`rope_theta`; Qwen2-VL uses 10000) and its M-RoPE bands are [{t}, {h}, {w}] (time, "
         f"height, width) of the head's {t + h + w} frequencies, fastest first. M-RoPE hands the "
@@ -139,15 +170,47 @@ def _curriculum(stages: dict[int, dict[str, float]], steps: int) -> str:
     )
 
 
-def _stages_text(stages: dict[int, dict[str, float]] | None, steps: int) -> str:
+def _gate_text(args: argparse.Namespace, ends: list[StageEnd]) -> str:
+    """How the one-question stages were allowed to run on, and how each one ended."""
+    if args.stage_gate <= 0 or not ends:
+        return ""
+    outcomes = "; ".join(
+        f"{end.task} ended at step {end.step}"
+        + (f", {end.extra_steps} steps over plan" if end.extra_steps else ", as planned")
+        + f" ({100 * end.accuracy:.0f}%)"
+        for end in ends
+    )
+    text = (
+        "A stage that trains one question alone runs on past its planned end, 50 steps at a"
+        f" time and at most {args.stage_max_extra} steps, until that question's held-out monitor"
+        f" accuracy (64 questions, teacher-forced) reaches {100 * args.stage_gate:.0f}%; later"
+        " stages start that much later and the run's length does not change. In this run: "
+        + outcomes
+        + "."
+    )
+    return "\n\n" + textwrap.fill(text, width=96)
+
+
+def _stages_text(
+    stages: dict[int, dict[str, float]] | None, args: argparse.Namespace, ends: list[StageEnd]
+) -> str:
     if stages is None:
         return "The training curriculum is in the command under How to reproduce."
     if len(stages) == 1:
         return f"Every step drew from one mix of questions: {_mix(stages[0])}."
     return (
         "Training is a curriculum: each stage draws its questions in these shares.\n\n"
-        + _curriculum(stages, steps)
-        + '\n\n`nth_colour` ("What colour is the shape in the first image?") is not one of the'
+        + _curriculum(stages, args.steps)
+        + _gate_text(args, ends)
+        + _nth_colour_text(stages)
+    )
+
+
+def _nth_colour_text(stages: dict[int, dict[str, float]]) -> str:
+    if not any(mix.get("nth_colour", 0) > 0 for mix in stages.values()):
+        return ""
+    return (
+        '\n\n`nth_colour` ("What colour is the shape in the first image?") is not one of the'
         " questions this model was built for: it teaches the language model to tell the first"
         " picture from the second (see below)."
     )
@@ -213,7 +276,7 @@ or (one time in four) a random system prompt of up to ~120 plain words. Loss is 
 and `<|im_end|>` only. The tokenizer is a 512-token byte-level BPE trained on the same text,
 with the Qwen2-VL special tokens and chat template.
 
-{_stages_text(stages, args.steps)}
+{_stages_text(stats.stages if stats else stages, args, stats.stage_ends if stats else [])}
 
 ## What it answers
 

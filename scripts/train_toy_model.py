@@ -36,7 +36,7 @@ from tests.factory import (  # noqa: E402
     tiny_config_dict,
 )
 from toy_batches import Encoded, PixelConfig, SpecialIds, collate, encode  # noqa: E402
-from toy_card import TrainStats, write_model_card  # noqa: E402
+from toy_card import StageEnd, TrainStats, write_model_card  # noqa: E402
 from toy_data import TASKS, sample_example, tokenizer_corpus  # noqa: E402
 
 log = logging.getLogger("train_toy_model")
@@ -107,6 +107,19 @@ def parse_args() -> argparse.Namespace:
         metavar="STEP:WEIGHTS",
         help="from STEP on, draw only the tasks named in WEIGHTS (e.g. '2400:nth_colour=1'),"
         " in those proportions; repeat for a curriculum (default: CURRICULUM; 'none': no stages)",
+    )
+    parser.add_argument(
+        "--stage-gate",
+        type=float,
+        default=0.0,
+        help="a one-question stage runs on until that question's held-out monitor accuracy"
+        " reaches this (0: stages end where planned)",
+    )
+    parser.add_argument(
+        "--stage-max-extra",
+        type=int,
+        default=300,
+        help="the most steps a one-question stage may run past its planned end",
     )
     parser.add_argument("--rope-theta", type=float, default=TEXT["rope_parameters"]["rope_theta"])
     parser.add_argument(
@@ -285,6 +298,66 @@ def save(model, out: Path, ids: SpecialIds) -> None:
     bf16.save_pretrained(out, safe_serialization=True)
 
 
+class StageWalker:
+    """Walks the curriculum ({planned first step: task weights}) during training.
+
+    A stage that trains one question alone is there to teach a skill the mix does not (see the
+    model card), and whether it takes in its planned steps varies from run to run. So such a
+    stage runs on past its planned end, `every` steps at a time and at most `max_extra` steps,
+    until that question's held-out monitor accuracy reaches `gate`; later stages start that
+    much later, and the run's total steps do not change. Deterministic, like the rest.
+    """
+
+    def __init__(
+        self, stages: dict[int, dict[str, float]], gate: float, max_extra: int, every: int = 50
+    ) -> None:
+        self.planned = sorted(stages.items())
+        self.gate, self.max_extra, self.every = gate, max_extra, every
+        self.index = -1  # the stage being trained
+        self.delay = 0  # steps every later stage starts after its plan
+        self.extra = 0  # steps the current stage has run past its plan
+        self.started: dict[int, dict[str, float]] = {}  # as run: {first step: task weights}
+        self.ends: list[StageEnd] = []  # how each one-question stage ended
+
+    def next_mix(self, step: int, accuracy) -> dict[str, float] | None:
+        """The task weights of a stage that starts at `step`, or None. `accuracy(task)` is the
+        held-out monitor accuracy now; asked only at the end of a one-question stage."""
+        following = self.index + 1
+        if following >= len(self.planned) or step != self.planned[following][0] + self.delay:
+            return None
+        task = self.index >= 0 and only_task(self.planned[self.index][1])
+        if task and self.gate > 0:
+            acc = accuracy(task)
+            if acc < self.gate and self.extra < self.max_extra:
+                log.info(
+                    "step %d: %s held-out %.3f < %.2f, its stage runs on",
+                    step,
+                    task,
+                    acc,
+                    self.gate,
+                )
+                self.delay += self.every
+                self.extra += self.every
+                return None
+            self.ends.append(StageEnd(task, step, self.extra, acc))
+            log.info(
+                "step %d: %s stage ends (held-out %.3f, %d steps over plan)",
+                step,
+                task,
+                acc,
+                self.extra,
+            )
+        self.index, self.extra = following, 0
+        self.started[step] = self.planned[following][1]
+        return self.started[step]
+
+
+def only_task(mix: dict[str, float]) -> str | None:
+    """The question a stage trains alone, if it draws just one."""
+    drawn = [task for task, weight in mix.items() if weight > 0]
+    return drawn[0] if len(drawn) == 1 else None
+
+
 def train(
     model,
     args,
@@ -293,7 +366,8 @@ def train(
     monitor: dict[str, list[Encoded]],
     ids: SpecialIds,
 ) -> TrainStats:
-    """Train in place; returns the wall time and the busiest 1-minute load average seen."""
+    """Train in place; returns the wall time, the busiest 1-minute load average seen and the
+    curriculum as it ran."""
     groups = []
     for is_vision in (False, True):
         # The vision tower sits behind the language model and learns slowest: its own lr scale.
@@ -303,13 +377,19 @@ def train(
         groups.append({"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0})
         groups[-1]["scale"] = groups[-2]["scale"] = scale
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
+    walker = StageWalker(stages, args.stage_gate, args.stage_max_extra)
+
+    def monitor_accuracy(task: str) -> float:
+        model.eval()
+        return teacher_forced_accuracy(model, monitor[task], ids)
+
     start = time.time()
     max_load = os.getloadavg()[0]
     for step in range(args.steps):
-        if step in stages:
-            sampler.set_mix(stages[step])
+        if (mix := walker.next_mix(step, monitor_accuracy)) is not None:
+            sampler.set_mix(mix)
             batches = sampler.batches(args.batch_size)  # a fresh pool, all in the new mix
-            log.info("from step %d: task mix %s", step, stages[step])
+            log.info("from step %d: task mix %s", step, mix)
         for group in opt.param_groups:
             group["lr"] = group["scale"] * lr_at(step, args.steps, args.lr)
         model.train()
@@ -327,7 +407,8 @@ def train(
             accs = {t: teacher_forced_accuracy(model, b, ids) for t, b in monitor.items()}
             log.info("step %d held-out: %s", step + 1, _fmt(accs))
             save(model, args.out, ids)
-    return TrainStats(time.time() - start, torch.get_num_threads(), max_load)
+    seconds = time.time() - start
+    return TrainStats(seconds, torch.get_num_threads(), max_load, walker.started, walker.ends)
 
 
 def _fmt(accs: dict[str, float]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -11,8 +12,10 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import train_toy_model as train  # noqa: E402
-from toy_card import _curriculum, _shortfalls  # noqa: E402
+from toy_card import _curriculum, _gate_text, _shortfalls, _stages_text  # noqa: E402
 from toy_data import TASKS  # noqa: E402
+
+from mmserve.engine.args import bundled_toy_model_dir  # noqa: E402
 
 
 def test_a_stage_draws_only_the_tasks_it_names() -> None:
@@ -46,3 +49,76 @@ def test_extra_questions_have_no_target() -> None:
     accs = dict.fromkeys(TASKS, 1.0) | {"count": 0.5, "nth_colour": 0.5}
     assert _shortfalls(accs) == "Every specified question meets its target."
     assert "which (89.0%)" in _shortfalls(accs | {"which": 0.89})
+
+
+def _walk(walker: train.StageWalker, steps: int, accuracy) -> dict[int, dict[str, float]]:
+    for step in range(steps):
+        walker.next_mix(step, accuracy)
+    return walker.started
+
+
+ONE_PICTURE = {"shape": 1.0, "colour": 1.0, "which": 0.0}
+WHICH_ALONE = {"shape": 0.0, "colour": 0.0, "which": 1.0}
+
+
+def test_stages_start_as_planned_when_each_one_question_stage_has_taken() -> None:
+    asked = []
+    walker = train.StageWalker({0: ONE_PICTURE, 100: WHICH_ALONE, 200: ONE_PICTURE}, 0.9, 300)
+    started = _walk(walker, 300, lambda task: asked.append(task) or 0.95)
+    assert list(started) == [0, 100, 200]
+    assert asked == ["which"]  # only a one-question stage is checked, once, at its end
+    assert walker.ends == [train.StageEnd("which", 200, 0, 0.95)]
+
+
+def test_a_one_question_stage_runs_on_until_it_has_taken_and_later_stages_move() -> None:
+    scores = iter([0.5, 0.7, 0.92])  # below the gate twice, then above
+    walker = train.StageWalker(
+        {0: ONE_PICTURE, 100: WHICH_ALONE, 200: ONE_PICTURE, 250: WHICH_ALONE}, 0.9, 300
+    )
+    started = _walk(walker, 400, lambda task: next(scores, 1.0))
+    assert list(started) == [0, 100, 300, 350]
+    assert walker.ends[0] == train.StageEnd("which", 300, 100, 0.92)
+
+
+def test_a_stage_that_never_takes_ends_after_the_most_extra_steps() -> None:
+    walker = train.StageWalker({0: WHICH_ALONE, 100: ONE_PICTURE}, 0.9, 100)
+    started = _walk(walker, 400, lambda task: 0.1)
+    assert list(started) == [0, 200]
+    assert walker.ends == [train.StageEnd("which", 200, 100, 0.1)]
+
+
+def test_gate_zero_keeps_the_plan_and_asks_nothing() -> None:
+    def never(task: str) -> float:
+        raise AssertionError("no accuracy is asked with the gate off")
+
+    walker = train.StageWalker({0: WHICH_ALONE, 100: ONE_PICTURE}, 0.0, 300)
+    assert list(_walk(walker, 200, never)) == [0, 100]
+
+
+def test_the_card_says_how_each_one_question_stage_ended() -> None:
+    args = argparse.Namespace(stage_gate=0.9, stage_max_extra=300)
+    ends = [train.StageEnd("nth_colour", 2900, 0, 1.0), train.StageEnd("which", 3650, 50, 0.91)]
+    text = " ".join(_gate_text(args, ends).split())
+    assert "until that question's held-out monitor accuracy" in text
+    assert "nth_colour ended at step 2900, as planned (100%)" in text
+    assert "which ended at step 3650, 50 steps over plan (91%)" in text
+    assert _gate_text(argparse.Namespace(stage_gate=0.0, stage_max_extra=300), ends) == ""
+
+
+def test_the_card_explains_nth_colour_only_when_the_run_trained_it() -> None:
+    args = argparse.Namespace(steps=300, stage_gate=0.0, stage_max_extra=0)
+    without = _stages_text({0: ONE_PICTURE, 100: WHICH_ALONE}, args, [])
+    with_nth = _stages_text({0: ONE_PICTURE, 100: {"nth_colour": 1.0}}, args, [])
+    assert "nth_colour" not in without
+    assert "tell the first picture from the second" in with_nth
+
+
+def test_the_defaults_are_the_shipped_checkpoints_first_command(monkeypatch) -> None:
+    """The card's first reproduction command relies on the script's defaults: changing them
+    would silently stop it from reproducing the committed weights."""
+    monkeypatch.setattr(sys, "argv", ["train_toy_model.py", "--out", "unused"])
+    args = train.parse_args()
+    card = (Path(bundled_toy_model_dir()) / "README.md").read_text()
+    assert f"The first command ({args.steps} steps):" in card
+    assert _curriculum(train.curriculum(args), args.steps) in card
+    assert args.stage_gate == 0  # the shipped checkpoint was trained without the gate
