@@ -19,6 +19,9 @@ from toy_data import (
     accuracy_target,
 )
 
+# A gated one-question stage is checked, and runs on, this many steps at a time.
+STAGE_GATE_EVERY = 50
+
 
 @dataclass(frozen=True)
 class StageEnd:
@@ -181,8 +184,9 @@ def _gate_text(args: argparse.Namespace, ends: list[StageEnd]) -> str:
         for end in ends
     )
     text = (
-        "A stage that trains one question alone runs on past its planned end, 50 steps at a"
-        f" time and at most {args.stage_max_extra} steps, until that question's held-out monitor"
+        "A stage that trains one question alone runs on past its planned end,"
+        f" {STAGE_GATE_EVERY} steps at a time and at most {args.stage_max_extra} steps, until"
+        " that question's held-out monitor"
         f" accuracy (64 questions, teacher-forced) reaches {100 * args.stage_gate:.0f}%; later"
         " stages start that much later and the run's length does not change. In this run: "
         + outcomes

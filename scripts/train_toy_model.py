@@ -36,7 +36,7 @@ from tests.factory import (  # noqa: E402
     tiny_config_dict,
 )
 from toy_batches import Encoded, PixelConfig, SpecialIds, collate, encode  # noqa: E402
-from toy_card import StageEnd, TrainStats, write_model_card  # noqa: E402
+from toy_card import STAGE_GATE_EVERY, StageEnd, TrainStats, write_model_card  # noqa: E402
 from toy_data import TASKS, sample_example, tokenizer_corpus  # noqa: E402
 
 log = logging.getLogger("train_toy_model")
@@ -309,12 +309,15 @@ class StageWalker:
     """
 
     def __init__(
-        self, stages: dict[int, dict[str, float]], gate: float, max_extra: int, every: int = 50
+        self,
+        stages: dict[int, dict[str, float]],
+        gate: float,
+        max_extra: int,
+        every: int = STAGE_GATE_EVERY,
     ) -> None:
         self.planned = sorted(stages.items())
         self.gate, self.max_extra, self.every = gate, max_extra, every
         self.index = -1  # the stage being trained
-        self.delay = 0  # steps every later stage starts after its plan
         self.extra = 0  # steps the current stage has run past its plan
         self.started: dict[int, dict[str, float]] = {}  # as run: {first step: task weights}
         self.ends: list[StageEnd] = []  # how each one-question stage ended
@@ -323,7 +326,9 @@ class StageWalker:
         """The task weights of a stage that starts at `step`, or None. `accuracy(task)` is the
         held-out monitor accuracy now; asked only at the end of a one-question stage."""
         following = self.index + 1
-        if following >= len(self.planned) or step != self.planned[following][0] + self.delay:
+        # Every stage starts as late as the stages before it ran over their plans.
+        delay = sum(end.extra_steps for end in self.ends) + self.extra
+        if following >= len(self.planned) or step != self.planned[following][0] + delay:
             return None
         task = self.index >= 0 and only_task(self.planned[self.index][1])
         if task and self.gate > 0:
@@ -336,7 +341,6 @@ class StageWalker:
                     acc,
                     self.gate,
                 )
-                self.delay += self.every
                 self.extra += self.every
                 return None
             self.ends.append(StageEnd(task, step, self.extra, acc))
