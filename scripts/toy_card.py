@@ -12,6 +12,7 @@ from toy_data import (
     BIG_RADIUS,
     CELL_RADIUS,
     COLOURS,
+    EXTRA_TASKS,
     NON_SQUARE,
     POSITIONS,
     QUESTIONS,
@@ -19,13 +20,14 @@ from toy_data import (
     accuracy_target,
 )
 
-# A gated one-question stage is checked, and runs on, this many steps at a time.
+# A gated stage is checked, and runs on, this many steps at a time.
 STAGE_GATE_EVERY = 50
 
 
 @dataclass(frozen=True)
 class StageEnd:
-    """How a one-question stage ended: at which step, how far past its plan, how well."""
+    """How a stage that teaches one question ended: at which step, how far past its plan, how
+    well."""
 
     task: str
     step: int
@@ -39,7 +41,7 @@ class TrainStats:
     threads: int  # torch threads
     max_load: float  # the busiest 1-minute load average seen while training
     stages: dict[int, dict[str, float]]  # the curriculum as it ran: {first step: task weights}
-    stage_ends: list[StageEnd]  # one per one-question stage, in order
+    stage_ends: list[StageEnd]  # one per stage that teaches one question, in order
 
 
 TASK_ROWS = {
@@ -51,6 +53,7 @@ TASK_ROWS = {
     "which": ("Which image shows a circle? (two images)", "the first / the second"),
     "same_colour": ("Are the two shapes the same colour? (two images)", "yes / no"),
     "nth_colour": ("What colour is the shape in the first image? (two images)", "red"),
+    "nth_shape": ("What shape is in the second image? (two images)", "star"),
 }
 
 
@@ -71,6 +74,7 @@ def _commands(args: argparse.Namespace) -> str:
             if args.stage_gate > 0
             else ""
         )
+        + (f" --focus-batch-size {args.focus_batch_size}" if args.focus_batch_size else "")
         + (f" --threads {args.threads}" if args.threads else "")
     )
     if not args.resume:
@@ -112,7 +116,8 @@ def _lessons(args: argparse.Namespace) -> str:
     paragraphs = [
         "## Why it is trained this way",
         "What a model this small can learn in ~20 CPU-minutes comes down to a few things; each "
-        "was measured (runs of 900-6600 steps, 64-200 held-out questions per task).",
+        "was measured (runs of 900-7900 steps, 64-200 held-out questions per task; the runs "
+        "that are not this checkpoint are listed under Other runs).",
         "- **Reading a picture.** A shape is told apart by a few of its picture's tokens (the "
         "corners and edges), but the language model reads a picture through attention, which "
         "starts out as an average over all of them. The same vision tower under a linear head "
@@ -122,31 +127,45 @@ def _lessons(args: argparse.Namespace) -> str:
         "of one at 12544-28224 (16-36 tokens), with the same accuracy per step.",
         "- **First or second picture.** Telling the first picture from the second never "
         "emerged while mixed with other questions (not at half the mix for 900 steps, not with "
-        '"Picture 1:" labels, not at a rotary base of 100), yet it is learned in 200-300 steps '
-        "when it is the only question (nth_colour), and it survives the return to the mix. "
-        '"Which image shows a circle?" behaves the same once shapes are known: 78% after 300 '
-        "steps and 91% after 600 on its own; still at chance after 1,400 steps at over a third of "
-        "the mix. Hence the curriculum: one-picture questions first, then each two-picture "
-        "question on its own, then everything together, which brings the one-picture answers "
-        "back.",
-        "- **Whether a stage takes.** A one-question stage does not take in the same number of "
-        "steps from run to run. Same-colour alone was learned within 300 steps in four runs "
-        "(within 100 in one), took 550 in another, and had not been learned after 300 in the "
-        "first command of the checkpoint shipped on 2026-11-30 (54%), whose second command "
-        "taught it with one more 300-step stage (97%). Which passed 90% after 650 steps alone in "
-        "that run, and was at 86% and 83% after 1,000 steps in two others; a stage asking the "
-        'same on colour first ("Which image shows a red shape?", learned in 500 steps) did not '
-        "speed it up (86% after 800). `--stage-gate` lets a "
-        "one-question stage run on until its held-out monitor says it has taken (up to "
-        "`--stage-max-extra` more steps); it is off by default, because the shipped checkpoint "
-        "was trained without it.",
+        '"Picture 1:" labels, not at a rotary base of 100), yet it is learned in 200-750 steps '
+        "when one question that needs it makes up the stage (nth_colour or nth_shape), and it "
+        "survives the return to the mix. Hence the curriculum: one-picture questions first, "
+        "then each two-picture question as a stage of its own, then everything together, which "
+        "brings the other answers back.",
+        "- **Comparing.** Which image shows a circle? compares a word with each picture, and "
+        "Are the two shapes the same colour? compares two pictures; neither emerges in a mix. "
+        '"Is the shape a circle?" (yes or no, one picture) at 12% of the first stage stayed at '
+        "chance (48-50%) for 2,500 steps. A checkpoint whose which had stalled at 83% confused "
+        "circle with square (55%) and star with triangle (70%) while it told round from pointed "
+        "shapes (86-97%): which needs the fine shape reading that the per-picture shape question "
+        "(nth_shape) trains. Right after nth_shape, which took in four runs of five (650-950 "
+        "steps; the fifth had a same-colour stage between nth_colour and nth_shape); without "
+        "nth_shape, in one run of four. Same-colour took in all five runs that trained it right "
+        "after nth_colour (100-450 steps), and failed in three of the four that trained it right "
+        "after which.",
+        "- **Whether a stage takes.** A stage does not take in the same number of steps from run "
+        "to run: nth_shape needed 500 steps in one run and 750 in another. So the stage gate "
+        "(`--stage-gate`) lets a stage run on until its held-out monitor says it has taken (at "
+        "most `--stage-max-extra` more steps), and later stages start that much later.",
+        "- **Forgetting.** Each one-question stage makes the model forget the answers before it: "
+        "every one-picture answer falls to near 0% (it answers the stage's question to "
+        "everything), and same-colour fell from 100% to 14% over two later stages in one run. "
+        "The last mix brings them back only given time: after 750 mix steps which was at 87% "
+        "and same-colour 56%; after 1,400 the two-picture questions met their targets but "
+        "describe (91%), shape (94%) and position (92.5%) did not. A few one-picture questions "
+        "kept in each two-picture stage (a sixth of it) keep those answers alive: halfway "
+        "through this run's which stage describe was at 94%, shape 98% and position 91%. Count, "
+        "an extra that is not kept alive and has a small share of the last mix, ends lower "
+        "(82.5%) than in the previous checkpoint (95%).",
         "- **Learning rate.** Holding the peak rate (1e-3) through the one-question stages, "
         "instead of the cosine decay from the start, left which at chance after 1,000 steps "
         "alone; at the ~5e-4 the cosine gives there it learns.",
-        "- **Twenty minutes.** Both one-command runs of about 20 minutes that ran to the end (5,600"
-        " steps, stage gate on) fell short: which at 88.5% and 89%, describe at 95.5% and 95%, and"
-        " same-colour at 84% in the second (see Other runs). The two commands below take 28.4"
-        " minutes.",
+        "- **Twenty minutes.** On 2 cores a step of one-picture questions costs about 0.18 s and "
+        "one of two-picture questions 0.26 s at batch 24. The stages that teach one two-picture "
+        "question draw batches of 16 (`--focus-batch-size`): 0.18 s a step, and in this run "
+        "every such stage took within its gate's limit, which took on plan. The output layer "
+        "is applied only where an answer token is predicted (5% off every step). A 6000-step "
+        "run at batch 24 throughout took 21.8 minutes and fell short (see Other runs).",
         f"- **Rotary base.** The language model's rotary base is {args.rope_theta:g} "
         f"(`rope_theta`; Qwen2-VL uses 10000) and its M-RoPE bands are [{t}, {h}, {w}] (time, "
         f"height, width) of the head's {t + h + w} frequencies, fastest first. M-RoPE hands the "
@@ -174,7 +193,7 @@ def _curriculum(stages: dict[int, dict[str, float]], steps: int) -> str:
 
 
 def _gate_text(args: argparse.Namespace, ends: list[StageEnd]) -> str:
-    """How the one-question stages were allowed to run on, and how each one ended."""
+    """How the stages that teach one question were allowed to run on, and how each ended."""
     if args.stage_gate <= 0 or not ends:
         return ""
     outcomes = "; ".join(
@@ -184,7 +203,8 @@ def _gate_text(args: argparse.Namespace, ends: list[StageEnd]) -> str:
         for end in ends
     )
     text = (
-        "A stage that trains one question alone runs on past its planned end,"
+        "A stage that teaches one question (drawn at least three times in four) runs on past"
+        " its planned end,"
         f" {STAGE_GATE_EVERY} steps at a time and at most {args.stage_max_extra} steps, until"
         " that question's held-out monitor"
         f" accuracy (64 questions, teacher-forced) reaches {100 * args.stage_gate:.0f}%; later"
@@ -206,17 +226,32 @@ def _stages_text(
         "Training is a curriculum: each stage draws its questions in these shares.\n\n"
         + _curriculum(stages, args.steps)
         + _gate_text(args, ends)
-        + _nth_colour_text(stages)
+        + _aids_text(stages)
     )
 
 
-def _nth_colour_text(stages: dict[int, dict[str, float]]) -> str:
-    if not any(mix.get("nth_colour", 0) > 0 for mix in stages.values()):
+# Why each of our own training-aid questions is there, for the card of a run that trained it.
+AIDS = {
+    "nth_colour": "teaches the language model to tell the first picture from the second, on the"
+    " easiest feature",
+    "nth_shape": "then reads each picture's shape on its own, which Which image shows a circle?"
+    " builds on",
+}
+
+
+def _extras_text() -> str:
+    *rest, last = EXTRA_TASKS
+    return f"{', '.join(rest)} and {last}" if rest else last
+
+
+def _aids_text(stages: dict[int, dict[str, float]]) -> str:
+    trained = [t for t in AIDS if any(mix.get(t, 0) > 0 for mix in stages.values())]
+    if not trained:
         return ""
+    lines = "\n".join(f'- `{t}` ("{TASK_ROWS[t][0]}") {AIDS[t]}.' for t in trained)
     return (
-        '\n\n`nth_colour` ("What colour is the shape in the first image?") is not one of the'
-        " questions this model was built for: it teaches the language model to tell the first"
-        " picture from the second (see below)."
+        "\n\nSome questions are not among those this model was built for; they are training"
+        " aids (see Why it is trained this way):\n\n" + lines
     )
 
 
@@ -297,7 +332,7 @@ The same figures are in `accuracy.json` (machine-readable): mmserve's tests chec
 engine reproduces them on fresh held-out questions (`tests/models/test_toy_model.py`).
 
 Targets: at least 97% on each one-image question, 90% on each two-image one, for the questions
-the model is specified to answer; count and nth_colour are extras of our own (see above).
+the model is specified to answer; {_extras_text()} are extras of our own (see above).
 {_shortfalls(accs)} Ask anything else and the reply is meaningless.
 
 {_lessons(args)}

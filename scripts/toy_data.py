@@ -42,16 +42,18 @@ QUESTIONS = {
     "which": "Which image shows a {shape}?",
     "same_colour": "Are the two shapes the same colour?",
     "nth_colour": "What colour is the shape in the {ordinal} image?",
+    "nth_shape": "What shape is in the {ordinal} image?",
 }
 ONE_IMAGE_TASKS = ("describe", "colour", "shape", "position", "count")
-# nth_colour is not one of the questions the model was asked to answer: it trains the language
-# model to tell the first picture from the second on the easiest feature (colour, learned in a
-# few hundred steps), which "which image shows a circle?" then builds on.
-TWO_IMAGE_TASKS = ("which", "same_colour", "nth_colour")
+# nth_colour and nth_shape are not among the questions the model was asked to answer: they train
+# the language model to read each picture on its own, first or second: on the easiest feature
+# (colour), which "are the two shapes the same colour?" builds on, and on shape, which "which
+# image shows a circle?" builds on.
+TWO_IMAGE_TASKS = ("which", "same_colour", "nth_colour", "nth_shape")
 TASKS = ONE_IMAGE_TASKS + TWO_IMAGE_TASKS
 # Questions of our own, beyond the ones the model is specified to answer (no accuracy target):
-# count gives the two-shape pictures a question; nth_colour is a training aid (see above).
-EXTRA_TASKS = ("count", "nth_colour")
+# count gives the two-shape pictures a question; the nth_ questions are training aids (above).
+EXTRA_TASKS = ("count", "nth_colour", "nth_shape")
 
 
 def accuracy_target(task: str) -> float | None:
@@ -261,6 +263,12 @@ def sample_example(rng: np.random.Generator, task: str) -> Example:
         target = int(rng.integers(2))
         question = QUESTIONS[task].format(ordinal=ORDINALS[target].removeprefix("the "))
         return Example(task, pics, question, names[target], system)
+    if task == "nth_shape":
+        kinds = rng.choice(len(SHAPES), size=2, replace=False)
+        pics = tuple(sample_single(rng, kind=SHAPES[k]) for k in kinds)
+        target = int(rng.integers(2))
+        question = QUESTIONS[task].format(ordinal=ORDINALS[target].removeprefix("the "))
+        return Example(task, pics, question, SHAPES[kinds[target]], system)
     raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
 
 

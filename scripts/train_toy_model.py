@@ -35,31 +35,35 @@ from tests.factory import (  # noqa: E402
     special_token_ids,
     tiny_config_dict,
 )
-from toy_batches import Encoded, PixelConfig, SpecialIds, collate, encode  # noqa: E402
+from toy_batches import IGNORE_INDEX, Encoded, PixelConfig, SpecialIds, collate, encode  # noqa: E402
 from toy_card import STAGE_GATE_EVERY, StageEnd, TrainStats, write_model_card  # noqa: E402
 from toy_data import TASKS, sample_example, tokenizer_corpus  # noqa: E402
 
 log = logging.getLogger("train_toy_model")
 
-# The first stage's mix: the one-picture questions (shape, the slowest, drawn most) and a little
-# same-colour. The two-picture questions come later, each on its own, then everything together
-# (CURRICULUM): mixed in from the start they stay at chance (see the model card).
+# The first stage's mix: the one-picture questions, shape (the slowest) drawn most. The
+# two-picture questions come later, each in a stage of its own that keeps a few one-picture
+# questions alive (KEEP), then everything together (CURRICULUM): mixed in from the start they
+# stay at chance (see the model card).
 TASK_WEIGHTS = {
-    "describe": 1.2,
-    "colour": 0.3,
-    "shape": 1.5,
+    "describe": 1.3,
+    "colour": 0.2,
+    "shape": 1.8,
     "position": 1.5,
-    "count": 0.8,
+    "count": 0.4,
     "which": 0.0,
-    "same_colour": 0.3,
+    "same_colour": 0.0,
     "nth_colour": 0.0,
+    "nth_shape": 0.0,
 }
+KEEP = "describe=0.1,position=0.05,shape=0.05"
 CURRICULUM = (
-    "3000:nth_colour=1",
-    "3350:which=1",
-    "4150:same_colour=1",
-    "4450:describe=1,colour=0.2,shape=1.2,position=1,count=0.9,which=1.2,same_colour=0.8,"
-    "nth_colour=0.5",
+    f"2200:nth_shape=1,{KEEP}",
+    f"2700:which=1,{KEEP}",
+    f"3500:nth_colour=1,{KEEP}",
+    f"3800:same_colour=1,{KEEP}",
+    "4150:describe=1.2,colour=0.2,shape=1.4,position=1.2,count=0.5,which=1.4,same_colour=1.0,"
+    "nth_colour=0.3,nth_shape=0.3",
 )
 # 84x84 to 112x112 pixels: 9-16 image tokens. Fewer tokens per picture train no worse per step
 # and each step costs about half of one at 112x112 to 168x168.
@@ -89,7 +93,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=6600)
+    parser.add_argument("--steps", type=int, default=5900)
     parser.add_argument("--batch-size", type=int, default=24)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-per-task", type=int, default=200)
@@ -111,15 +115,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--stage-gate",
         type=float,
-        default=0.0,
-        help="a one-question stage runs on until that question's held-out monitor accuracy"
+        default=0.9,
+        help="a stage that teaches one question (drawn at least 3 times in 4) runs on until that"
+        " question's held-out monitor accuracy"
         " reaches this (0: stages end where planned)",
     )
     parser.add_argument(
         "--stage-max-extra",
         type=int,
         default=300,
-        help="the most steps a one-question stage may run past its planned end",
+        help="the most steps such a stage may run past its planned end",
+    )
+    parser.add_argument(
+        "--focus-batch-size",
+        type=int,
+        default=16,
+        help="batch size while a stage teaches one question (0: --batch-size)",
     )
     parser.add_argument("--rope-theta", type=float, default=TEXT["rope_parameters"]["rope_theta"])
     parser.add_argument(
@@ -282,6 +293,17 @@ def greedy_accuracy(model, batch: list[Encoded], ids: SpecialIds, tok) -> float:
     return hits / len(batch)
 
 
+def answer_loss(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's own next-token loss over the answer tokens, with the output layer applied
+    only where there is an answer token to predict (a few of each prompt's ~100 positions)."""
+    labels = inputs.pop("labels")
+    hidden = model.model(**inputs).last_hidden_state[:, :-1]  # [B, L-1, H]
+    targets = labels[:, 1:]
+    scored = targets != IGNORE_INDEX
+    logits = model.lm_head(hidden[scored])  # [num answer tokens, V]
+    return torch.nn.functional.cross_entropy(logits.float(), targets[scored])
+
+
 def lr_at(step: int, total: int, peak: float) -> float:
     warmup = max(1, total // 30)
     if step < warmup:
@@ -301,11 +323,11 @@ def save(model, out: Path, ids: SpecialIds) -> None:
 class StageWalker:
     """Walks the curriculum ({planned first step: task weights}) during training.
 
-    A stage that trains one question alone is there to teach a skill the mix does not (see the
-    model card), and whether it takes in its planned steps varies from run to run. So such a
-    stage runs on past its planned end, `every` steps at a time and at most `max_extra` steps,
-    until that question's held-out monitor accuracy reaches `gate`; later stages start that
-    much later, and the run's total steps do not change. Deterministic, like the rest.
+    A stage that teaches one question (see `focus_task`) is there to teach a skill the mix does
+    not (see the model card), and whether it takes in its planned steps varies from run to run.
+    So such a stage runs on past its planned end, `every` steps at a time and at most
+    `max_extra` steps, until that question's held-out monitor accuracy reaches `gate`; later
+    stages start that much later, and the run's total steps do not change. Deterministic.
     """
 
     def __init__(
@@ -320,17 +342,17 @@ class StageWalker:
         self.index = -1  # the stage being trained
         self.extra = 0  # steps the current stage has run past its plan
         self.started: dict[int, dict[str, float]] = {}  # as run: {first step: task weights}
-        self.ends: list[StageEnd] = []  # how each one-question stage ended
+        self.ends: list[StageEnd] = []  # how each gated stage ended
 
     def next_mix(self, step: int, accuracy) -> dict[str, float] | None:
         """The task weights of a stage that starts at `step`, or None. `accuracy(task)` is the
-        held-out monitor accuracy now; asked only at the end of a one-question stage."""
+        held-out monitor accuracy now; asked only at the end of a stage teaching one question."""
         following = self.index + 1
         # Every stage starts as late as the stages before it ran over their plans.
         delay = sum(end.extra_steps for end in self.ends) + self.extra
         if following >= len(self.planned) or step != self.planned[following][0] + delay:
             return None
-        task = self.index >= 0 and only_task(self.planned[self.index][1])
+        task = self.index >= 0 and focus_task(self.planned[self.index][1])
         if task and self.gate > 0:
             acc = accuracy(task)
             if acc < self.gate and self.extra < self.max_extra:
@@ -356,10 +378,12 @@ class StageWalker:
         return self.started[step]
 
 
-def only_task(mix: dict[str, float]) -> str | None:
-    """The question a stage trains alone, if it draws just one."""
-    drawn = [task for task, weight in mix.items() if weight > 0]
-    return drawn[0] if len(drawn) == 1 else None
+def focus_task(mix: dict[str, float]) -> str | None:
+    """The question a stage is there to teach: the one it draws at least three times in four
+    (a few other questions may keep their answers alive meanwhile), if any."""
+    total = sum(mix.values())
+    task, weight = max(mix.items(), key=lambda item: item[1])
+    return task if weight >= 0.75 * total else None
 
 
 def train(
@@ -392,13 +416,15 @@ def train(
     for step in range(args.steps):
         if (mix := walker.next_mix(step, monitor_accuracy)) is not None:
             sampler.set_mix(mix)
-            batches = sampler.batches(args.batch_size)  # a fresh pool, all in the new mix
+            focused = focus_task(mix) is not None and args.focus_batch_size > 0
+            batch_size = args.focus_batch_size if focused else args.batch_size
+            batches = sampler.batches(batch_size)  # a fresh pool, all in the new mix
             log.info("from step %d: task mix %s", step, mix)
         for group in opt.param_groups:
             group["lr"] = group["scale"] * lr_at(step, args.steps, args.lr)
         model.train()
         inputs = {k: v.to(args.device) for k, v in collate(next(batches), ids).items()}
-        loss = model(**inputs).loss
+        loss = answer_loss(model, inputs)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -110,7 +110,14 @@ def test_answers_match_the_drawn_pictures(task: str) -> None:
             nth = 0 if "first" in ex.question else 1
             assert ex.question == f"What colour is the shape in the {ORDINALS[nth][4:]} image?"
             assert ex.answer == seen[nth][0]
+        elif task == "nth_shape":
+            seen = [_seen_shape(p, s.rgb) for p, s in zip(ex.pictures, shapes, strict=True)]
+            assert seen[0] != seen[1]
+            nth = 0 if "first" in ex.question else 1
+            assert ex.question == f"What shape is in the {ORDINALS[nth][4:]} image?"
+            assert ex.answer == seen[nth]
         else:
+            assert task == "same_colour"
             first, second = (_seen_colours(p) for p in ex.pictures)
             assert ex.answer == ("yes" if first == second else "no")
 

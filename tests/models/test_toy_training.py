@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from tokenizers import Tokenizer
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import train_toy_model as train  # noqa: E402
+from toy_batches import PixelConfig, SpecialIds, collate, encode  # noqa: E402
 from toy_card import _curriculum, _gate_text, _shortfalls, _stages_text  # noqa: E402
-from toy_data import TASKS  # noqa: E402
+from toy_data import TASKS, sample_example  # noqa: E402
 
 from mmserve.engine.args import bundled_toy_model_dir  # noqa: E402
 
@@ -80,6 +86,19 @@ def test_a_one_question_stage_runs_on_until_it_has_taken_and_later_stages_move()
     assert walker.ends[0] == train.StageEnd("which", 300, 100, 0.92)
 
 
+def test_a_stage_teaches_the_question_it_draws_at_least_three_times_in_four() -> None:
+    assert train.focus_task(WHICH_ALONE) == "which"
+    assert train.focus_task({"which": 1.0, "describe": 0.1, "shape": 0.1, "colour": 0.0}) == "which"
+    assert train.focus_task({"which": 1.0, "describe": 0.4}) is None
+    assert train.focus_task(ONE_PICTURE) is None
+    # A stage that keeps a few other answers alive is gated like one that draws its question alone.
+    kept_alive = {"which": 1.0, "shape": 0.2, "colour": 0.0}
+    walker = train.StageWalker({0: ONE_PICTURE, 100: kept_alive, 200: ONE_PICTURE}, 0.9, 300)
+    started = _walk(walker, 300, lambda task: 0.95)
+    assert list(started) == [0, 100, 200]
+    assert walker.ends == [train.StageEnd("which", 200, 0, 0.95)]
+
+
 def test_a_stage_that_never_takes_ends_after_the_most_extra_steps() -> None:
     walker = train.StageWalker({0: WHICH_ALONE, 100: ONE_PICTURE}, 0.9, 100)
     started = _walk(walker, 400, lambda task: 0.1)
@@ -105,20 +124,52 @@ def test_the_card_says_how_each_one_question_stage_ended() -> None:
     assert _gate_text(argparse.Namespace(stage_gate=0.0, stage_max_extra=300), ends) == ""
 
 
-def test_the_card_explains_nth_colour_only_when_the_run_trained_it() -> None:
+def test_the_card_explains_each_training_aid_only_when_the_run_trained_it() -> None:
     args = argparse.Namespace(steps=300, stage_gate=0.0, stage_max_extra=0)
     without = _stages_text({0: ONE_PICTURE, 100: WHICH_ALONE}, args, [])
     with_nth = _stages_text({0: ONE_PICTURE, 100: {"nth_colour": 1.0}}, args, [])
-    assert "nth_colour" not in without
-    assert "tell the first picture from the second" in with_nth
+    both = _stages_text(
+        {0: ONE_PICTURE, 100: {"nth_shape": 1.0}, 200: {"nth_colour": 1.0}}, args, []
+    )
+    assert "nth_" not in without
+    assert "tell the first picture from the second" in with_nth and "nth_shape" not in with_nth
+    assert '`nth_shape` ("What shape is in the second image?' in both and "`nth_colour`" in both
 
 
-def test_the_defaults_are_the_shipped_checkpoints_first_command(monkeypatch) -> None:
-    """The card's first reproduction command relies on the script's defaults: changing them
-    would silently stop it from reproducing the committed weights."""
-    monkeypatch.setattr(sys, "argv", ["train_toy_model.py", "--out", "unused"])
-    args = train.parse_args()
+def test_the_defaults_are_the_shipped_checkpoints_command(monkeypatch) -> None:
+    """The card documents the one command that trained the shipped weights, every flag spelled
+    out; the README's short form (`--seed 0 --threads 2`) relies on the script's defaults being
+    that command, so changing a default must fail here rather than silently stop reproducing."""
     card = (Path(bundled_toy_model_dir()) / "README.md").read_text()
-    assert f"The first command ({args.steps} steps):" in card
-    assert _curriculum(train.curriculum(args), args.steps) in card
-    assert args.stage_gate == 0  # the shipped checkpoint was trained without the gate
+    commands = [line for line in card.splitlines() if line.startswith("python scripts/train")]
+    assert len(commands) == 1, commands
+    monkeypatch.setattr(sys, "argv", shlex.split(commands[0])[1:])
+    documented = train.parse_args()
+    monkeypatch.setattr(sys, "argv", ["train_toy_model.py", "--out", str(documented.out)])
+    defaults = train.parse_args()
+    assert train.curriculum(documented) == train.curriculum(defaults)
+    ignored = {"threads", "weights", "stage"}  # the curriculum compares the last two
+    assert {k: v for k, v in vars(documented).items() if k not in ignored} == {
+        k: v for k, v in vars(defaults).items() if k not in ignored
+    }
+    assert documented.seed == 0 and documented.threads == 2
+
+
+def test_the_answer_only_loss_is_the_models_own_loss() -> None:
+    """The training loss applies the output layer only at answer positions; it must equal the
+    loss transformers computes over the whole sequence."""
+    toy = Path(bundled_toy_model_dir())
+    tok = Tokenizer.from_file(str(toy / "tokenizer.json"))
+    vocab = tok.get_vocab()
+    ids = SpecialIds(vocab["<|image_pad|>"], vocab["<|im_end|>"], vocab["<|endoftext|>"])
+    template = json.loads((toy / "tokenizer_config.json").read_text())["chat_template"]
+    px = PixelConfig.from_dict(json.loads((toy / "preprocessor_config.json").read_text()))
+    rng = np.random.default_rng(5)
+    batch = [encode(sample_example(rng, t), tok, ids, px, template) for t in TASKS]
+    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
+        toy, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        full = model(**collate(batch, ids)).loss
+        answers_only = train.answer_loss(model, collate(batch, ids))
+    torch.testing.assert_close(answers_only, full, rtol=1e-5, atol=1e-6)
