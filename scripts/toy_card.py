@@ -232,10 +232,11 @@ def _stages_text(
 
 # Why each of our own training-aid questions is there, for the card of a run that trained it.
 AIDS = {
-    "nth_colour": "teaches the language model to tell the first picture from the second, on the"
-    " easiest feature",
-    "nth_shape": "then reads each picture's shape on its own, which Which image shows a circle?"
-    " builds on",
+    "nth_colour": "reads each picture's colour on its own, which Are the two shapes the same"
+    " colour? builds on; it also teaches the language model to tell the first picture from the"
+    " second",
+    "nth_shape": "reads each picture's shape on its own, which Which image shows a circle?"
+    " builds on; it also teaches the language model to tell the first picture from the second",
 }
 
 
