@@ -79,6 +79,10 @@ class SpecialIds:
     im_end: int
     pad: int
 
+    @classmethod
+    def from_vocab(cls, vocab: dict[str, int]) -> SpecialIds:
+        return cls(vocab["<|image_pad|>"], vocab["<|im_end|>"], vocab["<|endoftext|>"])
+
 
 def encode(
     example: Example, tok: Tokenizer, ids: SpecialIds, px: PixelConfig, chat_template: str

@@ -226,6 +226,11 @@ def _system_prompt(rng: np.random.Generator) -> str | None:
     return text[0].upper() + text[1:] + "."
 
 
+def _nth_question(task: str, target: int) -> str:
+    """An nth_ question about picture `target` (0: the first)."""
+    return QUESTIONS[task].format(ordinal=ORDINALS[target].removeprefix("the "))
+
+
 def sample_example(rng: np.random.Generator, task: str) -> Example:
     """One question of `task` (see TASKS) about freshly drawn pictures, with its exact answer."""
     system = _system_prompt(rng)
@@ -243,12 +248,14 @@ def sample_example(rng: np.random.Generator, task: str) -> Example:
         num_shapes = int(rng.integers(1, 3))
         pic = sample_single(rng) if num_shapes == 1 else sample_pair(rng)
         return Example(task, (pic,), QUESTIONS[task], COUNTS[num_shapes - 1], system)
-    if task == "which":
+    if task in ("which", "nth_shape"):  # two pictures of different shapes
         kinds = rng.choice(len(SHAPES), size=2, replace=False)
         pics = tuple(sample_single(rng, kind=SHAPES[k]) for k in kinds)
         target = int(rng.integers(2))
-        question = QUESTIONS[task].format(shape=SHAPES[kinds[target]])
-        return Example(task, pics, question, ORDINALS[target], system)
+        if task == "which":
+            question = QUESTIONS[task].format(shape=SHAPES[kinds[target]])
+            return Example(task, pics, question, ORDINALS[target], system)
+        return Example(task, pics, _nth_question(task, target), SHAPES[kinds[target]], system)
     if task == "same_colour":
         is_same = bool(rng.random() < 0.5)
         colours = rng.choice(len(COLOURS), size=2, replace=False)
@@ -261,14 +268,7 @@ def sample_example(rng: np.random.Generator, task: str) -> Example:
         names = [list(COLOURS)[c] for c in colours]
         pics = tuple(sample_single(rng, colour=name) for name in names)
         target = int(rng.integers(2))
-        question = QUESTIONS[task].format(ordinal=ORDINALS[target].removeprefix("the "))
-        return Example(task, pics, question, names[target], system)
-    if task == "nth_shape":
-        kinds = rng.choice(len(SHAPES), size=2, replace=False)
-        pics = tuple(sample_single(rng, kind=SHAPES[k]) for k in kinds)
-        target = int(rng.integers(2))
-        question = QUESTIONS[task].format(ordinal=ORDINALS[target].removeprefix("the "))
-        return Example(task, pics, question, SHAPES[kinds[target]], system)
+        return Example(task, pics, _nth_question(task, target), names[target], system)
     raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
 
 

@@ -474,7 +474,7 @@ def main() -> None:
             corpus.append("Picture 1: Picture 2:")
         tok = build_tokenizer(out, corpus, vocab_size=512, chat_template=template)
     ids = special_token_ids(tok)
-    special = SpecialIds(ids["<|image_pad|>"], ids["<|im_end|>"], ids["<|endoftext|>"])
+    special = SpecialIds.from_vocab(ids)
     pre = preprocessor_config(args.min_pixels, args.max_pixels)
     (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n")
     px = PixelConfig.from_dict(pre)

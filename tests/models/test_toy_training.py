@@ -160,8 +160,7 @@ def test_the_answer_only_loss_is_the_models_own_loss() -> None:
     loss transformers computes over the whole sequence."""
     toy = Path(bundled_toy_model_dir())
     tok = Tokenizer.from_file(str(toy / "tokenizer.json"))
-    vocab = tok.get_vocab()
-    ids = SpecialIds(vocab["<|image_pad|>"], vocab["<|im_end|>"], vocab["<|endoftext|>"])
+    ids = SpecialIds.from_vocab(tok.get_vocab())
     template = json.loads((toy / "tokenizer_config.json").read_text())["chat_template"]
     px = PixelConfig.from_dict(json.loads((toy / "preprocessor_config.json").read_text()))
     rng = np.random.default_rng(5)
