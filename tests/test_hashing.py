@@ -25,8 +25,14 @@ def _identity(
     namespace: str = "default",
     algorithm: str = "blake3",
     model_id: str = "qwen2-vl-tiny",
+    trust_exif_image_id: bool = False,
 ) -> str:
-    resolver = ItemResolver(Hasher(algorithm), ProcessorCache(0), model_id=model_id)
+    resolver = ItemResolver(
+        Hasher(algorithm),
+        ProcessorCache(0),
+        model_id=model_id,
+        trust_exif_image_id=trust_exif_image_id,
+    )
     return resolver.identity(resolver.plan(image, uuid, cfg, namespace), cfg, namespace)
 
 
@@ -76,11 +82,27 @@ def _with_exif_id(image: Image.Image, image_id: str) -> Image.Image:
     return MediaLoader().load_image(data)
 
 
-def test_exif_image_id_stands_in_for_content_inside_a_namespace() -> None:
-    a = _with_exif_id(random_image(40, 40, seed=6), "0123456789abcdef0123456789abcdef")
-    b = _with_exif_id(random_image(40, 40, seed=7), "0123456789abcdef0123456789abcdef")
-    assert _identity(a, namespace="k1") == _identity(b, namespace="k1")
-    assert _identity(a, namespace="k1") != _identity(a, namespace="k2")
+EXIF_ID = "0123456789abcdef0123456789abcdef"
+
+
+def test_exif_image_id_is_not_an_identity_by_default() -> None:
+    a = _with_exif_id(random_image(40, 40, seed=6), EXIF_ID)
+    b = _with_exif_id(random_image(40, 40, seed=7), EXIF_ID)
+    assert a.info.get("exif")  # the id survived decoding: it is ignored, not lost
+    assert _identity(a) != _identity(b)
+    assert _identity(a, namespace="k1") != _identity(b, namespace="k1")
+    # without the claim, the same pixels are the same image, with or without EXIF
+    plain = MediaLoader().load_image(_encode(Image.frombytes("RGB", a.size, a.tobytes()), "PNG"))
+    assert _identity(plain) == _identity(a)
+
+
+def test_trusted_exif_image_id_stands_in_for_content_only_inside_a_namespace() -> None:
+    a = _with_exif_id(random_image(40, 40, seed=6), EXIF_ID)
+    b = _with_exif_id(random_image(40, 40, seed=7), EXIF_ID)
+    trusted = {"trust_exif_image_id": True}
+    assert _identity(a, namespace="k1", **trusted) == _identity(b, namespace="k1", **trusted)
+    assert _identity(a, namespace="k1", **trusted) != _identity(b, namespace="k2", **trusted)
+    assert _identity(a, namespace="k1", **trusted) != _identity(a, namespace="k1")
 
 
 def test_model_and_algorithm_are_part_of_the_id_and_ids_are_full_width() -> None:

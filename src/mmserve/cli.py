@@ -118,6 +118,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="Allow file:// media under this directory only; file:// is refused without it.",
     )
     a(
+        "--trust-exif-image-id",
+        action="store_true",
+        help="Let an image's EXIF ImageUniqueID stand in for its pixels in the cache identity "
+        "(inside the caller's namespace). Off: images are identified by their pixels, since "
+        "EXIF comes with the file and two different pictures can carry the same id.",
+    )
+    a(
         "--api-key",
         nargs="+",
         default=None,

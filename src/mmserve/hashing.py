@@ -55,10 +55,11 @@ def _feed(h, data: bytes | memoryview) -> None:
 #                     content key, effective decision)
 #
 # content key is ("pixels", mode, width, height, palette, raw bytes) for a decoded image, or
-# ("uuid" | "exif", namespace, value) when the caller (or the file's EXIF ImageUniqueID)
-# names the item: a claim trusted only inside the namespace that made it. The decision is
-# what processing actually did (resized size, grid), never the raw kwargs, so a cap that
-# changes nothing for this image changes nothing in its identity.
+# ("uuid" | "exif", namespace, value) when the caller names the item: a claim trusted only
+# inside the namespace that made it. The file's EXIF ImageUniqueID is such a claim only when
+# the server trusts it (--trust-exif-image-id): it comes with the file, not from the caller.
+# The decision is what processing actually did (resized size, grid), never the raw kwargs,
+# so a cap that changes nothing for this image changes nothing in its identity.
 
 DEFAULT_NAMESPACE = "default"
 ITEM_DOMAIN = "mm-item/v1"

@@ -66,6 +66,7 @@ class EngineArgs:
     mm_processor_kwargs: dict[str, Any] | None = None
     allowed_media_domains: tuple[str, ...] | None = None
     allowed_local_media_path: str | None = None
+    trust_exif_image_id: bool = False
     api_key: tuple[str, ...] | None = field(default=None, repr=False)
     dtype: str = "auto"
     device: str = "auto"

@@ -111,6 +111,7 @@ def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngin
         hash_algorithm=args.hash_algorithm,
         model_id=args.served_model_name or str(model_dir.resolve()),
         media_loader=media,
+        trust_exif_image_id=args.trust_exif_image_id,
     )
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len,

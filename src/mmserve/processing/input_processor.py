@@ -41,6 +41,7 @@ class InputProcessor:
         model_id: str = "",
         revision: str = "",
         media_loader: MediaLoader | None = None,
+        trust_exif_image_id: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.image_config = image_config
@@ -50,7 +51,11 @@ class InputProcessor:
         self.cache = cache if cache is not None else ProcessorCache(0)
         self.media_loader = media_loader or MediaLoader()
         self.resolver = ItemResolver(
-            hasher or Hasher(), self.cache, model_id=model_id, revision=revision
+            hasher or Hasher(),
+            self.cache,
+            model_id=model_id,
+            revision=revision,
+            trust_exif_image_id=trust_exif_image_id,
         )
         ids = (
             token_ids.image_token_id,
@@ -77,6 +82,7 @@ class InputProcessor:
         model_id: str | None = None,
         revision: str = "",
         media_loader: MediaLoader | None = None,
+        trust_exif_image_id: bool = False,
     ) -> InputProcessor:
         model_dir = Path(model_dir)
         config = json.loads((model_dir / "config.json").read_text())
@@ -95,6 +101,7 @@ class InputProcessor:
             model_id=model_id or str(model_dir.resolve()),
             revision=revision,
             media_loader=media_loader,
+            trust_exif_image_id=trust_exif_image_id,
         )
 
     @property

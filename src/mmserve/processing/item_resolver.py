@@ -66,7 +66,12 @@ def _unknown_uuid(uuid: str) -> UnknownMediaUUIDError:
 
 
 class ItemResolver:
-    """Plans items from their size, then hashes, looks up the processor cache and processes."""
+    """Plans items from their size, then hashes, looks up the processor cache and processes.
+
+    `trust_exif_image_id`: let an image's EXIF ImageUniqueID stand in for its pixels (inside
+    the caller's namespace). Off by default: EXIF travels with the file, whoever made it, so
+    two different pictures may carry the same id; only the pixels then name an image.
+    """
 
     def __init__(
         self,
@@ -76,8 +81,10 @@ class ItemResolver:
         model_id: str,
         revision: str = "",
         uuid_index: UUIDIndex | None = None,
+        trust_exif_image_id: bool = False,
     ) -> None:
         self.hasher = hasher
+        self.trust_exif_image_id = trust_exif_image_id
         self.cache = cache
         self.model_id = model_id
         self.revision = revision
@@ -124,13 +131,12 @@ class ItemResolver:
             self.uuid_index.remember(namespace, plan.uuid, plan.record)
         return ResolvedItem(identity, data, plan.grid_thw, plan.num_tokens)
 
-    @staticmethod
-    def _content_key(plan: ItemPlan, namespace: str) -> ContentKey:
+    def _content_key(self, plan: ItemPlan, namespace: str) -> ContentKey:
         if plan.uuid is not None:
             return claimed_content_key("uuid", namespace, plan.uuid)
         image = plan.image
         assert image is not None
-        exif_id = exif_image_id(image)
+        exif_id = exif_image_id(image) if self.trust_exif_image_id else None
         if exif_id is not None:
             return claimed_content_key("exif", namespace, exif_id)
         palette = image.getpalette() if image.mode == "P" else None
