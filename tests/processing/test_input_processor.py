@@ -240,3 +240,27 @@ def test_processing_never_imports_torch() -> None:
         "assert 'torch' not in sys.modules, 'processing imported torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_offline_uuids_are_bounded_and_checked(processor: InputProcessor) -> None:
+    prompt = "<|vision_start|><|image_pad|><|vision_end|>describe"
+    image = random_image(60, 60, seed=9)
+
+    def generate(uuids: object) -> None:
+        processor.process_generate_input(
+            {"prompt": prompt, "multi_modal_data": {"image": image}, "multi_modal_uuids": uuids}
+        )
+
+    generate({"image": "k" * 256})
+    generate({"image": ["k2"]})
+    for bad, why in [
+        ({"image": "k" * 257}, "at most 256"),
+        ({"image": [""]}, "non-empty"),
+        ({"image": ["tab\there"]}, "printable"),
+        ({"image": 5}, "list of uuids"),
+        ({"video": ["v"]}, "only images"),
+        (["k"], "only images"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=why) as info:
+            generate(bad)
+        assert info.value.param == "multi_modal_uuids"

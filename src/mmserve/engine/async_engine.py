@@ -19,6 +19,7 @@ from mmserve.engine.outputs import RequestOutput
 from mmserve.errors import InvalidRequestError, MMServeError
 from mmserve.hashing import DEFAULT_NAMESPACE
 from mmserve.multimodal import ProcessedPrompt
+from mmserve.processing.chat import check_media_uuid
 from mmserve.processing.mrope import decode_positions
 from mmserve.sampling_params import SamplingParams
 
@@ -258,6 +259,7 @@ def _apply_uuids(
                 uuid = image_uuids[k]
                 k += 1
                 if uuid is not None:
+                    check_media_uuid(uuid, f"multi_modal_uuids.image[{k - 1}]", "multi_modal_uuids")
                     image_url = dict(part.get("image_url") or {})
                     image_url.setdefault("uuid", uuid)
                     part = {**part, "image_url": image_url}

@@ -11,6 +11,9 @@ from PIL import Image
 from mmserve.errors import InvalidRequestError
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+# A caller UUID names an item in its namespace's index; a bound keeps one request from
+# storing megabytes of name (the index holds entries, not bytes).
+MAX_UUID_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +55,7 @@ def _parse_image_part(part: Mapping[str, Any], index: str) -> ChatImage:
     kind = part.get("type")
     if kind == "image":  # offline API: a PIL image (or bytes/URL) directly in the part
         source = part.get("image")
-        return ChatImage(source=source, uuid=_uuid(part.get("uuid"), index))
+        return ChatImage(source=source, uuid=_part_uuid(part.get("uuid"), f"{index}.uuid"))
     image_url = part.get("image_url")
     if isinstance(image_url, str):
         image_url = {"url": image_url}
@@ -62,7 +65,10 @@ def _parse_image_part(part: Mapping[str, Any], index: str) -> ChatImage:
             param="messages",
         )
     url = image_url.get("url") or None
-    uuid = _uuid(image_url.get("uuid", part.get("uuid")), index)
+    if image_url.get("uuid") is not None:
+        uuid = _part_uuid(image_url["uuid"], f"{index}.image_url.uuid")
+    else:
+        uuid = _part_uuid(part.get("uuid"), f"{index}.uuid")
     if url is not None and not isinstance(url, str):
         raise InvalidRequestError(f"{index}.image_url.url must be a string", param="messages")
     if url is None and uuid is None:
@@ -72,12 +78,28 @@ def _parse_image_part(part: Mapping[str, Any], index: str) -> ChatImage:
     return ChatImage(source=url, uuid=uuid)
 
 
-def _uuid(value: Any, index: str) -> str | None:
-    if value is None:
-        return None
+def check_media_uuid(value: Any, where: str, param: str) -> str:
+    """A caller UUID: a non-empty string of at most MAX_UUID_CHARS printable characters."""
     if not isinstance(value, str) or not value:
-        raise InvalidRequestError(f"{index} uuid must be a non-empty string", param="messages")
+        raise InvalidRequestError(
+            f"{where} must be a non-empty string, got {type(value).__name__}", param=param
+        )
+    if len(value) > MAX_UUID_CHARS:
+        raise InvalidRequestError(
+            f"{where} is {len(value)} characters long; a uuid has at most {MAX_UUID_CHARS}",
+            param=param,
+        )
+    if not value.isprintable():
+        raise InvalidRequestError(
+            f"{where} contains a control, line-break or unpaired surrogate character; a uuid "
+            "is printable text",
+            param=param,
+        )
     return value
+
+
+def _part_uuid(value: Any, where: str) -> str | None:
+    return None if value is None else check_media_uuid(value, where, param="messages")
 
 
 def parse_chat_messages(

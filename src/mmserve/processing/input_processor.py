@@ -13,7 +13,7 @@ from PIL import Image
 from mmserve.errors import InvalidRequestError, PromptTooLongError, TooManyItemsError
 from mmserve.hashing import DEFAULT_NAMESPACE, Hasher
 from mmserve.multimodal import ProcessedPrompt
-from mmserve.processing.chat import check_user_text, parse_chat_messages
+from mmserve.processing.chat import check_media_uuid, check_user_text, parse_chat_messages
 from mmserve.processing.image_processor import ImageProcessorConfig, max_tokens_per_item
 from mmserve.processing.item_resolver import ItemResolver
 from mmserve.processing.media import MediaLoader
@@ -131,6 +131,9 @@ class InputProcessor:
                 "were given; give one entry (or null) per image",
                 param="multi_modal_uuids",
             )
+        for i, uuid in enumerate(uuids):
+            if uuid is not None:
+                check_media_uuid(uuid, f"multi_modal_uuids.image[{i}]", "multi_modal_uuids")
         self._check_item_limit(len(images))
         input_ids = self.tokenizer.encode(prompt)
         pad_positions = find_image_pads(input_ids, len(images), self.token_ids)
@@ -187,9 +190,7 @@ class InputProcessor:
                 f"unsupported modalities {sorted(mm_data)} in multi_modal_data; only 'image'"
             )
         images = [images] if images is None or isinstance(images, Image.Image) else images
-        uuids = (prompt.get("multi_modal_uuids") or {}).get("image")
-        if isinstance(uuids, str):
-            uuids = [uuids]
+        uuids = _offline_uuids(prompt.get("multi_modal_uuids"))
         return self.process(
             prompt.get("prompt", ""),
             [self._load_offline(img) for img in images],
@@ -300,3 +301,23 @@ class InputProcessor:
     def check_prompt_text(self, text: str) -> None:
         """Refuse raw text (e.g. /v1/completions) that spells a vision token without an image."""
         check_user_text(text, self.reserved_tokens, "prompt")
+
+
+def _offline_uuids(value: Any) -> list[Any] | None:
+    """`multi_modal_uuids` of an offline prompt: {"image": uuid | [uuid | None, ...]}."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or set(value) - {"image"}:
+        raise InvalidRequestError(
+            'multi_modal_uuids must look like {"image": ["uuid-1", null]}; only images have uuids',
+            param="multi_modal_uuids",
+        )
+    uuids = value.get("image")
+    if uuids is None or isinstance(uuids, str):
+        return None if uuids is None else [uuids]
+    if not isinstance(uuids, Sequence):
+        raise InvalidRequestError(
+            'multi_modal_uuids["image"] must be a uuid or a list of uuids (or null)',
+            param="multi_modal_uuids",
+        )
+    return list(uuids)
