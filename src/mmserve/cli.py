@@ -109,13 +109,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="DOMAIN",
-        help="Only fetch http(s) media from these domains (space or comma separated).",
+        help="Only fetch http(s) media from these hosts (space or comma separated): 'host' "
+        "allows the scheme's default port (80/443), 'host:port' (IPv6: '[::1]:port') that "
+        "port. Listed hosts may resolve to private addresses; unlisted ones never.",
     )
     a(
         "--allowed-local-media-path",
         default=None,
         metavar="DIR",
         help="Allow file:// media under this directory only; file:// is refused without it.",
+    )
+    a(
+        "--max-concurrent-media-fetches",
+        type=int,
+        default=16,
+        metavar="N",
+        help="Most http(s) media fetches in flight; a fetch that finds no free slot within "
+        "--media-fetch-timeout fails with 503. Inline (data:) images never wait for them.",
     )
     a(
         "--trust-exif-image-id",

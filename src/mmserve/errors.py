@@ -35,6 +35,13 @@ class MediaFetchRefusedError(MediaError):
     code = "media_url_refused"
 
 
+class MediaFetchBusyError(MediaError):
+    """Every media fetch slot stayed busy for the fetch timeout: the server, not the request."""
+
+    status_code = 503
+    code = "media_fetch_busy"
+
+
 class ImageDecodeError(MediaError):
     """The bytes are not an image we can decode, or the image is over the pixel cap."""
 

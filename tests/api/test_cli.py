@@ -39,6 +39,7 @@ def test_every_flag_reaches_its_field(tmp_path: Path) -> None:
         "--num-gpu-blocks-override", "100", "--hash-algorithm", "sha256",
         "--media-fetch-timeout", "2.5", "--max-media-bytes", "1000",
         "--max-request-body-bytes", "2000", "--mm-processor-cache-gb", "0",
+        "--max-concurrent-media-fetches", "3", "--trust-exif-image-id",
     )  # fmt: skip
     assert args.resolved_served_model_name == "Qwen2-VL-tiny"
     assert (args.port, args.max_num_batched_tokens, args.max_num_seqs) == (9001, 4096, 8)
@@ -57,6 +58,9 @@ def test_every_flag_reaches_its_field(tmp_path: Path) -> None:
     assert (args.encoder_cache_size, args.num_gpu_blocks_override) == (5000, 100)
     assert (args.media_fetch_timeout, args.max_media_bytes) == (2.5, 1000)
     assert (args.max_request_body_bytes, args.mm_processor_cache_gb) == (2000, 0.0)
+    assert (args.max_concurrent_media_fetches, args.trust_exif_image_id) == (3, True)
+    assert not args_of().trust_exif_image_id
+    assert args_of("--allowed-media-domains", "[::1]:81").allowed_media_domains == ("[::1]:81",)
     assert args_of("--served-model-name", "x").resolved_served_model_name == "x"
 
 
@@ -69,6 +73,8 @@ def test_every_flag_reaches_its_field(tmp_path: Path) -> None:
         (["--limit-mm-per-prompt", '{"image": -1}'], "--limit-mm-per-prompt"),
         (["--media-fetch-timeout", "0"], "--media-fetch-timeout"),
         (["--port", "70000"], "--port"),
+        (["--max-concurrent-media-fetches", "0"], "--max-concurrent-media-fetches"),
+        (["--allowed-media-domains", "a.example:http"], "--allowed-media-domains"),
     ],
 )
 def test_invalid_values_name_the_flag(argv: list[str], flag: str) -> None:

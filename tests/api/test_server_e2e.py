@@ -32,16 +32,30 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(qwen2_vl_dir: Path, media_dir: Path, tmp_path_factory) -> Iterator[Server]:
+def redirect_web() -> Iterator[ThreadingHTTPServer]:
+    """A redirecting media server, started first so that its port can be allowlisted."""
+    handler = type("Handler", (_RedirectHandler,), {"hits": []})
+    web = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    handler.target = f"http://localhost:{web.server_port}/target.png"
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    yield web
+    web.shutdown()
+    web.server_close()
+
+
+@pytest.fixture(scope="module")
+def server(
+    qwen2_vl_dir: Path, media_dir: Path, redirect_web: ThreadingHTTPServer, tmp_path_factory
+) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("logs") / "server.log"
     srv = Server(
         qwen2_vl_dir,
         log,
         "--limit-mm-per-prompt", '{"image": 2}',
         "--allowed-local-media-path", str(media_dir),
-        # 127.0.0.1 is listed so that the redirect test reaches the redirecting server; its
-        # target is addressed as `localhost`, which is not listed.
-        "--allowed-media-domains", "127.0.0.1",
+        # 127.0.0.1 on the redirecting server's port is listed so that the redirect test
+        # reaches it; its target is addressed as `localhost`, which is not listed.
+        "--allowed-media-domains", f"127.0.0.1:{redirect_web.server_port}",
         "--media-fetch-timeout", "3",
     )  # fmt: skip
     yield srv
@@ -151,12 +165,14 @@ def _bomb_png(width: int, height: int) -> bytes:
 
 
 def test_hostile_inputs_never_5xx_and_leave_nothing_behind(
-    server: Server, model_name: str, media_dir: Path, tmp_path: Path
+    server: Server,
+    model_name: str,
+    media_dir: Path,
+    tmp_path: Path,
+    redirect_web: ThreadingHTTPServer,
 ) -> None:
-    handler = type("Handler", (_RedirectHandler,), {"hits": []})
-    web = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    handler.target = f"http://localhost:{web.server_port}/target.png"
-    threading.Thread(target=web.serve_forever, daemon=True).start()
+    web = redirect_web
+    handler = web.RequestHandlerClass
     outside = tmp_path / "outside.png"
     outside.write_bytes(png_bytes(28, 28))
     valid = png_bytes(56, 56, seed=5)
@@ -204,7 +220,8 @@ def test_hostile_inputs_never_5xx_and_leave_nothing_behind(
         assert statuses[name] == 400, statuses
     for name in ("loopback url", "link-local url", "file outside allowed", "redirect to unlisted"):
         assert statuses[name] == 400, statuses
-    assert "/target.png" not in handler.hits  # the redirect target was never fetched
+    assert "/redirect.png" in handler.hits  # the listed host:port was reached...
+    assert "/target.png" not in handler.hits  # ...and its redirect target never fetched
 
     assert httpx.get(f"{server.url}/health").status_code == 200
     ok = server.client.chat.completions.create(

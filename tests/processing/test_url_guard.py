@@ -1,134 +1,107 @@
-"""SSRF: a local HTTP server on 127.0.0.1 sees connections only for what the policy allows."""
+"""SSRF: a local HTTP server on 127.0.0.1 sees connections only for what the policy allows.
+
+Every rule is checked through both fetch paths: the blocking one (offline API) and the
+event-loop one (the server).
+"""
 
 from __future__ import annotations
 
-import io
-import threading
+import asyncio
 import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterator
 
 import pytest
+from PIL import Image
 
+from mmserve.engine.args import EngineArgs
 from mmserve.errors import MediaError, MediaFetchRefusedError
-from mmserve.processing.media import MediaConfig, MediaLoader
-from mmserve.processing.url_guard import parse_media_url
-from tests.factory import random_image
+from mmserve.processing.media import MediaConfig, MediaLoader, MediaSource
+from mmserve.processing.url_guard import AllowedHost, parse_allowed_host, parse_media_url
+from tests.local_http import MediaServer, running_media_server
 
-
-def _png() -> bytes:
-    buf = io.BytesIO()
-    random_image(32, 24, seed=0).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    requests_seen: list[str]
-    redirect_target: str = ""
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-
-    def log_message(self, *args: object) -> None:  # keep test output quiet
-        pass
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        self.server.requests_seen.append(self.path)
-        port = self.server.server_address[1]
-        if self.path == "/img.png":
-            self._send(200, _png())
-        elif self.path == "/redirect":
-            self._redirect(self.server.redirect_target)
-        elif self.path == "/loop":
-            self._redirect(f"http://127.0.0.1:{port}/loop")
-        elif self.path == "/big":
-            self._send(200, b"\0" * 100_000)
-        elif self.path == "/slow":
-            self.send_response(200)
-            self.end_headers()
-            for _ in range(40):
-                self.wfile.write(b"x")
-                self.wfile.flush()
-                time.sleep(0.05)
-        else:
-            self._send(404, b"")
-
-    def _send(self, code: int, body: bytes) -> None:
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _redirect(self, location: str) -> None:
-        self.send_response(302)
-        self.send_header("Location", location)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
+Load = Callable[[MediaLoader, MediaSource], Image.Image]
 
 
 @pytest.fixture
-def server() -> Iterator[_Server]:
-    srv = _Server(("127.0.0.1", 0), _Handler)
-    srv.requests_seen = []
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+def server() -> Iterator[MediaServer]:
+    with running_media_server() as srv:
+        yield srv
 
 
-def _base(srv: _Server) -> str:
-    return f"http://127.0.0.1:{srv.server_address[1]}"
+@pytest.fixture(params=["sync", "async"])
+def load(request: pytest.FixtureRequest) -> Load:
+    if request.param == "sync":
+        return lambda loader, source: loader.load_image(source)
+    return lambda loader, source: asyncio.run(loader.aload_image(source))
 
 
 def _loader(**kwargs) -> MediaLoader:
     return MediaLoader(MediaConfig(**kwargs))
 
 
-def test_loopback_is_not_fetched_without_allowlisting(server: _Server) -> None:
+def _listed(srv: MediaServer) -> tuple[str, ...]:
+    return (f"127.0.0.1:{srv.port}",)
+
+
+def test_loopback_is_not_fetched_without_allowlisting(server: MediaServer, load: Load) -> None:
     with pytest.raises(MediaFetchRefusedError, match="non-public"):
-        _loader().load_image(f"{_base(server)}/img.png")
-    port = server.server_address[1]
+        load(_loader(), f"{server.base}/img.png")
     with pytest.raises(MediaFetchRefusedError, match="non-public"):
-        _loader().load_image(f"http://localhost:{port}/img.png")
+        load(_loader(), f"http://localhost:{server.port}/img.png")
     with pytest.raises(MediaFetchRefusedError, match="allowed-media-domains"):
-        _loader(allowed_media_domains=("example.com",)).load_image(f"{_base(server)}/img.png")
+        load(_loader(allowed_media_domains=("example.com",)), f"{server.base}/img.png")
     assert server.requests_seen == []
 
 
-def test_allowlisted_host_is_fetched(server: _Server) -> None:
-    image = _loader(allowed_media_domains=("127.0.0.1",)).load_image(f"{_base(server)}/img.png")
+def test_allowlisted_host_and_port_is_fetched(server: MediaServer, load: Load) -> None:
+    image = load(_loader(allowed_media_domains=_listed(server)), f"{server.base}/img.png")
     assert image.size == (32, 24) and image.mode == "RGB"
     assert server.requests_seen == ["/img.png"]
 
 
-def test_redirect_to_an_unlisted_host_is_refused(server: _Server) -> None:
-    port = server.server_address[1]
+def test_a_bare_host_allows_only_the_default_port(server: MediaServer, load: Load) -> None:
     loader = _loader(allowed_media_domains=("127.0.0.1",))
-    for target in (f"http://localhost:{port}/img.png", "http://169.254.169.254/latest/meta-data"):
+    with pytest.raises(MediaFetchRefusedError, match=f"port {server.port} is not allowed") as e:
+        load(loader, f"{server.base}/img.png")
+    assert f"'127.0.0.1:{server.port}'" in e.value.message  # says what to list instead
+    other = _loader(allowed_media_domains=(f"127.0.0.1:{server.port + 1}",))
+    with pytest.raises(MediaFetchRefusedError, match=f"port {server.port} is not allowed"):
+        load(other, f"{server.base}/img.png")
+    assert server.requests_seen == []
+
+
+def test_redirect_to_an_unlisted_host_or_port_is_refused(server: MediaServer, load: Load) -> None:
+    loader = _loader(allowed_media_domains=_listed(server))
+    targets = [
+        f"http://localhost:{server.port}/img.png",
+        "http://169.254.169.254/latest/meta-data",
+        f"http://127.0.0.1:{server.port + 1}/img.png",
+        "http://127.0.0.1/img.png",
+    ]
+    for target in targets:
         server.redirect_target = target
         with pytest.raises(MediaFetchRefusedError):
-            loader.load_image(f"{_base(server)}/redirect")
-    assert server.requests_seen == ["/redirect", "/redirect"]  # the targets were never hit
+            load(loader, f"{server.base}/redirect")
+    assert server.requests_seen == ["/redirect"] * len(targets)  # no target was ever hit
+    server.redirect_target = f"{server.base}/img.png"
+    assert load(loader, f"{server.base}/redirect").size == (32, 24)
 
 
-def test_redirect_loops_are_capped(server: _Server) -> None:
-    loader = _loader(allowed_media_domains=("127.0.0.1",), max_redirects=2)
+def test_redirect_loops_are_capped(server: MediaServer, load: Load) -> None:
+    loader = _loader(allowed_media_domains=_listed(server), max_redirects=2)
     with pytest.raises(MediaFetchRefusedError, match="redirected more than 2"):
-        loader.load_image(f"{_base(server)}/loop")
+        load(loader, f"{server.base}/loop")
     assert len(server.requests_seen) == 3
 
 
-def test_byte_cap_and_timeout(server: _Server) -> None:
-    loader = _loader(allowed_media_domains=("127.0.0.1",), max_fetch_bytes=10_000)
+def test_byte_cap_and_timeout(server: MediaServer, load: Load) -> None:
+    loader = _loader(allowed_media_domains=_listed(server), max_fetch_bytes=10_000)
     with pytest.raises(MediaFetchRefusedError, match="10000-byte limit"):
-        loader.load_image(f"{_base(server)}/big")
-    slow = _loader(allowed_media_domains=("127.0.0.1",), fetch_timeout_s=0.5)
+        load(loader, f"{server.base}/big")
+    slow = _loader(allowed_media_domains=_listed(server), fetch_timeout_s=0.5)
     start = time.monotonic()
     with pytest.raises(MediaError, match="longer than 0.5 s"):
-        slow.load_image(f"{_base(server)}/slow")
+        load(slow, f"{server.base}/trickle")
     assert time.monotonic() - start < 1.5
 
 
@@ -142,13 +115,15 @@ def test_byte_cap_and_timeout(server: _Server) -> None:
         "http://224.0.0.1/img.png",
     ],
 )
-def test_non_public_addresses_are_refused(url: str) -> None:
+def test_non_public_addresses_are_refused(url: str, load: Load) -> None:
     with pytest.raises(MediaFetchRefusedError, match="non-public"):
-        _loader().load_image(url)
+        load(_loader(), url)
 
 
-def test_backslash_userinfo_and_odd_encodings_do_not_bypass_the_allowlist(server: _Server) -> None:
-    port = server.server_address[1]
+def test_backslash_userinfo_and_odd_encodings_do_not_bypass_the_allowlist(
+    server: MediaServer, load: Load
+) -> None:
+    port = server.port
     loader = _loader(allowed_media_domains=("example.com",))
     tricks = [
         f"http://example.com@127.0.0.1:{port}/img.png",
@@ -164,32 +139,45 @@ def test_backslash_userinfo_and_odd_encodings_do_not_bypass_the_allowlist(server
     ]
     for url in tricks:
         with pytest.raises(MediaFetchRefusedError):
-            loader.load_image(url)
+            load(loader, url)
     assert server.requests_seen == []
-
-
-def test_file_urls_need_the_allowed_path(tmp_path) -> None:
-    with pytest.raises(MediaFetchRefusedError, match="allowed-local-media-path"):
-        _loader().load_image("file:///etc/passwd")
-    allowed = tmp_path / "media"
-    allowed.mkdir()
-    random_image(10, 10).save(allowed / "ok.png")
-    (allowed / "escape.png").symlink_to("/etc/passwd")
-    loader = _loader(allowed_local_media_path=str(allowed))
-    assert loader.load_image(f"file://{allowed}/ok.png").size == (10, 10)
-    for url in (
-        "file:///etc/passwd",
-        f"file://{allowed}/../../../etc/passwd",
-        f"file://{allowed}/escape.png",
-        f"file://{allowed}/%2e%2e/%2e%2e/etc/passwd",
-        f"file://{allowed}\\..\\x.png",
-        f"file://otherhost{allowed}/ok.png",
-    ):
-        with pytest.raises(MediaError):
-            loader.load_image(url)
 
 
 def test_parsed_url_keeps_host_and_port_for_the_host_header() -> None:
     parsed = parse_media_url("https://Example.com:8443/a/b.png?x=1#frag")
     assert (parsed.host, parsed.port, parsed.target) == ("example.com", 8443, "/a/b.png?x=1")
     assert parsed.host_header == "example.com:8443"
+
+
+@pytest.mark.parametrize(
+    ("entry", "host", "port"),
+    [
+        ("Example.COM", "example.com", None),
+        ("example.com:8080", "example.com", 8080),
+        ("10.0.0.5:9000", "10.0.0.5", 9000),
+        ("[::1]:9000", "::1", 9000),
+        ("[::1]", "::1", None),
+        ("::1", "::1", None),
+    ],
+)
+def test_allowlist_entries_parse(entry: str, host: str, port: int | None) -> None:
+    assert parse_allowed_host(entry) == AllowedHost(host, port)
+
+
+@pytest.mark.parametrize(
+    "entry", ["", "example.com:", "example.com:0", "example.com:http", "[::1", "[::1]x", "127.1"]
+)
+def test_bad_allowlist_entries_are_refused_at_start(entry: str) -> None:
+    with pytest.raises(ValueError, match="--allowed-media-domains entry"):
+        parse_allowed_host(entry)
+    with pytest.raises(ValueError, match="--allowed-media-domains entry"):
+        EngineArgs(allowed_media_domains=("ok.example", entry or ":"))
+
+
+def test_a_bare_host_means_each_schemes_default_port() -> None:
+    entry = parse_allowed_host("example.com")
+    assert entry.allows(parse_media_url("http://example.com/x.png"))
+    assert entry.allows(parse_media_url("https://example.com/x.png"))
+    assert not entry.allows(parse_media_url("https://example.com:80/x.png"))
+    assert not entry.allows(parse_media_url("http://example.com:8080/x.png"))
+    assert parse_allowed_host("example.com:443").allows(parse_media_url("https://example.com/"))

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mmserve.hashing import HASH_ALGORITHMS
+from mmserve.processing.url_guard import parse_allowlist
 
 TOY_MODEL_NAME = "mmserve-toy"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -67,6 +68,7 @@ class EngineArgs:
     allowed_media_domains: tuple[str, ...] | None = None
     allowed_local_media_path: str | None = None
     trust_exif_image_id: bool = False
+    max_concurrent_media_fetches: int = 16
     api_key: tuple[str, ...] | None = field(default=None, repr=False)
     dtype: str = "auto"
     device: str = "auto"
@@ -82,8 +84,18 @@ class EngineArgs:
     uvicorn_log_level: str = "warning"
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_media_bytes"):
+        for name in (
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "block_size",
+            "max_media_bytes",
+            "max_concurrent_media_fetches",
+        ):
             _check_positive(name, getattr(self, name))
+        if self.allowed_media_domains is not None:
+            domains = split_domains(self.allowed_media_domains)
+            parse_allowlist(domains or ())  # ValueError names the bad entry
+            object.__setattr__(self, "allowed_media_domains", domains)
         _check_positive("max_request_body_bytes", self.max_request_body_bytes)
         for name in (
             "max_model_len",

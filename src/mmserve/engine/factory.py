@@ -99,6 +99,7 @@ def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngin
             allowed_local_media_path=args.allowed_local_media_path,
             fetch_timeout_s=args.media_fetch_timeout,
             max_fetch_bytes=args.max_media_bytes,
+            max_concurrent_fetches=args.max_concurrent_media_fetches,
             decode_workers=decode_workers,
         )
     )

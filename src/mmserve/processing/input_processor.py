@@ -251,10 +251,7 @@ class InputProcessor:
             messages, add_generation_prompt, chat_template_kwargs
         )
 
-        async def load(src: Any) -> ImageInput:
-            return None if src is None else await self.media_loader.aload_image(src)
-
-        images = await asyncio.gather(*(load(src) for src in sources))
+        images = await self._aload_all(sources)
         return await asyncio.to_thread(
             self.process,
             prompt,
@@ -280,6 +277,20 @@ class InputProcessor:
         )
         self._check_item_limit(len(sources))
         return prompt, sources, uuids
+
+    async def _aload_all(self, sources: Sequence[Any]) -> list[ImageInput]:
+        """Load every image concurrently; when one fails, stop the others (their fetch slots
+        and decode threads serve other requests instead of a request that already failed)."""
+
+        async def load(src: Any) -> ImageInput:
+            return None if src is None else await self.media_loader.aload_image(src)
+
+        tasks = [asyncio.ensure_future(load(src)) for src in sources]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
 
     def _load(self, source: Any) -> ImageInput:
         return None if source is None else self.media_loader.load_image(source)

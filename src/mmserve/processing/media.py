@@ -5,21 +5,23 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import os
 import threading
-from dataclasses import dataclass
-from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from urllib.parse import unquote_to_bytes, urlsplit
 
 from PIL import Image
 
 from mmserve.errors import MediaError, MediaFetchRefusedError
+from mmserve.processing.http_fetch import AsyncFetcher, FetchPolicy, fetch_url
 from mmserve.processing.image_decode import (
     DEFAULT_MAX_IMAGE_PIXELS,
     DecodeWorkerPool,
     decode_image_bytes,
 )
 from mmserve.processing.image_processor import to_rgb
-from mmserve.processing.url_guard import fetch_url
+from mmserve.processing.url_guard import AllowedHost, parse_allowlist
 
 MediaSource = Image.Image | bytes | str
 
@@ -28,9 +30,11 @@ MediaSource = Image.Image | bytes | str
 class MediaConfig:
     """Where media may come from and how much of it we accept.
 
-    `allowed_media_domains` empty means any public host; listed hosts are the only ones
-    fetched, and may resolve to private addresses. `decode_workers` 0 decodes in-process
-    (tests, the offline API); > 0 decodes in that many worker processes started on first use.
+    `allowed_media_domains` empty means any public host; listed `host` or `host:port` entries
+    are the only ones fetched (a bare host on its scheme's default port only), and may resolve
+    to private addresses. `max_concurrent_fetches` bounds the server's http(s) fetches in
+    flight. `decode_workers` 0 decodes in-process (tests, the offline API); > 0 decodes in that
+    many worker processes started on first use.
     """
 
     allowed_media_domains: tuple[str, ...] = ()
@@ -41,11 +45,17 @@ class MediaConfig:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     decode_workers: int = 0
     decode_timeout_s: float = 10.0
+    max_concurrent_fetches: int = 16
+    allowlist: tuple[AllowedHost, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "allowed_media_domains", tuple(d.lower() for d in self.allowed_media_domains)
-        )
+        allowlist = parse_allowlist(self.allowed_media_domains)
+        object.__setattr__(self, "allowlist", allowlist)
+        object.__setattr__(self, "allowed_media_domains", tuple(str(e) for e in allowlist))
+        if self.max_concurrent_fetches <= 0:
+            raise ValueError(
+                f"max_concurrent_fetches must be positive, got {self.max_concurrent_fetches}"
+            )
         for name in ("fetch_timeout_s", "decode_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -62,6 +72,15 @@ class MediaConfig:
                     f"{self.allowed_local_media_path!r}"
                 )
 
+    @property
+    def fetch_policy(self) -> FetchPolicy:
+        return FetchPolicy(
+            allowlist=self.allowlist,
+            timeout_s=self.fetch_timeout_s,
+            max_bytes=self.max_fetch_bytes,
+            max_redirects=self.max_redirects,
+        )
+
 
 class MediaLoader:
     """Turns any supported media source into an RGB PIL image. Close it to stop decode workers."""
@@ -70,6 +89,7 @@ class MediaLoader:
         self.config = config or MediaConfig()
         self._pool: DecodeWorkerPool | None = None
         self._pool_lock = threading.Lock()
+        self._fetcher = AsyncFetcher(self.config.fetch_policy, self.config.max_concurrent_fetches)
 
     def load_image(self, source: MediaSource) -> Image.Image:
         if isinstance(source, Image.Image):
@@ -81,19 +101,11 @@ class MediaLoader:
                 f"unsupported image source of type {type(source).__name__}; pass a PIL image, "
                 "bytes, or a data:, http(s):// or file:// URL"
             )
-        scheme = source.split(":", 1)[0].lower() if ":" in source else ""
+        scheme = _scheme(source)
         if scheme == "data":
             return self._decode(self._read_data_url(source))
         if scheme in ("http", "https"):
-            cfg = self.config
-            data = fetch_url(
-                source,
-                allowed_domains=cfg.allowed_media_domains,
-                timeout_s=cfg.fetch_timeout_s,
-                max_bytes=cfg.max_fetch_bytes,
-                max_redirects=cfg.max_redirects,
-            )
-            return self._decode(data)
+            return self._decode(fetch_url(source, self.config.fetch_policy))
         if scheme == "file":
             return self._decode(self._read_file_url(source))
         raise MediaFetchRefusedError(
@@ -101,10 +113,16 @@ class MediaLoader:
         )
 
     async def aload_image(self, source: MediaSource) -> Image.Image:
-        """`load_image` on a worker thread, so fetching and decoding never block the event loop."""
+        """http(s): fetched on the event loop in the bounded fetch pool, then decoded on a
+        worker thread. Anything else (data:, file://, bytes) is read and decoded on a worker
+        thread that no fetch ever holds, so slow media servers cannot delay inline images."""
+        if isinstance(source, str) and _scheme(source) in ("http", "https"):
+            data = await self._fetcher.fetch(source)
+            return await asyncio.to_thread(self._decode, data)
         return await asyncio.to_thread(self.load_image, source)
 
     def close(self) -> None:
+        self._fetcher.close()
         with self._pool_lock:
             if self._pool is not None:
                 self._pool.close()
@@ -143,30 +161,82 @@ class MediaLoader:
             raise MediaError("data: URL payload is not valid base64") from None
 
     def _read_file_url(self, url: str) -> bytes:
+        """Read a file:// URL under --allowed-local-media-path.
+
+        Decided on the lexical path first (no disk access), so the answer for a path outside
+        the root is the same whether or not it exists; symlinks are resolved only then, and the
+        resolved path is checked again.
+        """
         root = self.config.allowed_local_media_path
         if root is None:
             raise MediaFetchRefusedError(
                 "file:// URLs are disabled; start the server with --allowed-local-media-path",
                 param="image_url",
             )
-        if "\\" in url or not url.isascii():
-            raise MediaFetchRefusedError("file:// URL contains a backslash or non-ASCII character")
-        parts = urlsplit(url)
-        if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
-            raise MediaFetchRefusedError("file:// URL must be file:///absolute/path")
-        base = Path(root).resolve()
+        path = _file_url_path(url)
+        roots = (os.path.normpath(root), str(Path(root).resolve()))
+        if not any(PurePosixPath(path).is_relative_to(r) for r in roots):
+            raise _outside_root()
         try:
-            path = Path(unquote(parts.path)).resolve(strict=True)
-        except (OSError, RuntimeError):
-            raise MediaError("file:// URL does not name a readable file") from None
-        if not path.is_relative_to(base) or not path.is_file():
-            raise MediaFetchRefusedError(
-                "file:// URL is outside --allowed-local-media-path", param="image_url"
-            )
-        with path.open("rb") as f:
-            data = f.read(self.config.max_fetch_bytes + 1)
+            resolved = Path(path).resolve()
+        except (OSError, RuntimeError, ValueError):
+            raise MediaError(
+                "file:// URL names a file that could not be read", param="image_url"
+            ) from None
+        if not resolved.is_relative_to(roots[1]):
+            raise _outside_root()  # a symlink under the root that points out of it
+        try:
+            if not resolved.exists():
+                raise MediaError(
+                    "file:// URL names no file under --allowed-local-media-path",
+                    param="image_url",
+                )
+            if not resolved.is_file():
+                raise MediaError("file:// URL does not name a regular file", param="image_url")
+            with resolved.open("rb") as f:
+                data = f.read(self.config.max_fetch_bytes + 1)
+        except OSError:
+            raise MediaError(
+                "file:// URL names a file that could not be read", param="image_url"
+            ) from None
         if len(data) > self.config.max_fetch_bytes:
             raise MediaFetchRefusedError(
-                f"image is larger than the {self.config.max_fetch_bytes}-byte limit"
+                f"image is larger than the {self.config.max_fetch_bytes}-byte limit",
+                param="image_url",
             )
         return data
+
+
+def _scheme(url: str) -> str:
+    return url.split(":", 1)[0].lower() if ":" in url else ""
+
+
+def _file_url_path(url: str) -> str:
+    """The absolute, lexically normalised path a file:// URL names; 400 if it names none."""
+    if "\\" in url or not url.isascii() or not url.isprintable():
+        raise MediaFetchRefusedError(
+            "file:// URL contains a backslash, a control character or a non-ASCII character; "
+            "percent-encode the path",
+            param="image_url",
+        )
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
+        raise MediaFetchRefusedError("file:// URL must be file:///absolute/path", param="image_url")
+    try:
+        path = unquote_to_bytes(parts.path).decode("utf-8")
+    except UnicodeDecodeError:
+        raise MediaFetchRefusedError(
+            "file:// URL path is not valid UTF-8 once percent-decoded", param="image_url"
+        ) from None
+    if not path.startswith("/") or not path.isprintable():
+        raise MediaFetchRefusedError(
+            "file:// URL must name an absolute path without NUL or control characters",
+            param="image_url",
+        )
+    return os.path.normpath(path)
+
+
+def _outside_root() -> MediaFetchRefusedError:
+    return MediaFetchRefusedError(
+        "file:// URL is outside --allowed-local-media-path", param="image_url"
+    )
