@@ -1,0 +1,195 @@
+"""Media through a real toy-model server: identities that cannot be forged, fair fetching,
+file:// answers that reveal nothing, bounded UUIDs, the host:port allowlist.
+
+The toy model names the shape and colour it sees, so an image answered from another image's
+cache entry shows up as a wrong answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+from scripts.toy_data import COLOURS, Picture, Shape, draw
+
+from mmserve.engine.args import bundled_toy_model_dir
+from tests.api.harness import Server, data_url, wait_until_idle
+from tests.local_http import MediaServer, png_bytes, running_media_server
+
+MODEL = "mmserve-toy"
+SIZE = 168
+EXIF_ID = "d41d8cd98f00b204e9800998ecf8427e"
+NUM_SLOW = 12
+
+
+def _picture(kind: str, colour: str) -> Image.Image:
+    """One big shape in the middle of a grey square; same size for every kind and colour."""
+    shape = Shape(kind, colour, COLOURS[colour], SIZE * 0.5, SIZE * 0.5, SIZE * 0.35)
+    return draw(Picture(SIZE, SIZE, (128, 128, 128), (shape,)))
+
+
+def _png_url(image: Image.Image, exif_id: str | None = None) -> str:
+    buf = io.BytesIO()
+    if exif_id is None:
+        image.save(buf, format="PNG")
+    else:
+        exif = Image.Exif()
+        exif[0xA420] = exif_id  # ImageUniqueID
+        image.save(buf, format="PNG", exif=exif.tobytes())
+    return data_url(buf.getvalue())
+
+
+def _body(image_url: dict, question: str = "What is in the image?", **extra) -> dict:
+    parts = [{"type": "image_url", "image_url": image_url}, {"type": "text", "text": question}]
+    messages = [{"role": "user", "content": parts}]
+    return {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0, **extra}
+
+
+def _post(server: Server, body: dict, key: str | None = None, timeout: float = 60):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(
+        f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=timeout
+    )
+
+
+def _answer(server: Server, image_url: dict, key: str | None = None) -> str:
+    resp = _post(server, _body(image_url), key)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["message"]["content"].strip()
+
+
+@pytest.fixture(scope="module")
+def web() -> Iterator[MediaServer]:
+    with running_media_server() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("allowed")
+    (root / "ok.png").write_bytes(png_bytes(28, 28))
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(web: MediaServer, media_dir: Path, tmp_path_factory) -> Iterator[Server]:
+    srv = Server(
+        bundled_toy_model_dir(),
+        tmp_path_factory.mktemp("open") / "server.log",
+        "--allowed-media-domains", f"127.0.0.1:{web.port}",
+        "--allowed-local-media-path", str(media_dir),
+        "--media-fetch-timeout", "6",
+    )  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def trusting(tmp_path_factory) -> Iterator[Server]:
+    srv = Server(
+        bundled_toy_model_dir(),
+        tmp_path_factory.mktemp("trusting") / "server.log",
+        "--api-key", "key-alice", "key-bob",
+        "--trust-exif-image-id",
+    )  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def test_two_pictures_with_one_exif_id_are_two_images(server: Server) -> None:
+    red = {"url": _png_url(_picture("circle", "red"), EXIF_ID)}
+    blue = {"url": _png_url(_picture("square", "blue"), EXIF_ID)}
+    assert _answer(server, red) == "a red circle"
+    assert _answer(server, blue) == "a blue square"
+    assert _answer(server, red) == "a red circle"
+    wait_until_idle(server.url)
+
+
+def test_a_trusted_exif_id_is_shared_only_inside_one_namespace(trusting: Server) -> None:
+    red = {"url": _png_url(_picture("circle", "red"), EXIF_ID)}
+    blue = {"url": _png_url(_picture("square", "blue"), EXIF_ID)}
+    assert _answer(trusting, red, "key-alice") == "a red circle"
+    # What --trust-exif-image-id means: inside alice's namespace the id names the picture.
+    assert _answer(trusting, blue, "key-alice") == "a red circle"
+    # bob's namespace never sees alice's claim.
+    assert _answer(trusting, blue, "key-bob") == "a blue square"
+    wait_until_idle(trusting.url)
+
+
+def test_slow_media_servers_do_not_stall_inline_requests(server: Server, web: MediaServer) -> None:
+    slow_body = _body({"url": f"{web.base}/trickle"})
+    inline_body = _body({"url": _png_url(_picture("star", "green"))})
+
+    async def main() -> tuple[float, int, int, list[int]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            slow = [
+                asyncio.ensure_future(client.post("/v1/chat/completions", json=slow_body))
+                for _ in range(NUM_SLOW)
+            ]
+            in_flight = await asyncio.to_thread(web.wait_for_active, NUM_SLOW, 5.0)
+            start = time.monotonic()
+            inline = await client.post("/v1/chat/completions", json=inline_body)
+            elapsed = time.monotonic() - start
+            statuses = [r.status_code for r in await asyncio.gather(*slow)]
+            return elapsed, in_flight, inline.status_code, statuses
+
+    elapsed, in_flight, inline_status, slow_statuses = asyncio.run(main())
+    assert inline_status == 200
+    assert elapsed < 2.0, f"an inline request took {elapsed:.1f} s behind {in_flight} slow fetches"
+    assert in_flight == NUM_SLOW
+    assert all(400 <= s < 500 for s in slow_statuses), slow_statuses  # a trickle is no image
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    wait_until_idle(server.url)
+
+
+def test_file_urls_reveal_nothing_outside_the_root(
+    server: Server, media_dir: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "exists.png").write_bytes(png_bytes(28, 28))
+    outside_existing = _post(server, _body({"url": f"file://{tmp_path}/exists.png"}))
+    outside_missing = _post(server, _body({"url": f"file://{tmp_path}/missing.png"}))
+    assert outside_existing.status_code == outside_missing.status_code == 400
+    assert outside_existing.json() == outside_missing.json()
+    for path in ("/ok.png\x00.txt", "/ok.png%00.txt", "/%ff.png"):
+        resp = _post(server, _body({"url": f"file://{media_dir}{path}"}))
+        assert resp.status_code == 400, (path, resp.text)
+        assert resp.json()["error"]["param"] == "image_url"
+    missing = _post(server, _body({"url": f"file://{media_dir}/missing.png"}))
+    assert missing.status_code == 400 and "names no file" in missing.json()["error"]["message"]
+    assert _post(server, _body({"url": f"file://{media_dir}/ok.png"})).status_code == 200
+
+
+def test_long_or_unprintable_uuids_are_refused(server: Server) -> None:
+    url = _png_url(_picture("circle", "purple"))
+    huge = _post(server, _body({"url": url, "uuid": "u" * (1 << 20)}))
+    assert huge.status_code == 400 and huge.json()["error"]["param"] == "messages"
+    assert "at most 256" in huge.json()["error"]["message"]
+    control = _post(server, _body({"url": url, "uuid": "a\nb"}))
+    assert control.status_code == 400
+    by_field = _post(server, _body({"url": url}, multi_modal_uuids={"image": ["m" * 300]}))
+    assert by_field.status_code == 400
+    assert by_field.json()["error"]["param"] == "multi_modal_uuids"
+    # the longest allowed one names the picture, and a later uuid-only request finds it
+    assert _answer(server, {"url": url, "uuid": "u" * 256}) == "a purple circle"
+    assert _answer(server, {"uuid": "u" * 256}) == "a purple circle"
+
+
+def test_an_allowlisted_host_is_fetched_on_its_listed_port_only(
+    server: Server, web: MediaServer
+) -> None:
+    before = len(web.requests_seen)
+    other_port = _post(server, _body({"url": f"http://127.0.0.1:{web.port + 1}/img.png"}))
+    default_port = _post(server, _body({"url": "http://127.0.0.1/img.png"}))
+    for resp, port in ((other_port, web.port + 1), (default_port, 80)):
+        assert resp.status_code == 400
+        assert f"port {port} is not allowed" in resp.json()["error"]["message"]
+    web.redirect_target = f"http://127.0.0.1:{web.port + 1}/img.png"
+    assert _post(server, _body({"url": f"{web.base}/redirect"})).status_code == 400
+    assert web.requests_seen[before:] == ["/redirect"]  # only the listed port was contacted
+    assert _post(server, _body({"url": f"{web.base}/img.png"})).status_code == 200
