@@ -1,0 +1,54 @@
+"""Messages that cross a process, and their codec: plain data, raw array frames, no pickle.
+
+See docs/wire.md for each message, the frame layout and what decoding checks.
+"""
+
+from mmserve.wire.codec import ALLOWED_DTYPES, MESSAGE_TAGS, Message, decode, encode
+from mmserve.wire.common import (
+    WireEncoderInput,
+    WireError,
+    WireMMFeature,
+    WireRequestFailure,
+    WireSamplingParams,
+)
+from mmserve.wire.engine_core import (
+    EngineCoreAbort,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreShutdown,
+    EngineDead,
+    EngineStats,
+)
+from mmserve.wire.executor import (
+    WireCachedRequestData,
+    WireModelRunnerOutput,
+    WireNewRequestData,
+    WireRunnerPayload,
+    WireSchedulerOutput,
+)
+
+__all__ = [
+    "ALLOWED_DTYPES",
+    "MESSAGE_TAGS",
+    "EngineCoreAbort",
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "EngineCoreRequest",
+    "EngineCoreShutdown",
+    "EngineDead",
+    "EngineStats",
+    "Message",
+    "WireCachedRequestData",
+    "WireEncoderInput",
+    "WireError",
+    "WireMMFeature",
+    "WireModelRunnerOutput",
+    "WireNewRequestData",
+    "WireRequestFailure",
+    "WireRunnerPayload",
+    "WireSamplingParams",
+    "WireSchedulerOutput",
+    "decode",
+    "encode",
+]

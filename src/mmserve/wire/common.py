@@ -1,0 +1,130 @@
+"""What every wire message shares: the error, the base struct, field types and shared parts."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+import msgspec
+import numpy as np
+
+
+class WireError(ValueError):
+    """A message could not be encoded or decoded: the text says which part is wrong and why."""
+
+
+class WireStruct(
+    msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False
+):
+    """Base of every wire message: immutable, encoded as a msgpack array in field order.
+
+    `array_like` keeps field names off the wire (a message is a positional array) and
+    `forbid_unknown_fields` makes an array longer than the struct a decode error, not a
+    silently dropped tail. `gc=False`: messages are trees, they never hold a cycle.
+    """
+
+
+# Field types: msgspec checks these bounds on decode (never on encode).
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+# A vocabulary index: bounded so that no id overflows the int32/int64 tensors it indexes.
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+RequestId = Annotated[str, msgspec.Meta(min_length=1)]
+Identifier = Annotated[str, msgspec.Meta(min_length=1)]
+GridTHW = tuple[PosInt, PosInt, PosInt]
+FailureKind = Literal["request", "internal"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+_PIXEL_KINDS = "f"  # encoder inputs are floating point (float16/32/64)
+
+
+class WireMMFeature(WireStruct):
+    """One multimodal item as the scheduler and the runner see it: never its pixels.
+
+    `identifier` is the item's identity digest (the encoder-cache key, part of KV block
+    hashes); its embeddings fill prompt positions [offset, offset + length).
+    """
+
+    identifier: Identifier
+    modality: str
+    offset: NonNegInt
+    length: PosInt
+    grid_thw: GridTHW
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+class WireEncoderInput(WireStruct):
+    """What whoever encodes one item needs, and nothing else: travels only towards an encoder.
+
+    pixel_values: [grid_t * grid_h * grid_w, C * T * P * P], floating point.
+    """
+
+    identifier: Identifier
+    modality: str
+    grid_thw: GridTHW
+    pixel_values: np.ndarray
+
+    def __post_init__(self) -> None:
+        pixels = self.pixel_values
+        num_patches = math.prod(self.grid_thw)
+        if pixels.ndim != 2 or pixels.shape[0] != num_patches:
+            raise WireError(
+                f"encoder input {self.identifier[:16]}: pixel_values has shape {pixels.shape}, "
+                f"expected [{num_patches}, patch_dim] for grid_thw {tuple(self.grid_thw)}"
+            )
+        if pixels.dtype.kind not in _PIXEL_KINDS:
+            raise WireError(
+                f"encoder input {self.identifier[:16]}: pixel_values has dtype {pixels.dtype}, "
+                "expected a floating-point dtype"
+            )
+
+
+class WireSamplingParams(WireStruct):
+    """`SamplingParams` as plain fields: a seed travels, a random generator never does."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[TokenId, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class WireRequestFailure(WireStruct):
+    """Why the engine ended one request with an error, and whose fault it is.
+
+    kind "request": the request's own content or parameters (answered 4xx, `param` names the
+    field where one exists); "internal": the server failed (answered 500).
+    """
+
+    message: str
+    kind: FailureKind
+    param: str | None = None
+
+
+def check_positions(positions: np.ndarray, num_tokens: int, owner: str) -> None:
+    """M-RoPE positions must be int64 [3, num_tokens]: the runner slices them by token index."""
+    if positions.dtype != np.int64 or positions.shape != (3, num_tokens):
+        raise WireError(
+            f"{owner}: mrope_positions is {positions.dtype} {positions.shape}, "
+            f"expected int64 (3, {num_tokens})"
+        )
+
+
+def check_features(features: list[WireMMFeature], num_tokens: int, owner: str) -> None:
+    """Every item's placeholder range must lie inside the prompt it belongs to."""
+    for f in features:
+        if f.end > num_tokens:
+            raise WireError(
+                f"{owner}: item {f.identifier[:16]} covers positions [{f.offset}, {f.end}) "
+                f"but the prompt has {num_tokens} tokens"
+            )

@@ -1,0 +1,335 @@
+"""Between the wire messages and the in-process types they mirror; no torch on either side.
+
+The runner's `RunnerPayload` holds a torch.Generator, so this module never builds one: a
+receiving executor passes `make_payload`, which rebuilds the generator from the seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Container, Mapping, Sequence
+from types import MappingProxyType
+from typing import NamedTuple, Protocol
+
+import msgspec
+import numpy as np
+
+from mmserve.metrics import EngineMetrics
+from mmserve.multimodal import MultiModalFeature, PlaceholderRange, ProcessedImage, ProcessedPrompt
+from mmserve.sampling_params import SamplingParams
+from mmserve.scheduling.outputs import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestUpdate,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from mmserve.scheduling.request import RequestStatus
+from mmserve.wire.common import (
+    FinishReason,
+    WireEncoderInput,
+    WireMMFeature,
+    WireRequestFailure,
+    WireSamplingParams,
+)
+from mmserve.wire.engine_core import EngineCoreOutput, EngineCoreRequest, EngineStats
+from mmserve.wire.executor import (
+    WireCachedRequestData,
+    WireModelRunnerOutput,
+    WireNewRequestData,
+    WireRunnerPayload,
+    WireSchedulerOutput,
+)
+
+FINISH_REASONS: MappingProxyType[RequestStatus, FinishReason] = MappingProxyType(
+    {
+        RequestStatus.FINISHED_STOPPED: "stop",
+        RequestStatus.FINISHED_LENGTH: "length",
+        RequestStatus.FINISHED_ABORTED: "abort",
+        RequestStatus.FINISHED_ERROR: "error",
+    }
+)
+_STATUS_BY_REASON = MappingProxyType({reason: s for s, reason in FINISH_REASONS.items()})
+# (SchedulerStats field, metric kind, metric name), as LLMEngine records them.
+SCHEDULER_METRICS = (
+    ("num_running", "gauge", "num_requests_running"),
+    ("num_waiting", "gauge", "num_requests_waiting"),
+    ("num_free_kv_blocks", "gauge", "kv_blocks_free"),
+    ("encoder_cache_used_slots", "gauge", "encoder_cache_used_slots"),
+    ("encoder_cache_resident_slots", "gauge", "encoder_cache_resident_slots"),
+    ("prefix_cache_queries", "counter", "prefix_cache_queries"),
+    ("prefix_cache_hits", "counter", "prefix_cache_hits"),
+    ("encoder_cache_queries", "counter", "encoder_cache_queries"),
+    ("encoder_cache_hits", "counter", "encoder_cache_hits"),
+)
+
+
+class RunnerPayloadLike(Protocol):
+    """The fields of `execution.request_state.RunnerPayload` that travel (not its generator)."""
+
+    sampling_params: SamplingParams
+    mrope_positions: np.ndarray
+    mrope_position_delta: int
+    eos_token_ids: tuple[int, ...]
+
+
+class AddRequest(NamedTuple):
+    """An EngineCoreRequest back in the engine's terms (the arguments of `add_request`)."""
+
+    request_id: str
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    cache_salt: str | None
+    eos_token_ids: tuple[int, ...] | None
+    arrival_time_s: float
+
+
+class StepInputs(NamedTuple):
+    """A decoded step: the SchedulerOutput, and the pixels of the items it encodes by identifier.
+
+    Items of cached requests come without data (the runner holds their features from an
+    earlier step): an executor takes the pixels of every item it encodes from `encoder_inputs`.
+    """
+
+    scheduler_output: SchedulerOutput
+    encoder_inputs: dict[str, ProcessedImage]
+
+
+# ------------------------------------------------------------------ items and sampling
+
+
+def feature_to_wire(f: MultiModalFeature) -> WireMMFeature:
+    p = f.placeholder
+    return WireMMFeature(f.identifier, f.modality, p.offset, p.length, f.grid_thw)
+
+
+def encoder_input_to_wire(f: MultiModalFeature) -> WireEncoderInput | None:
+    """The item's pixels for an encoder, or None when the feature holds none."""
+    if f.data is None:
+        return None
+    return WireEncoderInput(f.identifier, f.modality, f.data.grid_thw, f.data.pixel_values)
+
+
+def feature_from_wire(f: WireMMFeature, data: ProcessedImage | None) -> MultiModalFeature:
+    placeholder = PlaceholderRange(f.offset, f.length)
+    return MultiModalFeature(f.identifier, f.modality, placeholder, data, tuple(f.grid_thw))
+
+
+def sampling_params_to_wire(p: SamplingParams) -> WireSamplingParams:
+    return WireSamplingParams(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)})
+
+
+def sampling_params_from_wire(w: WireSamplingParams) -> SamplingParams:
+    """Raises InvalidRequestError where the values break SamplingParams' own rules."""
+    return SamplingParams(**msgspec.structs.asdict(w))
+
+
+def failure_to_wire(error: str) -> WireRequestFailure:
+    # Every failure the runner reports today is the request's own (answered 400).
+    return WireRequestFailure(error, "request")
+
+
+def failure_from_wire(w: WireRequestFailure) -> str:
+    return w.message
+
+
+def _pixels_by_identifier(items: Sequence[WireEncoderInput]) -> dict[str, ProcessedImage]:
+    return {i.identifier: ProcessedImage(i.pixel_values, tuple(i.grid_thw)) for i in items}
+
+
+# ------------------------------------------------------------ API <-> engine core
+
+
+def request_to_wire(
+    request_id: str,
+    prompt: ProcessedPrompt,
+    params: SamplingParams,
+    *,
+    arrival_time_s: float,
+    cache_salt: str | None = None,
+    eos_token_ids: tuple[int, ...] | None = None,
+    held_identifiers: Container[str] = frozenset(),
+) -> EngineCoreRequest:
+    """Pixels go for every item that has them, once per identifier, except those the engine
+    is known to hold (`held_identifiers`)."""
+    encoder_inputs: dict[str, WireEncoderInput] = {}
+    for f in prompt.mm_features:
+        if f.identifier in held_identifiers or f.identifier in encoder_inputs:
+            continue
+        item = encoder_input_to_wire(f)
+        if item is not None:
+            encoder_inputs[f.identifier] = item
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=list(prompt.prompt_token_ids),
+        mm_features=[feature_to_wire(f) for f in prompt.mm_features],
+        encoder_inputs=list(encoder_inputs.values()),
+        sampling_params=sampling_params_to_wire(params),
+        mrope_positions=prompt.mrope_positions,
+        mrope_position_delta=prompt.mrope_position_delta,
+        eos_token_ids=eos_token_ids,
+        cache_salt=cache_salt,
+        arrival_time_s=arrival_time_s,
+    )
+
+
+def request_from_wire(msg: EngineCoreRequest) -> AddRequest:
+    pixels = _pixels_by_identifier(msg.encoder_inputs)
+    prompt = ProcessedPrompt(
+        prompt_token_ids=msg.prompt_token_ids,
+        mm_features=[feature_from_wire(f, pixels.get(f.identifier)) for f in msg.mm_features],
+        mrope_positions=msg.mrope_positions,
+        mrope_position_delta=msg.mrope_position_delta,
+    )
+    params = sampling_params_from_wire(msg.sampling_params)
+    return AddRequest(
+        msg.request_id, prompt, params, msg.cache_salt, msg.eos_token_ids, msg.arrival_time_s
+    )
+
+
+def update_to_wire(update: RequestUpdate, num_cached_tokens: int = 0) -> EngineCoreOutput:
+    status = update.finish_status
+    finish_reason = FINISH_REASONS[status] if status is not None else None
+    return EngineCoreOutput(
+        request_id=update.request_id,
+        new_token_ids=update.new_token_ids,
+        finish_reason=finish_reason,
+        stop_reason=update.stop_reason,
+        error=failure_to_wire(update.error) if update.error is not None else None,
+        num_cached_tokens=num_cached_tokens,
+    )
+
+
+def update_from_wire(out: EngineCoreOutput) -> RequestUpdate:
+    status = _STATUS_BY_REASON[out.finish_reason] if out.finish_reason is not None else None
+    return RequestUpdate(
+        request_id=out.request_id,
+        new_token_ids=out.new_token_ids,
+        finish_status=status,
+        stop_reason=out.stop_reason,
+        error=failure_from_wire(out.error) if out.error is not None else None,
+    )
+
+
+def stats_to_wire(
+    s: SchedulerStats,
+    counters: Mapping[str, int] = MappingProxyType({}),
+    gauges: Mapping[str, float] = MappingProxyType({}),
+) -> EngineStats:
+    fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
+    return EngineStats(**fields, counters=dict(counters), gauges=dict(gauges))
+
+
+def stats_from_wire(w: EngineStats) -> SchedulerStats:
+    names = [f.name for f in dataclasses.fields(SchedulerStats)]
+    return SchedulerStats(**{name: getattr(w, name) for name in names})
+
+
+def apply_stats(w: EngineStats, metrics: EngineMetrics) -> None:
+    """Mirror the engine process's stats into the API process's metrics (what it exports)."""
+    for field_name, kind, metric in SCHEDULER_METRICS:
+        value = getattr(w, field_name)
+        if kind == "gauge":
+            metrics.set_gauge(metric, value)
+        else:
+            metrics.set_counter(metric, value)
+    for name, value in w.counters.items():
+        metrics.set_counter(name, value)
+    for name, gauge in w.gauges.items():
+        metrics.set_gauge(name, gauge)
+
+
+# ------------------------------------------------------------ scheduler <-> executor
+
+
+def payload_to_wire(p: RunnerPayloadLike) -> WireRunnerPayload:
+    return WireRunnerPayload(
+        sampling_params_to_wire(p.sampling_params),
+        p.mrope_positions,
+        p.mrope_position_delta,
+        tuple(p.eos_token_ids),
+    )
+
+
+def scheduler_output_to_wire(
+    so: SchedulerOutput, features_of: Callable[[str], Sequence[MultiModalFeature]]
+) -> WireSchedulerOutput:
+    """`features_of(request_id)` gives a scheduled request's items (the scheduler's Request).
+
+    Each item scheduled for encoding sends its pixels once; an item without pixels is left
+    out, and the executor fails its request as the in-process runner does.
+    """
+    encoder_inputs: dict[str, WireEncoderInput] = {}
+    for request_id, item_idxs in so.scheduled_encoder_inputs.items():
+        features = features_of(request_id)
+        for i in item_idxs:
+            f = features[i]
+            if f.identifier not in encoder_inputs and (item := encoder_input_to_wire(f)):
+                encoder_inputs[f.identifier] = item
+    return WireSchedulerOutput(
+        scheduled_new_reqs=[
+            WireNewRequestData(
+                r.request_id,
+                r.token_ids,
+                [feature_to_wire(f) for f in r.mm_features],
+                r.block_ids,
+                r.num_computed_tokens,
+                payload_to_wire(r.payload),  # type: ignore[arg-type]
+            )
+            for r in so.scheduled_new_reqs
+        ],
+        scheduled_cached_reqs=[
+            WireCachedRequestData(r.request_id, r.new_block_ids, r.num_computed_tokens)
+            for r in so.scheduled_cached_reqs
+        ],
+        num_scheduled_tokens=so.num_scheduled_tokens,
+        total_num_scheduled_tokens=so.total_num_scheduled_tokens,
+        scheduled_encoder_inputs=so.scheduled_encoder_inputs,
+        encoder_inputs=list(encoder_inputs.values()),
+        free_encoder_identifiers=so.free_encoder_identifiers,
+        finished_req_ids=so.finished_req_ids,
+        preempted_req_ids=so.preempted_req_ids,
+    )
+
+
+def scheduler_output_from_wire(
+    msg: WireSchedulerOutput, make_payload: Callable[[WireRunnerPayload], object]
+) -> StepInputs:
+    """`make_payload` builds the runner's payload (with its generator) from the wire one."""
+    pixels = _pixels_by_identifier(msg.encoder_inputs)
+    new_reqs = [
+        NewRequestData(
+            r.request_id,
+            r.token_ids,
+            [feature_from_wire(f, pixels.get(f.identifier)) for f in r.mm_features],
+            r.block_ids,
+            r.num_computed_tokens,
+            make_payload(r.payload),
+        )
+        for r in msg.scheduled_new_reqs
+    ]
+    so = SchedulerOutput(
+        scheduled_new_reqs=new_reqs,
+        scheduled_cached_reqs=[
+            CachedRequestData(r.request_id, r.new_block_ids, r.num_computed_tokens)
+            for r in msg.scheduled_cached_reqs
+        ],
+        num_scheduled_tokens=msg.num_scheduled_tokens,
+        total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
+        scheduled_encoder_inputs=msg.scheduled_encoder_inputs,
+        free_encoder_identifiers=msg.free_encoder_identifiers,
+        finished_req_ids=msg.finished_req_ids,
+        preempted_req_ids=msg.preempted_req_ids,
+    )
+    return StepInputs(so, pixels)
+
+
+def runner_output_to_wire(o: ModelRunnerOutput) -> WireModelRunnerOutput:
+    errors = {rid: failure_to_wire(e) for rid, e in o.errors.items()}
+    return WireModelRunnerOutput(o.sampled_token_ids, errors)
+
+
+def runner_output_from_wire(w: WireModelRunnerOutput) -> ModelRunnerOutput:
+    errors = {rid: failure_from_wire(e) for rid, e in w.errors.items()}
+    return ModelRunnerOutput(w.sampled_token_ids, errors)

@@ -1,0 +1,196 @@
+"""Wire messages of every type, full and empty, and a deep equality that compares arrays."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from mmserve.wire import (
+    MESSAGE_TAGS,
+    EngineCoreAbort,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreShutdown,
+    EngineDead,
+    EngineStats,
+    Message,
+    WireCachedRequestData,
+    WireEncoderInput,
+    WireMMFeature,
+    WireModelRunnerOutput,
+    WireNewRequestData,
+    WireRequestFailure,
+    WireRunnerPayload,
+    WireSamplingParams,
+    WireSchedulerOutput,
+)
+
+PATCH_DIM = 1176  # C * T * P * P of Qwen2-VL: 3 * 2 * 14 * 14
+
+
+def identifier(i: int) -> str:
+    return f"{i:064x}"  # the width of a blake3 hex digest
+
+
+def positions(num_tokens: int, delta: int = 0) -> np.ndarray:
+    row = np.arange(num_tokens, dtype=np.int64) + delta
+    return np.stack([row, row // 2, row % 7])  # [3, num_tokens] int64, rows differ
+
+
+def pixels(grid_thw: tuple[int, int, int], seed: int, dtype=np.float32) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t, h, w = grid_thw
+    return rng.standard_normal((t * h * w, PATCH_DIM)).astype(dtype)  # [patches, patch_dim]
+
+
+def feature(i: int, offset: int, grid_thw: tuple[int, int, int] = (1, 4, 6)) -> WireMMFeature:
+    t, h, w = grid_thw
+    return WireMMFeature(identifier(i), "image", offset, t * h * w // 4, grid_thw)
+
+
+def encoder_input(f: WireMMFeature, seed: int = 0, dtype=np.float32) -> WireEncoderInput:
+    return WireEncoderInput(f.identifier, f.modality, f.grid_thw, pixels(f.grid_thw, seed, dtype))
+
+
+def engine_core_request(num_images: int = 2, *, with_pixels: bool = True) -> EngineCoreRequest:
+    features = [feature(i, offset=3 + 10 * i) for i in range(num_images)]
+    num_tokens = 3 + 10 * num_images + 5
+    return EngineCoreRequest(
+        request_id="chatcmpl-1",
+        prompt_token_ids=[(17 * i) % 1000 for i in range(num_tokens)],
+        mm_features=features,
+        encoder_inputs=[encoder_input(f, i) for i, f in enumerate(features)] if with_pixels else [],
+        sampling_params=WireSamplingParams(
+            temperature=0.7,
+            top_p=0.9,
+            top_k=20,
+            seed=2**63 + 5,
+            max_tokens=None,
+            min_tokens=2,
+            stop=("\n\n", "END"),
+            stop_token_ids=(151645,),
+            include_stop_str_in_output=True,
+        ),
+        mrope_positions=positions(num_tokens, delta=-3),
+        mrope_position_delta=-3,
+        eos_token_ids=(151643, 151645),
+        cache_salt="tenant-a",
+        arrival_time_s=12345.678,
+    )
+
+
+def scheduler_output() -> WireSchedulerOutput:
+    """A typical mixed step: one new image request and sixteen decodes."""
+    f = feature(9, offset=4, grid_thw=(1, 32, 32))
+    num_prompt = 4 + f.length + 28
+    new = WireNewRequestData(
+        request_id="new-0",
+        token_ids=list(range(num_prompt)),
+        mm_features=[f],
+        block_ids=list(range(100, 100 + num_prompt // 16 + 1)),
+        num_computed_tokens=0,
+        payload=WireRunnerPayload(
+            WireSamplingParams(temperature=0.0), positions(num_prompt), 0, (151645,)
+        ),
+    )
+    cached = [
+        WireCachedRequestData(f"dec-{i}", [i] if i % 4 == 0 else [], 300 + i) for i in range(16)
+    ]
+    num_scheduled = {"new-0": num_prompt, **{c.request_id: 1 for c in cached}}
+    return WireSchedulerOutput(
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=num_scheduled,
+        total_num_scheduled_tokens=sum(num_scheduled.values()),
+        scheduled_encoder_inputs={"new-0": [0]},
+        encoder_inputs=[encoder_input(f, seed=9)],
+        free_encoder_identifiers=[identifier(1)],
+        finished_req_ids=frozenset({"done-0", "done-1"}),
+        preempted_req_ids=frozenset({"pre-0"}),
+    )
+
+
+def engine_stats(**overrides) -> EngineStats:
+    fields = dict(
+        num_running=16,
+        num_waiting=3,
+        num_free_kv_blocks=900,
+        encoder_cache_used_slots=256,
+        encoder_cache_used_bytes=256 * 7168,
+        encoder_cache_resident_slots=1024,
+        prefix_cache_queries=10_000,
+        prefix_cache_hits=2_500,
+        encoder_cache_queries=40,
+        encoder_cache_hits=10,
+        counters={"encoder_items_encoded": 30, "encoder_forward_calls": 12},
+        gauges={"kv_blocks_total": 1000.0},
+    )
+    return EngineStats(**{**fields, **overrides})
+
+
+def all_messages() -> list[tuple[str, Message]]:
+    """(name, message) covering every message type, each full and empty where it can be."""
+    failure = WireRequestFailure("4 embeddings for 5 placeholders", "request", "messages")
+    outputs = [
+        EngineCoreOutput("r0", [5, 6], num_cached_tokens=32),
+        EngineCoreOutput("r1", [7], "stop", stop_reason=151645),
+        EngineCoreOutput("r2", [], "length"),
+        EngineCoreOutput("r3", [], "abort"),
+        EngineCoreOutput("r4", [], "error", error=failure),
+        EngineCoreOutput("r5", [], "error", error=WireRequestFailure("boom", "internal")),
+    ]
+    empty_step = WireSchedulerOutput([], [], {}, 0, {}, [], [], frozenset(), frozenset())
+    messages: list[tuple[str, Message]] = [
+        ("request_two_images", engine_core_request(2)),
+        ("request_text_only", engine_core_request(0)),
+        ("request_images_held", engine_core_request(2, with_pixels=False)),
+        (
+            "request_minimal",
+            EngineCoreRequest("r", [], [], [], WireSamplingParams(), None, 0, None, None, 0.0),
+        ),
+        (
+            "request_empty_arrays",
+            EngineCoreRequest("r", [], [], [], WireSamplingParams(), positions(0), 0, (), "", 0.0),
+        ),
+        ("abort", EngineCoreAbort(["a", "b"])),
+        ("abort_none", EngineCoreAbort([])),
+        ("shutdown", EngineCoreShutdown()),
+        ("outputs", EngineCoreOutputs(outputs, engine_stats())),
+        ("outputs_none", EngineCoreOutputs([])),
+        ("stats", engine_stats()),
+        ("stats_zero", engine_stats(counters={}, gauges={}, num_running=0, num_waiting=0)),
+        ("dead", EngineDead("the engine core exited with signal 9")),
+        ("scheduler_output", scheduler_output()),
+        ("scheduler_output_empty", empty_step),
+        (
+            "runner_output",
+            WireModelRunnerOutput({"a": [1], "b": [2, 3]}, {"c": failure}),
+        ),
+        ("runner_output_empty", WireModelRunnerOutput({})),
+    ]
+    assert {type(m) for _, m in messages} == set(MESSAGE_TAGS), "a message type has no sample"
+    return messages
+
+
+def assert_same(a: object, b: object, path: str = "$") -> None:
+    """Deep equality: struct types and fields, containers, arrays by dtype, shape and values."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, msgspec.Struct):
+        for name in a.__struct_fields__:
+            assert_same(getattr(a, name), getattr(b, name), f"{path}.{name}")
+    elif isinstance(a, np.ndarray):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), (
+            f"{path}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
+        )
+        assert np.array_equal(a, b), f"{path}: array values differ"
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
+        for key in a:
+            assert_same(a[key], b[key], f"{path}[{key!r}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
