@@ -11,10 +11,10 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mmserve.api.errors import send_error
+from mmserve.hashing import DEFAULT_NAMESPACE
 
 # Where the namespace travels from this middleware to the routes (Starlette's request.state).
 NAMESPACE_STATE_KEY = "mmserve_namespace"
-DEFAULT_NAMESPACE = "default"
 
 
 def caller_namespace(token: str | None) -> str:
