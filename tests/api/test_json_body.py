@@ -11,7 +11,7 @@ import time
 import pytest
 
 from mmserve.api.errors import APIError
-from mmserve.api.json_body import MAX_DEPTH, MAX_NUMBER_CHARS, parse_json_body
+from mmserve.api.json_body import MAX_DEPTH, MAX_JSON_VALUES, MAX_NUMBER_CHARS, parse_json_body
 
 
 def refusal(raw: bytes) -> APIError:
@@ -91,3 +91,19 @@ def test_a_60_mb_base64_body_parses_about_as_fast_as_plain_json() -> None:
     parse_json_body(raw)
     ours_s = time.perf_counter() - start
     assert ours_s < 2 * plain_s + 0.1, (ours_s, plain_s)
+
+
+@pytest.mark.parametrize("unit", [b"[],", b"1.5,", b'"ab",', b'{"a":1},'])
+def test_a_body_of_millions_of_small_values_is_refused_before_parsing(unit: bytes) -> None:
+    # json.loads of 60 MB of `[],` took 1.4 GB and 14 s.
+    raw = b'{"prompt": [' + unit * (MAX_JSON_VALUES + 1) + b"1]}"
+    start = time.perf_counter()
+    err = refusal(raw)
+    assert "too many JSON values" in err.message
+    assert time.perf_counter() - start < 1.0
+
+
+def test_many_values_up_to_the_limit_still_parse() -> None:
+    ids = list(range(MAX_JSON_VALUES - 100))
+    raw = json.dumps({"prompt": ids, "stop": ["a:b,c[d"]}).encode()
+    assert parse_json_body(raw)["prompt"] == ids

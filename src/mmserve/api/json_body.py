@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from mmserve.api.errors import APIError, dotted_path
@@ -21,6 +22,9 @@ _INT_LIMIT = 10**MAX_NUMBER_CHARS
 # Without such an escape in the text, no string needs checking (the common, fast case).
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# Python spends 30-80 bytes per JSON value (json.loads of a 60 MB body of `[],` took 1.4 GB and
+# 14 s here), so a body may hold at most this many values, counted before parsing.
+MAX_JSON_VALUES = 1 << 20
 
 
 class _BadValue:
@@ -42,6 +46,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
             f"request body is not valid UTF-8 (at byte {exc.start}); send JSON encoded as UTF-8",
             code="invalid_json",
         ) from None
+    _check_num_values(raw)
     try:
         try:
             data = json.loads(text, parse_float=_parse_float, parse_constant=_parse_constant)
@@ -70,6 +75,26 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return data
 
 
+def _check_num_values(raw: bytes) -> None:
+    """Refuse a body that could hold more than MAX_JSON_VALUES values, before parsing it.
+
+    Every value but the root follows a `[`, `,` or `:`, and every key has its `:`, so this
+    bound is never low; separators inside strings make it high, which only a text far
+    beyond any model's length could exploit. A value takes at least two bytes, so short
+    bodies need no counting (base64 images are long strings: three fast byte counts).
+    """
+    if len(raw) <= 2 * MAX_JSON_VALUES:
+        return
+    bound = 1 + raw.count(b"[") + raw.count(b",") + 2 * raw.count(b":")
+    if bound > MAX_JSON_VALUES:
+        raise APIError(
+            400,
+            f"request body has too many JSON values (up to {bound}; the limit is "
+            f"{MAX_JSON_VALUES}); send images as data: or http(s) URLs and fewer values",
+            code="invalid_json",
+        )
+
+
 def _parse_int(digits: str) -> int | _BadValue:
     if len(digits) > MAX_NUMBER_CHARS:
         return _long_number(len(digits))
@@ -95,14 +120,17 @@ def _parse_constant(name: str) -> _BadValue:
 
 
 def _check_tree(root: dict[str, Any], *, check_strings: bool) -> None:
-    """One iterative walk: depth, refused numbers, and (when needed) lone surrogates."""
-    stack: list[tuple[Any, tuple[Any, ...]]] = [(root, ())]
+    """One depth-first walk: depth, refused numbers, and (when needed) lone surrogates.
+
+    The stack holds one (items iterator, path) per open container, so it never outgrows
+    MAX_DEPTH whatever the body's width.
+    """
+    stack: list[tuple[Iterator[tuple[Any, Any]], tuple[Any, ...], bool]] = [
+        (iter(root.items()), (), True)
+    ]
     while stack:
-        node, path = stack.pop()
-        if len(path) >= MAX_DEPTH:
-            raise _too_deep(path)
-        is_dict = type(node) is dict
-        for key, value in node.items() if is_dict else enumerate(node):
+        items, path, is_dict = stack[-1]
+        for key, value in items:
             if is_dict and check_strings and _SURROGATE.search(key):
                 raise _not_unicode((*path, key))
             kind = type(value)  # exact types: json.loads makes no subclasses
@@ -113,9 +141,16 @@ def _check_tree(root: dict[str, Any], *, check_strings: bool) -> None:
                 if check_strings and _SURROGATE.search(value):
                     raise _not_unicode((*path, key))
             elif kind is dict or kind is list:
-                stack.append((value, (*path, key)))
+                child_path = (*path, key)
+                if len(child_path) >= MAX_DEPTH:
+                    raise _too_deep(child_path)
+                child = iter(value.items()) if kind is dict else enumerate(value)
+                stack.append((child, child_path, kind is dict))
+                break  # descend; this container's iterator resumes after the child
             elif kind is _BadValue:
                 raise _refused((*path, key), value)
+        else:
+            stack.pop()
 
 
 def _refused(path: tuple[Any, ...], value: _BadValue) -> APIError:
