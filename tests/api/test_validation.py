@@ -300,3 +300,15 @@ async def test_a_body_slower_than_its_deadline_is_408(engine: EchoEngine) -> Non
         error = assert_openai_error(resp, 408)
         assert error["code"] == "request_timeout"
         assert (await c.post(CHAT_URL, json=chat("ok"))).status_code == 200
+
+
+async def test_with_keys_every_path_but_the_probes_needs_one(engine: EchoEngine) -> None:
+    app = make_app(engine, api_keys=("k",))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        for path in ("/v1/models", "//v1/models", "/v1/models/", "/v1/nothing", "/", "/docs"):
+            assert_openai_error(await c.get(path), 401)
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.get("/metrics")).status_code == 200
+        good = {"Authorization": "Bearer k"}
+        assert_openai_error(await c.get("/v1/nothing", headers=good), 404)
+        assert (await c.get("/v1/models", headers={"Authorization": "bearer k"})).is_success

@@ -1,5 +1,5 @@
-"""API-key check on /v1, first thing on a request: a caller without a valid key gets 401
-before one byte of its body is read. It also decides the caller's media-UUID namespace."""
+"""API-key check, first thing on a request: a caller without a valid key gets 401 before one
+byte of its body is read. It also decides the caller's media-UUID namespace."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from mmserve.hashing import DEFAULT_NAMESPACE
 
 # Where the namespace travels from this middleware to the routes (Starlette's request.state).
 NAMESPACE_STATE_KEY = "mmserve_namespace"
+# Probes stay open; every other path needs a key, so no routing quirk (`//v1/...`, a route
+# added later) can skip the check.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 def caller_namespace(token: str | None) -> str:
@@ -30,7 +33,7 @@ def request_namespace(request: Request) -> str:
 
 
 class ApiKeyMiddleware:
-    """With keys, /v1/* needs `Authorization: Bearer <key>`; /health and /metrics stay open."""
+    """With keys, every path but OPEN_PATHS needs `Authorization: Bearer <key>`."""
 
     def __init__(self, app: ASGIApp, api_keys: Sequence[str] | None) -> None:
         self.app = app
@@ -38,7 +41,7 @@ class ApiKeyMiddleware:
         self._key_digests = [hashlib.sha256(k.encode()).digest() for k in api_keys or ()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not _is_v1(scope["path"]):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         namespace = DEFAULT_NAMESPACE
@@ -72,7 +75,3 @@ class ApiKeyMiddleware:
         if scheme.lower() != "bearer" or not any(matches):
             return None
         return token
-
-
-def _is_v1(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/")
