@@ -312,3 +312,11 @@ async def test_with_keys_every_path_but_the_probes_needs_one(engine: EchoEngine)
         good = {"Authorization": "Bearer k"}
         assert_openai_error(await c.get("/v1/nothing", headers=good), 404)
         assert (await c.get("/v1/models", headers={"Authorization": "bearer k"})).is_success
+
+
+async def test_pydantic_messages_that_quote_the_input_are_cut_short(
+    client: httpx.AsyncClient,
+) -> None:
+    resp = await client.post(CHAT_URL, json=chat([{"type": "v" * 100_000}]))
+    error = assert_openai_error(resp, 400, "messages.0.content.0")
+    assert len(error["message"]) < 1000

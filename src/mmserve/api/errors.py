@@ -120,7 +120,10 @@ def validation_error(errors: Any) -> APIError:
         loc = [p for p in loc if "[" not in p and p not in _UNION_BRANCH_LABELS]
         param = dotted_path(loc) or None
         first_param = first_param or param
-        parts.append(f"{param or 'body'}: {err.get('msg', 'invalid value')}")
+        msg = str(err.get("msg", "invalid value"))
+        # Some of pydantic's messages quote the input (a union tag, say), which may be huge.
+        msg = msg if len(msg) <= 300 else msg[:297] + "..."
+        parts.append(f"{param or 'body'}: {msg}")
     message = "invalid request body: " + "; ".join(parts)
     return APIError(400, message, code="invalid_request_body", param=first_param)
 
