@@ -199,6 +199,30 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=64 * 1024 * 1024,
         help="Largest HTTP request body (data: URLs included); bigger ones get 413.",
     )
+    a(
+        "--http-header-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="A connection must send a request's complete headers within this long of opening "
+        "or of the previous response (a deadline: slow bytes do not extend it), else 408 and "
+        "close.",
+    )
+    a(
+        "--http-body-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="A request's whole body must arrive within this long of its headers, else 408 "
+        "and close.",
+    )
+    a(
+        "--http-keep-alive-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="An idle keep-alive connection is closed after this long without a new request.",
+    )
     a("--log-level", choices=LOG_LEVELS, default="info", help="mmserve's log level.")
     a(
         "--uvicorn-log-level",
@@ -268,6 +292,7 @@ async def _serve(engine_args: EngineArgs) -> None:
     import uvicorn
 
     from mmserve.api.app import create_app
+    from mmserve.api.http_protocol import header_deadline_protocol
     from mmserve.engine.factory import build_async_engine
 
     engine = build_async_engine(engine_args)
@@ -280,6 +305,7 @@ async def _serve(engine_args: EngineArgs) -> None:
         api_keys=engine_args.api_key,
         served_model_name=name,
         max_request_body_bytes=engine_args.max_request_body_bytes,
+        http_body_timeout_s=engine_args.http_body_timeout,
         shutdown_timeout_s=ENGINE_SHUTDOWN_S,
     )
     config = uvicorn.Config(
@@ -289,6 +315,9 @@ async def _serve(engine_args: EngineArgs) -> None:
         log_level=engine_args.uvicorn_log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         lifespan="on",
+        http=header_deadline_protocol(engine_args.http_header_timeout),  # type: ignore[arg-type]
+        timeout_keep_alive=engine_args.http_keep_alive_timeout,  # type: ignore[arg-type]
+        ws="none",  # no websocket routes; an upgrade request is answered as plain HTTP
     )
     logger.info("serving %r on http://%s:%d", name, engine_args.host, engine_args.port)
     await uvicorn.Server(config).serve()

@@ -1,18 +1,33 @@
-"""Per-request sampling and stopping parameters (OpenAI / vLLM names)."""
+"""Per-request sampling and stopping parameters (OpenAI / vLLM names), range-checked on entry."""
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 from mmserve.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Token ids are int32 on the device; top_k is compared against the vocabulary size there.
+INT32_MAX = 2**31 - 1
+# Below this a temperature divides logits into overflow; vLLM clamps to it for the same reason.
+MIN_SAMPLING_TEMPERATURE = 0.01
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature 0 means greedy. `seed` makes one request's samples reproducible whatever else
-    is in the batch. `max_tokens=None` means "up to the model length".
+    temperature 0 means greedy; values in (0, 0.01) are raised to 0.01. `seed` (64-bit signed)
+    makes one request's samples reproducible whatever else is in the batch. `max_tokens=None`
+    means "up to the model length". Every field is checked here, so the HTTP server and the
+    offline `LLM` refuse the same values with the same message.
     """
 
     n: int = 1
@@ -29,36 +44,70 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        if self.n != 1:
-            raise InvalidRequestError("only n=1 is supported", param="n")
-        if self.temperature < 0:
-            raise InvalidRequestError(
-                f"temperature must be >= 0, got {self.temperature}", param="temperature"
-            )
+        _check_int("n", self.n, 1, 1, "only n=1 is supported; send one request per sample")
+        self._check_temperature()
+        _check_float("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
-        if self.top_k < 0 and self.top_k != -1:
-            raise InvalidRequestError(
-                f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}", param="top_k"
-            )
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise InvalidRequestError(
-                f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens"
-            )
-        if self.min_tokens < 0:
-            raise InvalidRequestError(
-                f"min_tokens must be >= 0, got {self.min_tokens}", param="min_tokens"
-            )
+        _check_int("top_k", self.top_k, -1, INT32_MAX, "0 or -1 disables it")
+        if self.seed is not None:
+            _check_int("seed", self.seed, INT64_MIN, INT64_MAX, "a 64-bit signed integer")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, INT64_MAX, "at least 1")
+        _check_int("min_tokens", self.min_tokens, 0, INT64_MAX, "0 or more")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
                 param="min_tokens",
             )
+        self._check_stops()
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(
+                    f"{name} must be true or false, got {_preview(getattr(self, name))}",
+                    param=name,
+                )
+
+    def _check_temperature(self) -> None:
+        _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise InvalidRequestError(
+                f"temperature must be >= 0 (0 means greedy), got {self.temperature}",
+                param="temperature",
+            )
+        if 0 < self.temperature < MIN_SAMPLING_TEMPERATURE:
+            logger.debug(
+                "temperature %g raised to %g (smaller values overflow the logits)",
+                self.temperature,
+                MIN_SAMPLING_TEMPERATURE,
+            )
+            object.__setattr__(self, "temperature", MIN_SAMPLING_TEMPERATURE)
+        object.__setattr__(self, "temperature", float(self.temperature))
+
+    def _check_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(
+                f"stop has {len(self.stop)} strings, at most {MAX_STOP_STRINGS} are allowed",
+                param="stop",
+            )
+        for text in self.stop:
+            if not isinstance(text, str) or not 0 < len(text) <= MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(
+                    f"each stop string must be a non-empty string of at most "
+                    f"{MAX_STOP_STRING_CHARS} characters, got {_preview(text)}",
+                    param="stop",
+                )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"stop_token_ids has {len(self.stop_token_ids)} ids, at most "
+                f"{MAX_STOP_TOKEN_IDS} are allowed",
+                param="stop_token_ids",
+            )
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, 0, INT32_MAX, "each a token id in [0, 2^31)")
 
     @property
     def is_greedy(self) -> bool:
@@ -67,3 +116,31 @@ class SamplingParams:
     @property
     def effective_top_k(self) -> int:
         return 0 if self.top_k in (0, -1) else self.top_k
+
+
+def _check_int(name: str, value: object, lo: int, hi: int, hint: str) -> None:
+    # bool is an int subclass: `max_tokens=True` would otherwise mean 1.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequestError(
+            f"{name} must be an integer ({hint}), got {_preview(value)}", param=name
+        )
+    if not lo <= value <= hi:
+        raise InvalidRequestError(
+            f"{name} must be in [{lo}, {hi}] ({hint}), got {_preview(value)}", param=name
+        )
+
+
+def _check_float(name: str, value: object) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be a number, got {_preview(value)}", param=name)
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value}", param=name)
+
+
+def _preview(value: object) -> str:
+    """A value for an error message, cut short: the client may have sent megabytes of it."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        # repr of a very long int raises (Python's int-to-str digit limit) and says nothing
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 64 else text[:60] + "...'"

@@ -35,6 +35,7 @@ class EchoEngine:
         self.metrics = EngineMetrics()
         self.token_delay_s = token_delay_s
         self.namespaces: list[str] = []
+        self.sampling_params: list[SamplingParams] = []  # as each generate() received them
         self.aborted: set[str] = set()
         self.finished: set[str] = set()
         self.running: set[str] = set()
@@ -91,6 +92,7 @@ class EchoEngine:
         *,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        self.sampling_params.append(sampling_params)
         ids = prompt.prompt_token_ids
         text_so_far = bytes(i for i in ids if i < 256).decode(errors="replace")
         self._admit(request_id, len(ids))

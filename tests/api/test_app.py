@@ -156,7 +156,8 @@ async def test_body_size_cap_is_413(engine: EchoEngine) -> None:
             for _ in range(20):
                 yield b" " * 100
 
-        resp = await c.post("/v1/chat/completions", content=chunked())
+        json_type = {"content-type": "application/json"}
+        resp = await c.post("/v1/chat/completions", content=chunked(), headers=json_type)
         assert_openai_error(resp, 413)
         assert (await c.post("/v1/chat/completions", json=chat("small"))).status_code == 200
 

@@ -119,3 +119,19 @@ def test_status_line_only_when_something_changed() -> None:
     assert line is not None
     assert "running: 2 reqs" in line and "generation: 10.0 tok/s" in line
     assert "encoder 75.0%" in line and "prefix -" in line
+
+
+def test_http_timeout_flags_reach_their_fields_and_refuse_nonsense() -> None:
+    args = args_of(
+        "--http-header-timeout", "2.5", "--http-body-timeout", "30",
+        "--http-keep-alive-timeout", "1",
+    )  # fmt: skip
+    assert (args.http_header_timeout, args.http_body_timeout) == (2.5, 30.0)
+    assert args.http_keep_alive_timeout == 1.0
+    defaults = args_of()
+    assert (defaults.http_header_timeout, defaults.http_body_timeout) == (10.0, 60.0)
+    assert defaults.http_keep_alive_timeout == 5.0
+    for field in ("http_header_timeout", "http_body_timeout", "http_keep_alive_timeout"):
+        for bad in (0, -1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="--" + field.replace("_", "-")):
+                EngineArgs(**{field: bad})

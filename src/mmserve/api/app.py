@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -16,13 +13,13 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from mmserve.api.body_limit import BodySizeLimitMiddleware
+from mmserve.api.auth import ApiKeyMiddleware, request_namespace
+from mmserve.api.body_limit import RequestBodyMiddleware
 from mmserve.api.errors import (
     APIError,
     as_api_error,
     error_response,
     install_error_handlers,
-    json_decode_error,
     validation_error,
 )
 from mmserve.api.formats import ChatFormat, CompletionFormat, ResponseFormat
@@ -36,9 +33,11 @@ from mmserve.api.generation import (
     stream_events,
     until_disconnect,
 )
+from mmserve.api.json_body import parse_json_body
 from mmserve.api.prometheus import build_registry, render
 from mmserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mmserve.api.status import report_status
+from mmserve.api.unsupported import refuse_unsupported_fields
 from mmserve.engine.protocol import EngineClient
 from mmserve.multimodal import ProcessedPrompt
 
@@ -48,13 +47,10 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 # Status 499 (nginx's "client closed request"): nobody reads it, but the access log should not
 # show a disconnect as a success or as a server error.
 _CLIENT_GONE_STATUS = 499
-
-
-def caller_namespace(token: str | None) -> str:
-    """Whose UUID namespace a request uses: a digest of its key ("default" without auth)."""
-    if token is None:
-        return "default"
-    return "key-" + hashlib.sha256(token.encode()).hexdigest()[:16]
+# Bodies over this are parsed in a worker thread. json.loads itself holds the GIL, but the
+# checking walk after it does not, so the event loop streams tokens to others meanwhile
+# (measured on 1M token ids: the loop's longest stall 0.42 s inline, 0.21-0.38 s threaded).
+_PARSE_IN_THREAD_BYTES = 1 << 20
 
 
 def create_app(
@@ -63,6 +59,7 @@ def create_app(
     api_keys: Sequence[str] | None,
     served_model_name: str,
     max_request_body_bytes: int,
+    http_body_timeout_s: float = 60.0,
     status_interval_s: float | None = 5.0,
     shutdown_timeout_s: float = 20.0,
 ) -> FastAPI:
@@ -82,31 +79,18 @@ def create_app(
 
     app = FastAPI(title="mmserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_request_body_bytes)
+    # Added innermost first: a request meets auth, then the body checks, then the routes.
+    app.add_middleware(
+        RequestBodyMiddleware,
+        max_body_bytes=max_request_body_bytes,
+        body_timeout_s=http_body_timeout_s,
+    )
+    app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
     registry = build_registry(engine.metrics)
-
-    keys = [k.encode() for k in api_keys or ()]
-
-    def authenticate(request: Request) -> str:
-        if not keys:
-            return "default"
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        given = token.strip().encode()
-        # compare against every key (no early exit), each in constant time
-        matches = [hmac.compare_digest(given, k) for k in keys]
-        if scheme.lower() != "bearer" or not any(matches):
-            raise APIError(
-                401,
-                "missing or invalid API key: send 'Authorization: Bearer <key>' with the key "
-                "the server was started with (--api-key)",
-                code="invalid_api_key",
-            )
-        return caller_namespace(token.strip())
-
     v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
-    async def list_models(namespace: str = Depends(authenticate)) -> dict[str, Any]:
+    async def list_models(namespace: str = Depends(request_namespace)) -> dict[str, Any]:
         card = {
             "id": served_model_name,
             "object": "model",
@@ -117,10 +101,10 @@ def create_app(
         return {"object": "list", "data": [card]}
 
     @v1.post("/chat/completions")
-    async def chat_completions(request: Request, namespace: str = Depends(authenticate)):
+    async def chat_completions(request: Request, namespace: str = Depends(request_namespace)):
         async def run() -> Response:
             body = await _parse(request, ChatCompletionRequest)
-            _check_model(body)
+            _check_before_processing(body)
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
             prompt = await until_disconnect(
                 request,
@@ -138,29 +122,31 @@ def create_app(
         return await _answer(run)
 
     @v1.post("/completions")
-    async def completions(request: Request, namespace: str = Depends(authenticate)):
+    async def completions(request: Request, namespace: str = Depends(request_namespace)):
         async def run() -> Response:
             body = await _parse(request, CompletionRequest)
-            _check_model(body)
+            _check_before_processing(body)
             prompt_in = body.single_prompt()
             prompt = await until_disconnect(
                 request, engine.process_prompt(prompt_in, namespace=namespace)
             )
             fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", served_model_name)
-            return await _generate(request, body, body.max_tokens, prompt, fmt)
+            return await _generate(request, body, body.requested_max_tokens, prompt, fmt)
 
         return await _answer(run)
 
-    def _check_model(body: SamplingFields) -> None:
-        body.check_unsupported()
+    def _check_before_processing(body: SamplingFields) -> None:
+        """Refuse what needs no prompt to refuse, before any image is fetched or decoded."""
         if body.model is not None and body.model != served_model_name:
             raise APIError(
                 404,
-                f"the model {body.model!r} does not exist; this server serves "
+                f"the model {body.model[:100]!r} does not exist; this server serves "
                 f"{served_model_name!r} (see GET /v1/models)",
                 code="model_not_found",
                 param="model",
             )
+        # Every sampling range is checked here; the bound by the prompt's length comes later.
+        body.to_sampling_params(body.requested_max_tokens)
 
     async def _generate(
         request: Request,
@@ -220,14 +206,15 @@ async def _answer(run: Callable[[], Any]) -> Response:
 
 
 async def _parse(request: Request, model: type[BodyT]) -> BodyT:
+    """JSON with limits, then types, then fields we would otherwise silently ignore."""
     raw = await request.body()
+    if len(raw) > _PARSE_IN_THREAD_BYTES:
+        data = await asyncio.to_thread(parse_json_body, raw)
+    else:
+        data = parse_json_body(raw)
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise json_decode_error(exc) from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_request_body")
-    try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
+    refuse_unsupported_fields(data)
+    return body

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
 
 from mmserve.errors import InvalidRequestError, RequestFailedError
 
@@ -21,10 +22,19 @@ _TYPE_BY_STATUS = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",
 }
+
+
+_MAX_PATH_PART_CHARS = 64
+# Labels pydantic puts in an error's location for the branch of a union that failed.
+_UNION_BRANCH_LABELS = frozenset(
+    {"str", "int", "bool", "float", "list", "dict", "constrained-int", "constrained-float"}
+)
 
 
 class APIError(Exception):
@@ -54,6 +64,32 @@ def error_response(
     return JSONResponse(body, status_code=status_code)
 
 
+async def send_error(
+    send: Send,
+    message: str,
+    *,
+    status_code: int,
+    code: str,
+    param: str | None = None,
+    close: bool = True,
+) -> None:
+    """An OpenAI-style error straight onto the ASGI channel (for middleware, before any route).
+
+    `close` ends the connection after the answer: a refused request may still have body bytes
+    on the wire that the server does not want to read.
+    """
+    body = error_body(message, status_code=status_code, code=code, param=param)
+    payload = json.dumps(body).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+    ]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
 def as_api_error(exc: Exception) -> APIError:
     """Map any exception from request handling to what the client sees."""
     if isinstance(exc, APIError):
@@ -81,16 +117,24 @@ def validation_error(errors: Any) -> APIError:
     for err in (deep or errors)[:3]:
         loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
         # Drop pydantic's union-branch labels (`str`, `list[...]`, `function-after[...]`).
-        loc = [p for p in loc if "[" not in p and p not in ("str", "int", "list")]
-        param = ".".join(loc) or None
+        loc = [p for p in loc if "[" not in p and p not in _UNION_BRANCH_LABELS]
+        param = dotted_path(loc) or None
         first_param = first_param or param
-        parts.append(f"{param or 'body'}: {err.get('msg', 'invalid value')}")
+        msg = str(err.get("msg", "invalid value"))
+        # Some of pydantic's messages quote the input (a union tag, say), which may be huge.
+        msg = msg if len(msg) <= 300 else msg[:297] + "..."
+        parts.append(f"{param or 'body'}: {msg}")
     message = "invalid request body: " + "; ".join(parts)
     return APIError(400, message, code="invalid_request_body", param=first_param)
 
 
-def json_decode_error(exc: json.JSONDecodeError | ValueError) -> APIError:
-    return APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json")
+def dotted_path(parts: Any) -> str:
+    """`messages.0.content` for an error's param, each part cut short (keys come from clients)."""
+    out = []
+    for part in parts:
+        text = str(part).encode("utf-8", "backslashreplace").decode("utf-8")
+        out.append(text if len(text) <= _MAX_PATH_PART_CHARS else text[:61] + "...")
+    return ".".join(out)
 
 
 def install_error_handlers(app: FastAPI) -> None:

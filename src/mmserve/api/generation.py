@@ -46,20 +46,7 @@ def sampling_params_for(
             f"lower max_tokens to {room} or less",
             param="max_tokens",
         )
-    return SamplingParams(
-        n=body.n,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        seed=body.seed,
-        max_tokens=room if max_tokens is None else max_tokens,
-        min_tokens=body.min_tokens,
-        stop=body.stop or (),
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos,
-        include_stop_str_in_output=body.include_stop_str_in_output,
-        skip_special_tokens=body.skip_special_tokens,
-    )
+    return body.to_sampling_params(room if max_tokens is None else max_tokens)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

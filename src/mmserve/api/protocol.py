@@ -1,19 +1,29 @@
-"""OpenAI request bodies (chat and completions) with mmserve's per-request extensions."""
+"""OpenAI request bodies (chat and completions) with mmserve's per-request extensions.
+
+The models only check types (strictly: `"5"`, `5.0` and `true` are not integers); the ranges
+of sampling fields are SamplingParams' (one rule for the server and the offline API), and
+fields we do not implement are refused by `api/unsupported.py`.
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from mmserve.errors import InvalidRequestError
+from mmserve.sampling_params import SamplingParams
+
+MAX_CACHE_SALT_CHARS = 1024
 
 
 class _Body(BaseModel):
     # Unknown OpenAI fields (user, metadata, ...) are accepted and ignored, like OpenAI itself
-    # does for fields a model does not use; fields that would change the answer are declared
-    # below and refused when set to something we cannot honour.
-    model_config = ConfigDict(extra="ignore")
+    # does for fields a model does not use; fields that would change the answer are refused
+    # by api/unsupported.py unless they hold their no-op value. Strict: pydantic's lax mode
+    # would read "yes" as true and true as the integer 1.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class ImageURL(_Body):
@@ -43,7 +53,8 @@ class ChatMessage(_Body):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
 
 
 class SamplingFields(_Body):
@@ -64,23 +75,52 @@ class SamplingFields(_Body):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = None
-    logprobs: bool | int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # Declared for their ranges only; any value other than the no-op one is refused as
+    # unsupported (api/unsupported.py), after the range check.
+    logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
 
-    def check_unsupported(self) -> None:
-        if self.logprobs:
-            raise InvalidRequestError(
-                "logprobs are not supported; omit 'logprobs'", param="logprobs"
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field the client bounded the output with (chat also has max_completion_tokens)."""
+        return "max_tokens"
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """The engine's SamplingParams; range errors name the field this request used."""
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=() if self.stop is None else self.stop,
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
             )
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                raise InvalidRequestError(
-                    f"{name} is not supported; omit it or set it to 0", param=name
-                )
-        if self.cache_salt is not None and not self.cache_salt:
-            raise InvalidRequestError("cache_salt must not be empty", param="cache_salt")
+        except InvalidRequestError as exc:
+            field = self.max_tokens_field
+            if field == "max_tokens":
+                raise
+            # SamplingParams speaks of max_tokens; this client sent max_completion_tokens.
+            message = re.sub(r"\bmax_tokens\b", field, exc.message)
+            param = field if exc.param == "max_tokens" else exc.param
+            raise InvalidRequestError(message, param=param) from None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -89,33 +129,20 @@ class ChatCompletionRequest(SamplingFields):
     mm_processor_kwargs: dict[str, Any] | None = None
     multi_modal_uuids: dict[str, list[str | None]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
 
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
-        if self.tools:
-            raise InvalidRequestError("tool calling is not supported; omit 'tools'", param="tools")
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return (
-            self.max_completion_tokens
-            if self.max_completion_tokens is not None
-            else (self.max_tokens)
-        )
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    suffix: str | None = None
-
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
-        if self.echo:
-            raise InvalidRequestError("echo is not supported; omit 'echo'", param="echo")
-        if self.suffix:
-            raise InvalidRequestError("suffix is not supported; omit 'suffix'", param="suffix")
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (batched prompts are refused)."""

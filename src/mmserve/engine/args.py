@@ -80,6 +80,10 @@ class EngineArgs:
     media_fetch_timeout: float = 5.0
     max_media_bytes: int = 20 * 1024 * 1024
     max_request_body_bytes: int = 64 * 1024 * 1024
+    # HTTP server timeouts, in seconds (see api/http_protocol.py for the timeline).
+    http_header_timeout: float = 10.0
+    http_body_timeout: float = 60.0
+    http_keep_alive_timeout: float = 5.0
     log_level: str = "info"
     uvicorn_log_level: str = "warning"
 
@@ -114,6 +118,8 @@ class EngineArgs:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.media_fetch_timeout <= 0:
             raise ValueError(f"--media-fetch-timeout must be > 0 s, got {self.media_fetch_timeout}")
+        for name in ("http_header_timeout", "http_body_timeout", "http_keep_alive_timeout"):
+            _check_seconds(name, getattr(self, name))
         if self.mm_processor_cache_gb < 0:
             raise ValueError(
                 f"--mm-processor-cache-gb must be >= 0 (0 disables the cache), "
@@ -169,6 +175,13 @@ class EngineArgs:
 def _check_positive(name: str, value: int | float) -> None:
     if value <= 0:
         raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+def _check_seconds(name: str, value: float) -> None:
+    if not 0 < value <= 24 * 3600:
+        raise ValueError(
+            f"--{name.replace('_', '-')} must be > 0 and at most a day (in seconds), got {value}"
+        )
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -211,7 +211,7 @@ class InputProcessor:
         prompt = self.tokenizer.apply_chat_template(
             parsed.messages,
             add_generation_prompt=add_generation_prompt,
-            **dict(chat_template_kwargs or {}),
+            template_kwargs=chat_template_kwargs,
         )
         return prompt, [img.source for img in parsed.images], parsed.uuids
 

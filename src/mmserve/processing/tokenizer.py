@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import tokenizers
-from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mmserve.errors import InvalidRequestError
@@ -33,6 +32,15 @@ def _load_chat_template(model_dir: Path, tokenizer_config: dict) -> str | None:
         named = {t.get("name"): t.get("template") for t in template}
         template = named.get("default") or next(iter(named.values()), None)
     return template
+
+
+# Names the renderer passes to the template itself (or that would smuggle a refused feature in,
+# like tools); chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_ARGS = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "tools"}
+    | {"documents", "continue_final_message", "chat_template"}
+)
+_MAX_KWARG_DEPTH = 32
 
 
 def _raise_exception(message: str) -> None:
@@ -108,26 +116,82 @@ class Tokenizer:
         messages: Sequence[dict[str, Any]],
         *,
         add_generation_prompt: bool = True,
-        **template_kwargs: Any,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """Render messages (already normalised by `processing.chat`) with the chat template."""
+        """Render messages (already normalised by `processing.chat`) with the chat template.
+
+        `template_kwargs` (the request's chat_template_kwargs) are extra template variables,
+        e.g. {"add_vision_id": true}; they may not set what the renderer passes itself.
+        """
         if self._template is None:
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions (or LLM.generate) with a "
                 "prompt string instead"
             )
+        extra = _checked_template_kwargs(template_kwargs)
         try:
             return self._template.render(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
-                **template_kwargs,
+                **extra,
             )
         except InvalidRequestError:
             raise
-        except (TemplateError, TypeError, ValueError, KeyError, AttributeError):
+        except MemoryError:
+            raise
+        except Exception:
+            # Whatever the template raised (TemplateError, TypeError on a kwarg of the wrong
+            # type, ...), its text and traceback are the library's: the client gets ours.
+            detail = "check the message roles and content parts"
+            if extra:
+                detail += f", and the types of chat_template_kwargs {sorted(extra)[:8]}"
             raise InvalidRequestError(
-                "the messages could not be rendered with the model's chat template; check the "
-                "message roles and content parts"
+                f"chat template failed: the model's chat template could not render this "
+                f"request; {detail}",
+                param="chat_template_kwargs" if extra else "messages",
             ) from None
+
+
+def _checked_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The kwargs as template variables: string keys, none reserved, values plain JSON data."""
+    if not kwargs:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise InvalidRequestError(
+            "chat_template_kwargs must be an object of template variables",
+            param="chat_template_kwargs",
+        )
+    for key, value in kwargs.items():
+        if not isinstance(key, str):
+            raise InvalidRequestError(
+                f"chat_template_kwargs keys must be strings, got {type(key).__name__}",
+                param="chat_template_kwargs",
+            )
+        param = f"chat_template_kwargs.{key[:64]}"
+        if key in RESERVED_TEMPLATE_ARGS:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {key!r}: the server passes it to the chat "
+                f"template itself; remove it from chat_template_kwargs",
+                param=param,
+            )
+        if not _is_json_data(value, _MAX_KWARG_DEPTH):
+            raise InvalidRequestError(
+                f"chat_template_kwargs[{key[:64]!r}] must be JSON data (null, a boolean, "
+                "number, string, list or object)",
+                param=param,
+            )
+    return dict(kwargs)
+
+
+def _is_json_data(value: Any, depth: int) -> bool:
+    if value is None or isinstance(value, bool | int | float | str):
+        return True
+    if depth == 0:
+        return False
+    if isinstance(value, list | tuple):
+        return all(_is_json_data(v, depth - 1) for v in value)
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and _is_json_data(v, depth - 1) for k, v in value.items())
+    return False

@@ -1,0 +1,97 @@
+"""Request fields that would change the answer but that mmserve does not implement.
+
+A client that sends `response_format: {"type": "json_object"}` or `min_p: 0.1` and gets an
+answer that silently ignored it has been misled; so each such field is a 400 naming it, unless
+it holds its no-op value. Purely informational fields (`user`, `metadata`, `store`,
+`service_tier`, ...) are not listed: ignoring them changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mmserve.errors import InvalidRequestError
+
+# field (dotted for a nested one) -> the values that change nothing; null always changes nothing.
+# The first value is the one the error message suggests. OpenAI fields first, then the vLLM
+# extensions a vLLM client sends.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "best_of": (1,),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),  # "auto" with no tools (tools are refused) picks none
+    "parallel_tool_calls": (True,),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "audio": (),
+    "modalities": (["text"],),
+    "echo": (False,),
+    "suffix": ("",),
+    "stream_options.continuous_usage_stats": (False,),
+    "min_p": (0,),
+    "repetition_penalty": (1,),
+    "length_penalty": (1,),
+    "use_beam_search": (False,),
+    "prompt_logprobs": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": ([],),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "structural_tag": (),
+    "structured_outputs": (),
+    "logits_processors": ([],),
+    "truncate_prompt_tokens": (),
+    "continue_final_message": (False,),
+    "add_generation_prompt": (True,),
+    "chat_template": (),
+    "documents": ([],),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "prompt_embeds": (),
+    "add_special_tokens": (False,),
+    "spaces_between_special_tokens": (True,),
+    "priority": (0,),
+    "vllm_xargs": ({},),
+}
+
+
+def refuse_unsupported_fields(body: dict[str, Any]) -> None:
+    """Raise InvalidRequestError for the first listed field that holds a value that matters."""
+    for field, neutral in UNSUPPORTED_FIELDS.items():
+        value = _lookup(body, field)
+        if value is None or any(_same_json_value(value, n) for n in neutral):
+            continue
+        hint = f"omit it or send {json.dumps(neutral[0])}" if neutral else "omit it"
+        raise InvalidRequestError(
+            f"{field} is not supported by this server, and ignoring it would change the "
+            f"answer; {hint}",
+            param=field,
+        )
+
+
+def _lookup(body: dict[str, Any], dotted: str) -> Any:
+    value: Any = body
+    for key in dotted.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+def _same_json_value(value: Any, neutral: Any) -> bool:
+    # In Python True == 1 and False == 0; in JSON they are different values.
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    if isinstance(value, int | float) and isinstance(neutral, int | float):
+        return value == neutral
+    return type(value) is type(neutral) and value == neutral

@@ -1,0 +1,75 @@
+"""The chat template call: caller kwargs may add variables, never replace the renderer's own,
+and a template that fails is the client's 400 in our words."""
+
+from __future__ import annotations
+
+import pytest
+import tokenizers
+
+from mmserve.engine.args import bundled_toy_model_dir
+from mmserve.errors import InvalidRequestError
+from mmserve.processing.input_processor import InputProcessor
+from mmserve.processing.tokenizer import RESERVED_TEMPLATE_ARGS, Tokenizer
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:,"}}
+IMAGE_MESSAGE = [{"role": "user", "content": [IMAGE, {"type": "text", "text": "hi"}]}]
+
+
+def tiny_tokenizer(chat_template: str) -> Tokenizer:
+    model = tokenizers.models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")
+    return Tokenizer(tokenizers.Tokenizer(model), chat_template=chat_template)
+
+
+@pytest.fixture(scope="module")
+def toy_tokenizer() -> Tokenizer:
+    return Tokenizer.from_pretrained(bundled_toy_model_dir())
+
+
+def test_caller_kwargs_reach_the_template(toy_tokenizer: Tokenizer) -> None:
+    plain = toy_tokenizer.apply_chat_template(IMAGE_MESSAGE)
+    numbered = toy_tokenizer.apply_chat_template(
+        IMAGE_MESSAGE, template_kwargs={"add_vision_id": True}
+    )
+    assert "Picture 1:" in numbered and "Picture 1:" not in plain
+
+
+@pytest.mark.parametrize("key", sorted(RESERVED_TEMPLATE_ARGS))
+def test_kwargs_may_not_set_what_the_renderer_passes(toy_tokenizer: Tokenizer, key: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        toy_tokenizer.apply_chat_template(IMAGE_MESSAGE, template_kwargs={key: "x"})
+    assert info.value.param == f"chat_template_kwargs.{key}"
+    assert repr(key) in info.value.message
+
+
+def test_kwargs_must_be_plain_json_data(toy_tokenizer: Tokenizer) -> None:
+    for value in (object(), {"nested": [b"bytes"]}, {1: "non-string key"}):
+        with pytest.raises(InvalidRequestError) as info:
+            toy_tokenizer.apply_chat_template(IMAGE_MESSAGE, template_kwargs={"v": value})
+        assert info.value.param == "chat_template_kwargs.v"
+    ok = {"v": [None, True, 1, 2.5, "s", {"k": []}]}
+    assert toy_tokenizer.apply_chat_template(IMAGE_MESSAGE, template_kwargs=ok)
+
+
+def test_a_template_that_raises_on_caller_kwargs_is_a_400_in_our_words() -> None:
+    tok = tiny_tokenizer("{{ messages[0]['content'] ~ (count + 1) }}")
+    assert tok.apply_chat_template([{"role": "user", "content": "a"}], template_kwargs={"count": 1})
+    with pytest.raises(InvalidRequestError) as info:
+        tok.apply_chat_template([{"role": "user", "content": "a"}], template_kwargs={"count": "x"})
+    message = info.value.message
+    assert message.startswith("chat template failed")
+    assert info.value.param == "chat_template_kwargs" and "count" in message
+    assert "concatenate" not in message  # no library text
+    with pytest.raises(InvalidRequestError) as info:
+        tiny_tokenizer("{{ messages[5] + 1 }}").apply_chat_template([{"role": "user"}])
+    assert info.value.param == "messages"
+
+
+def test_the_input_processor_passes_kwargs_through_the_same_check() -> None:
+    processor = InputProcessor.from_pretrained(bundled_toy_model_dir(), max_model_len=4096)
+    messages = [{"role": "user", "content": "hi"}]
+    # Before: `**kwargs` next to add_generation_prompt=... raised TypeError (a 500).
+    with pytest.raises(InvalidRequestError) as info:
+        processor.render_chat(messages, chat_template_kwargs={"add_generation_prompt": False})
+    assert info.value.param == "chat_template_kwargs.add_generation_prompt"
+    prompt, _, _ = processor.render_chat(messages, chat_template_kwargs={"add_vision_id": True})
+    assert prompt.endswith("<|im_start|>assistant\n")
