@@ -196,7 +196,8 @@ def create_app(
     async def health() -> Response:
         if engine.is_healthy():
             return Response(status_code=200)
-        return error_response("the engine is not healthy", status_code=503, code="unhealthy")
+        message = "the engine has stopped; restart the server (the server log says why)"
+        return error_response(message, status_code=503, code="engine_dead")
 
     @app.get("/metrics")
     async def metrics() -> Response:
