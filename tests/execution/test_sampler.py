@@ -113,7 +113,7 @@ def _fresh(rows: list[SamplingRow]) -> list[SamplingRow]:
     return [_row(r.params, r.num_output_tokens) for r in rows]
 
 
-@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
 def test_non_finite_logits_fail_only_their_row(bad_value: float) -> None:
     torch.manual_seed(0)
     logits = torch.randn(4, 64)
@@ -151,3 +151,17 @@ def test_seeds_torch_cannot_take_are_a_typed_error_naming_seed() -> None:
             make_generator(seed)  # type: ignore[arg-type]
         assert refused.value.param == "seed"
         assert len(refused.value.message) < 120
+
+
+def test_minus_inf_logits_only_rule_their_token_out() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, 16)
+    best = int(logits[0].argmax())
+    logits[0, best] = float("-inf")
+    logits[1, :8] = float("-inf")
+    rows = [_row(SamplingParams(temperature=0)), _row(SamplingParams(temperature=1.0, seed=1))]
+    gen = make_generator(0)
+    for _ in range(50):
+        greedy, drawn = sample(logits.clone(), rows, gen)
+        assert greedy == int(logits[0].argmax()) != best
+        assert 8 <= drawn < 16

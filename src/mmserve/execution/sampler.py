@@ -1,6 +1,6 @@
 """Token sampling for one step: greedy, temperature, top-k, top-p, per-request seeds.
 
-A row that cannot be sampled (parameters that slipped past validation, non-finite logits, a
+A row that cannot be sampled (parameters that slipped past validation, NaN or +inf logits, a
 failing draw) gets a `RequestFailure` instead of a token; the other rows are unaffected.
 """
 
@@ -46,21 +46,20 @@ def sample(
     assert logits.shape[0] == len(rows)
     num_rows = len(rows)
     logits = logits.float()
-    is_finite = torch.isfinite(logits).all(dim=-1)  # [num_rows]; before min_tokens adds -inf
     failures = _apply_min_tokens(logits, rows)
-    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-    picks = logits[torch.tensor(greedy, dtype=torch.long, device=logits.device)].argmax(dim=-1)
-    # one device-to-host copy for both: [num_rows finite flags, len(greedy) tokens]
-    host = torch.cat([is_finite.to(torch.long), picks]).tolist()
-    greedy_tokens = dict(zip(greedy, host[num_rows:], strict=True))
+    # One pass over the logits gives the greedy picks and, since max propagates NaN and +inf,
+    # which rows are broken (-inf alone is fine: that token just cannot be drawn).
+    best = logits.max(dim=-1)  # values, indices: [num_rows] each
+    # one device-to-host copy for both: [num_rows finite flags, num_rows argmax tokens]
+    host = torch.cat([torch.isfinite(best.values).to(torch.long), best.indices]).tolist()
     out: list[int | RequestFailure] = []
     for i, row in enumerate(rows):
         if not host[i]:
             out.append(_non_finite(row))
         elif i in failures:
             out.append(failures[i])
-        elif i in greedy_tokens:
-            out.append(greedy_tokens[i])
+        elif row.params.is_greedy:
+            out.append(host[num_rows + i])
         else:
             out.append(_sample_row(logits[i], row, default_generator))
     return out
@@ -144,8 +143,8 @@ def _probs(row_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def _non_finite(row: SamplingRow) -> RequestFailure:
-    logger.error("request %s: the model produced NaN or infinite logits", row.request_id)
-    return RequestFailure("the model produced NaN or infinite logits", FailureKind.INTERNAL)
+    logger.error("request %s: the model produced NaN or +inf logits", row.request_id)
+    return RequestFailure("the model produced NaN or +inf logits", FailureKind.INTERNAL)
 
 
 def make_generator(seed: int) -> torch.Generator:
