@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.engine.outputs import RequestOutput
@@ -163,23 +163,29 @@ class LLMEngine:
         unknown, so every unfinished one fails; the engine goes on if it is still sound."""
         request_ids = sorted(set(self.scheduler.requests) | self.output_processor.request_ids)
         logger.exception("engine step failed; failing every unfinished request: %s", request_ids)
-        self._check_sound()
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
         failure = RequestFailure("internal error in the engine step", FailureKind.INTERNAL)
-        outputs = [o for i in request_ids if (o := self.output_processor.fail(i, failure))]
-        self._record_stats()
+        try:
+            self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+            outputs = [o for i in request_ids if (o := self.output_processor.fail(i, failure))]
+            self._record_stats()
+        except Exception as exc:  # noqa: BLE001 - the books cannot even be closed
+            self._declare_dead(exc)
+        self._check_sound()
         return outputs
 
     def _check_sound(self) -> None:
-        """After a failed step: raise EngineDeadError unless the device still computes and the
-        scheduler's books still balance."""
+        """After a failed step: declare the engine dead unless the device still computes and
+        the scheduler's books still balance."""
         try:
             self.runner.check_device()
             self.scheduler.check_integrity()
-        except Exception as exc:
-            logger.exception("the engine cannot go on after a failed step")
-            self.dead_reason = f"{type(exc).__name__} after a failed step"
-            raise EngineDeadError(self.dead_reason) from exc
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the engine cannot go on
+            self._declare_dead(exc)
+
+    def _declare_dead(self, exc: Exception) -> NoReturn:
+        logger.exception("the engine cannot go on after a failed step")
+        self.dead_reason = f"{type(exc).__name__} after a failed step"
+        raise EngineDeadError(self.dead_reason) from exc
 
     def _raise_if_dead(self) -> None:
         if self.dead_reason is not None:
