@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mmserve import LLM, SamplingParams
@@ -240,3 +242,27 @@ def test_an_item_whose_encoding_failed_does_not_fail_later_requests(
     assert _tokens(later, "later") == _tokens(reference, "ref")
     assert len(calls) == 3
     assert_nothing_held(llm.engine)
+
+
+def test_a_request_whose_model_output_is_nan_fails_alone_and_leaves_no_nan(llm: LLM) -> None:
+    """NaN pixels make NaN embeddings, NaN KV and NaN logits for that request only; its KV
+    blocks must not carry NaN to the requests that get them next."""
+    engine = llm.engine
+    bad = _prompt(llm, "what is this?", image_seed=9)
+    feature = bad.mm_features[0]
+    nan_pixels = np.full_like(feature.data.pixel_values, np.nan)
+    feature = dataclasses.replace(
+        feature, data=dataclasses.replace(feature.data, pixel_values=nan_pixels)
+    )
+    bad = dataclasses.replace(bad, mm_features=[feature])
+    params = dataclasses.replace(GREEDY, max_tokens=20)
+    mates = {f"m{i}": (_prompt(llm, "hello " * (i + 1), image_seed=i), params) for i in range(3)}
+    alone = _run_with(engine, mates)
+    crowd = _run_with(engine, mates, {"bad": (bad, params)})
+    assert crowd["bad"].error_kind is FailureKind.INTERNAL
+    assert "NaN" in crowd["bad"].error
+    after = _run_with(engine, mates)  # on blocks the bad request held
+    for request_id in mates:
+        assert _tokens(crowd, request_id) == _tokens(alone, request_id)
+        assert _tokens(after, request_id) == _tokens(alone, request_id)
+    assert_nothing_held(engine)

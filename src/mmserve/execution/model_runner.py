@@ -86,10 +86,26 @@ class ModelRunner:
             for request_id, token in zip(batch.sample_request_ids, tokens, strict=True):
                 if isinstance(token, RequestFailure):
                     errors[request_id] = token
+                    if token.kind is FailureKind.INTERNAL:  # its KV may hold NaN
+                        self._scrub_kv(self.states[request_id])
                     continue
                 self.states[request_id].token_ids.append(token)
                 sampled[request_id] = [token]
         return ModelRunnerOutput(sampled, errors)
+
+    def _scrub_kv(self, state: RequestState) -> None:
+        """Zero the KV blocks a failed request wrote itself.
+
+        NOTE: NaN left in a freed block reaches its next owners: decode attention reads whole
+        blocks (and pads block tables with block 0) and masks the slots past each sequence's
+        length, but a masked weight of 0 times a NaN value is still NaN. Blocks the request
+        got from the prefix cache are shared and were written by others: left alone.
+        """
+        own = state.block_ids[state.first_own_block_idx :]
+        if own:
+            idx = torch.tensor(own, dtype=torch.long, device=self.device)
+            for kv_cache in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
+                kv_cache[:, idx] = 0
 
     def check_device(self) -> None:
         """Raise if the device can no longer compute: after a CUDA error every later call
@@ -114,6 +130,7 @@ class ModelRunner:
                 list(new.block_ids),
                 new.num_computed_tokens,
                 payload,
+                first_own_block_idx=new.num_computed_tokens // self.block_size,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.states[cached.request_id]
