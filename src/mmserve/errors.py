@@ -86,10 +86,13 @@ class InternalRequestError(MMServeError):
 
 
 class EngineDeadError(MMServeError):
-    """The engine loop has stopped: no request can run until the server is restarted."""
+    """The engine loop has stopped: no request can run until the server is restarted.
+
+    The message clients see is generic; `reason` (for the log) says what stopped it.
+    """
 
     def __init__(self, reason: str) -> None:
-        super().__init__(f"the engine has stopped ({reason}); restart the server")
+        super().__init__("the engine has stopped; restart the server (the server log says why)")
         self.reason = reason
 
 

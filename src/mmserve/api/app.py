@@ -40,6 +40,7 @@ from mmserve.api.prometheus import build_registry, render
 from mmserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mmserve.api.status import report_status
 from mmserve.engine.protocol import EngineClient
+from mmserve.errors import EngineDeadError
 from mmserve.multimodal import ProcessedPrompt
 
 logger = logging.getLogger(__name__)
@@ -196,8 +197,8 @@ def create_app(
     async def health() -> Response:
         if engine.is_healthy():
             return Response(status_code=200)
-        message = "the engine has stopped; restart the server (the server log says why)"
-        return error_response(message, status_code=503, code="engine_dead")
+        err = as_api_error(EngineDeadError("health check"))  # 503 engine_dead
+        return error_response(err.message, status_code=err.status_code, code=err.code)
 
     @app.get("/metrics")
     async def metrics() -> Response:
