@@ -1,6 +1,12 @@
-"""Typed errors a user can cause. The API turns each into a 4xx with the message as written here."""
+"""Typed errors mmserve raises on purpose, and how the engine says why one request failed.
+
+The API turns each `InvalidRequestError` into a 4xx with the message as written here.
+"""
 
 from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
 
 
 class MMServeError(Exception):
@@ -67,7 +73,51 @@ class EncoderItemTooLargeError(InvalidRequestError):
 
 
 class RequestFailedError(MMServeError):
-    """A request failed inside the engine (for example a placeholder/embedding count mismatch).
-
-    Only that request fails; the server keeps serving the others.
+    """A request failed inside the engine because of its own content (for example a
+    placeholder/embedding count mismatch). Only that request fails; answered with a 400.
     """
+
+
+class InternalRequestError(MMServeError):
+    """The engine failed one request through no fault of the client (a bug, the device).
+
+    Answered with a 500 whose message names the request id, so that a client's report can be
+    matched to the one server log line that has the traceback.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(
+            f"internal error while running request {request_id}; the server log has the traceback"
+        )
+        self.request_id = request_id
+
+
+class EngineDeadError(MMServeError):
+    """The engine loop has stopped: no request can run until the server is restarted.
+
+    The message clients see is generic; `reason` (for the log) says what stopped it.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("the engine has stopped; restart the server (the server log says why)")
+        self.reason = reason
+
+
+class FailureKind(enum.Enum):
+    """Whose fault a failed request is; it decides the status the request is answered with."""
+
+    REQUEST = "request"  # its own content or parameters: the client can fix it (400)
+    INTERNAL = "internal"  # the server failed (a bug, the device): 500 with the request id
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why the engine ended one request with an error; every other request goes on.
+
+    For INTERNAL failures `message` is for the server log and offline users: the HTTP answer
+    does not repeat it (it may carry library text).
+    """
+
+    message: str
+    kind: FailureKind
+    param: str | None = None  # the request field at fault, for REQUEST failures

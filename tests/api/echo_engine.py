@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from mmserve.engine.outputs import CompletionOutput, RequestOutput
-from mmserve.errors import InvalidRequestError, MediaError
+from mmserve.errors import FailureKind, InvalidRequestError, MediaError
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.sampling_params import SamplingParams
@@ -23,6 +23,8 @@ IMAGE_TOKENS = 4
 FAIL_MARKER = "FAIL-IN-ENGINE"  # fails at the second token
 FAIL_NOW_MARKER = "FAIL-AT-ONCE"  # fails at the first token
 CRASH_MARKER = "CRASH-IN-PROCESSING"  # an engine bug: process_chat raises a plain exception
+INTERNAL_MARKER = "FAIL-INTERNALLY"  # the engine fails the request at the second token, not
+# because of its content (a bug, the device)
 KNOWN_PROCESSOR_KWARGS = {"max_pixels", "min_pixels"}
 
 
@@ -111,18 +113,24 @@ class EchoEngine:
                     self.metrics.observe_ttft(time.monotonic() - start)
                 self.metrics.inc("generation_tokens")
                 text = bytes(i for i in out_ids if i < 256).decode(errors="replace")
-                reason, error = None, None
+                reason, error, kind = None, None, None
                 if (FAIL_MARKER in text_so_far and len(out_ids) >= 2) or (
                     FAIL_NOW_MARKER in text_so_far
                 ):
                     reason, error = "error", "the engine could not place the image embeddings"
+                    kind = FailureKind.REQUEST
+                elif INTERNAL_MARKER in text_so_far and len(out_ids) >= 2:
+                    reason, error = "error", "sampling failed: RuntimeError at /srv/secret/path"
+                    kind = FailureKind.INTERNAL
                 elif any(s in text for s in sampling_params.stop):
                     reason = "stop"
                 elif len(out_ids) >= sampling_params.max_tokens:
                     reason = "length"
                 done = reason is not None
                 completion = CompletionOutput(0, text, list(out_ids), finish_reason=reason)
-                yield RequestOutput(request_id, None, ids, [completion], done, error=error)
+                yield RequestOutput(
+                    request_id, None, ids, [completion], done, error=error, error_kind=kind
+                )
                 if done:
                     return
         finally:

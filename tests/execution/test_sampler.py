@@ -1,16 +1,20 @@
-"""Sampler: greedy, top-k/top-p support, min_tokens, and seeds that do not depend on the batch."""
+"""Sampler: greedy, top-k/top-p, min_tokens, batch-independent seeds, rows that fail alone."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
+from mmserve.errors import FailureKind, InvalidRequestError, RequestFailure
 from mmserve.execution.sampler import SamplingRow, make_generator, sample
 from mmserve.sampling_params import SamplingParams
 
 
-def _row(params: SamplingParams, num_out: int = 0) -> SamplingRow:
+def _row(params: SamplingParams, num_out: int = 0, request_id: str = "r") -> SamplingRow:
     gen = make_generator(params.seed) if params.seed is not None else None
-    return SamplingRow(params, gen, num_out, eos_token_ids=(0,))
+    return SamplingRow(request_id, params, gen, num_out, eos_token_ids=(0,))
 
 
 def test_greedy_picks_argmax():
@@ -62,3 +66,102 @@ def test_seeded_request_is_reproducible_whatever_the_batch():
     crowded = draws([_row(SamplingParams(temperature=1.0)) for _ in range(3)])
     assert alone == crowded
     assert len(set(alone)) > 1  # it really samples
+
+
+def _bypassing(params: SamplingParams, **fields) -> SamplingParams:
+    """`params` with values __post_init__ would refuse, as if they slipped past the edge."""
+    copy = dataclasses.replace(params)
+    for name, value in fields.items():
+        object.__setattr__(copy, name, value)
+    return copy
+
+
+BAD_VALUES = [
+    ("temperature", float("nan")),
+    ("temperature", float("inf")),
+    ("temperature", -0.5),
+    ("temperature", "1"),
+    ("top_p", float("nan")),
+    ("top_p", 0.0),
+    ("top_k", 2.5),
+    ("top_k", -7),
+    ("min_tokens", "2"),
+    ("stop_token_ids", ("x",)),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_VALUES)
+def test_a_bad_value_fails_only_its_row(field: str, value: object) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 64)
+    good = [
+        _row(SamplingParams(temperature=0)),
+        _row(SamplingParams(temperature=0.8, seed=3)),
+        _row(SamplingParams(temperature=1.0, top_k=5, seed=4, min_tokens=2), num_out=1),
+    ]
+    bad = _row(_bypassing(SamplingParams(temperature=1.0, seed=5, min_tokens=1), **{field: value}))
+    alone = sample(logits[[0, 1, 3]].clone(), _fresh(good), make_generator(0))
+    mixed = sample(logits.clone(), [*_fresh(good[:2]), bad, *_fresh(good[2:])], make_generator(0))
+    failure = mixed.pop(2)
+    assert isinstance(failure, RequestFailure), failure
+    assert failure.kind is FailureKind.REQUEST and failure.param == field
+    assert mixed == alone
+
+
+def _fresh(rows: list[SamplingRow]) -> list[SamplingRow]:
+    """The same rows with their seeded generators restarted."""
+    return [_row(r.params, r.num_output_tokens) for r in rows]
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
+def test_non_finite_logits_fail_only_their_row(bad_value: float) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 64)
+    rows = [
+        _row(SamplingParams(temperature=0)),
+        _row(SamplingParams(temperature=0)),
+        _row(SamplingParams(temperature=1.0, seed=9)),
+        _row(SamplingParams(temperature=1.0, seed=10)),
+    ]
+    clean = sample(logits.clone(), _fresh(rows), make_generator(0))
+    broken = logits.clone()
+    broken[1, 7] = bad_value  # a greedy row
+    broken[3, 0] = bad_value  # a sampled row
+    got = sample(broken, _fresh(rows), make_generator(0))
+    for i in (1, 3):
+        assert isinstance(got[i], RequestFailure) and got[i].kind is FailureKind.INTERNAL
+    assert [got[0], got[2]] == [clean[0], clean[2]]
+
+
+def test_a_tiny_temperature_picks_the_best_token() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(1, 64)
+    best = int(logits.argmax())
+    for temperature in (1e-300, 5e-324, 1e-40):
+        for seed in range(5):
+            params = SamplingParams(temperature=temperature, seed=seed, top_p=0.5)
+            assert sample(logits.clone(), [_row(params)], make_generator(0)) == [best]
+
+
+def test_seeds_torch_cannot_take_are_a_typed_error_naming_seed() -> None:
+    assert make_generator(2**64 - 1).initial_seed() == 2**64 - 1
+    make_generator(-(2**63))
+    for seed in (2**64, -(2**63) - 1, 10**5000, 1.5, True, "7"):
+        with pytest.raises(InvalidRequestError) as refused:
+            make_generator(seed)  # type: ignore[arg-type]
+        assert refused.value.param == "seed"
+        assert len(refused.value.message) < 120
+
+
+def test_minus_inf_logits_only_rule_their_token_out() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, 16)
+    best = int(logits[0].argmax())
+    logits[0, best] = float("-inf")
+    logits[1, :8] = float("-inf")
+    rows = [_row(SamplingParams(temperature=0)), _row(SamplingParams(temperature=1.0, seed=1))]
+    gen = make_generator(0)
+    for _ in range(50):
+        greedy, drawn = sample(logits.clone(), rows, gen)
+        assert greedy == int(logits[0].argmax()) != best
+        assert 8 <= drawn < 16

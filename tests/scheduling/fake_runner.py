@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mmserve.errors import FailureKind, RequestFailure
 from mmserve.multimodal import MultiModalFeature, PlaceholderRange
 from mmserve.scheduling import ModelRunnerOutput, Request, Scheduler, SchedulerOutput
 
@@ -98,7 +99,9 @@ class FakeRunner:
             state = self.requests[request_id]
             self._run(state, num_tokens)
             if request_id in self.fail_ids:
-                errors[request_id] = "Attempted to assign 4 multimodal tokens to 5 placeholders"
+                errors[request_id] = RequestFailure(
+                    "Attempted to assign 4 multimodal tokens to 5 placeholders", FailureKind.REQUEST
+                )
             elif state.num_computed_tokens == len(state.token_ids):
                 token = self.sample(request_id, len(state.token_ids))
                 state.token_ids.append(token)

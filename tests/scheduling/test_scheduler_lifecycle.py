@@ -117,7 +117,7 @@ def test_runner_error_fails_only_that_request():
     scheduler.add_request(make_request("good", 40, max_tokens=3))
     out, updates = run_step(scheduler, runner)
     (bad,) = [u for u in updates if u.request_id == "bad"]
-    assert bad.finish_status == RequestStatus.FINISHED_ERROR and "placeholders" in bad.error
+    assert bad.finish_status == RequestStatus.FINISHED_ERROR and "placeholders" in bad.error.message
     assert scheduler.encoder_cache_manager.cached["img-b"] == set()
     results = _finish_all(scheduler, runner)
     assert results["good"][1] == RequestStatus.FINISHED_LENGTH

@@ -39,6 +39,7 @@ from mmserve.api.protocol import ChatCompletionRequest, CompletionRequest, Sampl
 from mmserve.api.status import report_status
 from mmserve.api.unsupported import refuse_unsupported_fields
 from mmserve.engine.protocol import EngineClient
+from mmserve.errors import EngineDeadError
 from mmserve.multimodal import ProcessedPrompt
 
 logger = logging.getLogger(__name__)
@@ -182,7 +183,8 @@ def create_app(
     async def health() -> Response:
         if engine.is_healthy():
             return Response(status_code=200)
-        return error_response("the engine is not healthy", status_code=503, code="unhealthy")
+        err = as_api_error(EngineDeadError("health check"))  # 503 engine_dead
+        return error_response(err.message, status_code=err.status_code, code=err.code)
 
     @app.get("/metrics")
     async def metrics() -> Response:

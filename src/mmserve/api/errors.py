@@ -13,7 +13,12 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
-from mmserve.errors import InvalidRequestError, RequestFailedError
+from mmserve.errors import (
+    EngineDeadError,
+    InternalRequestError,
+    InvalidRequestError,
+    RequestFailedError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +105,11 @@ def as_api_error(exc: Exception) -> APIError:
         # The engine failed this one request (e.g. its content broke the placeholder contract);
         # the server is fine, so this is not a 5xx.
         return APIError(400, str(exc), code="request_failed")
+    if isinstance(exc, InternalRequestError):
+        # The engine logged this failure with the request id and its traceback already.
+        return APIError(500, str(exc), code="internal_error")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_dead")
     if isinstance(exc, ValidationError):
         return validation_error(exc.errors())
     logger.error("unexpected error while handling a request", exc_info=exc)

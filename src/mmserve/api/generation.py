@@ -17,7 +17,12 @@ from mmserve.api.errors import APIError, as_api_error, error_body
 from mmserve.api.formats import ResponseFormat
 from mmserve.api.protocol import SamplingFields
 from mmserve.engine.outputs import RequestOutput
-from mmserve.errors import InvalidRequestError, PromptTooLongError
+from mmserve.errors import (
+    FailureKind,
+    InternalRequestError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -85,14 +90,20 @@ async def collect_final(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 def finish_reason_or_error(output: RequestOutput) -> str:
-    """The OpenAI finish_reason, or APIError when the engine failed or dropped the request."""
+    """The OpenAI finish_reason, or APIError when the engine failed or dropped the request.
+
+    A failure of the request's own making is a 400 that says what was wrong; any other is a
+    500 that names the request id and nothing more (the engine logged the traceback).
+    """
     reason = output.outputs[0].finish_reason if output.outputs else "error"
     if reason in ("stop", "length"):
         return reason
     if reason == "abort":
         raise APIError(503, "the request was aborted (the server is shutting down)", code="aborted")
-    message = output.error or "the request failed inside the engine"
-    raise APIError(400, message, code="request_failed")
+    if output.error_kind is FailureKind.REQUEST:
+        message = output.error or "the request failed inside the engine"
+        raise APIError(400, message, code="request_failed", param=output.error_param)
+    raise as_api_error(InternalRequestError(output.request_id))
 
 
 async def stream_events(

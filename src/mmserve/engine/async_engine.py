@@ -16,7 +16,7 @@ from typing import Any
 from mmserve.engine.factory import ResolvedConfig
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.outputs import RequestOutput
-from mmserve.errors import InvalidRequestError, MMServeError
+from mmserve.errors import EngineDeadError, InternalRequestError, InvalidRequestError, MMServeError
 from mmserve.hashing import DEFAULT_NAMESPACE
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.chat import check_media_uuid
@@ -26,6 +26,9 @@ from mmserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
+# How often a waiting request checks that the engine thread is still there. The thread tells
+# every stream when it dies; this covers a death that could not (the stream must not hang).
+LIVENESS_CHECK_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,9 @@ class AsyncLLMEngine:
     """Implements `mmserve.engine.protocol.EngineClient` over one `LLMEngine`.
 
     Only the engine thread touches the LLMEngine; other threads talk to it through a queue of
-    commands (add, abort), so the event loop never waits for a model step.
+    commands (add, abort), so the event loop never waits for a model step. A command or step
+    that fails a request never stops the thread; if the engine dies (EngineDeadError, or a bug
+    in this loop), every waiting request and every new one gets EngineDeadError at once.
     """
 
     def __init__(self, engine: LLMEngine, resolved: ResolvedConfig, *, model_name: str) -> None:
@@ -90,6 +95,7 @@ class AsyncLLMEngine:
         namespace: str = DEFAULT_NAMESPACE,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> ProcessedPrompt:
+        self._raise_if_dead()  # no media fetch or decode for a request that cannot run
         if multi_modal_uuids:
             messages = _apply_uuids(messages, multi_modal_uuids)
         return await self.engine.input_processor.aprocess_chat(
@@ -102,6 +108,7 @@ class AsyncLLMEngine:
     async def process_prompt(
         self, prompt: str | list[int], *, namespace: str = DEFAULT_NAMESPACE
     ) -> ProcessedPrompt:
+        self._raise_if_dead()
         processor = self.engine.input_processor
         if isinstance(prompt, str):
             processor.check_prompt_text(prompt)
@@ -137,6 +144,9 @@ class AsyncLLMEngine:
             raise MMServeError("the server is shutting down")
         stream = _Stream(asyncio.get_running_loop())
         with self._streams_lock:
+            # checked under the lock the dying thread takes to tell every stream: either this
+            # stream is told or the death is seen here
+            self._raise_if_dead()
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
@@ -144,7 +154,7 @@ class AsyncLLMEngine:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await self._next_item(stream)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -158,11 +168,25 @@ class AsyncLLMEngine:
             with self._streams_lock:
                 self._streams.pop(request_id, None)
 
+    async def _next_item(self, stream: _Stream) -> RequestOutput | BaseException:
+        while True:
+            try:
+                async with asyncio.timeout(LIVENESS_CHECK_S):
+                    return await stream.queue.get()
+            except TimeoutError:
+                self._raise_if_dead()
+
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
     def is_healthy(self) -> bool:
         return self._error is None and self._thread.is_alive()
+
+    def _raise_if_dead(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(_dead_reason(self._error))
+        if self._accepting and not self._thread.is_alive():
+            raise EngineDeadError("the engine thread is gone")
 
     async def shutdown(self, timeout_s: float = 20.0) -> None:
         """Stop accepting, let running requests finish for up to timeout_s, abort the rest."""
@@ -187,15 +211,16 @@ class AsyncLLMEngine:
                 if not self.engine.has_unfinished_requests():
                     self._wait_for_command()
                     continue
-                for out in self.engine.step():
+                for out in self.engine.step():  # raises only when the engine is dead
                     self._deliver(out)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
-            logger.exception("engine loop crashed")
-            self._error = exc
+            if not isinstance(exc, EngineDeadError):  # the engine has logged its own death
+                logger.exception("engine loop crashed")
             with self._streams_lock:
+                self._error = exc
                 streams = list(self._streams.values())
             for stream in streams:
-                stream.put(MMServeError("the engine stopped unexpectedly"))
+                stream.put(EngineDeadError(_dead_reason(exc)))
 
     def _wait_for_command(self) -> None:
         try:
@@ -213,26 +238,40 @@ class AsyncLLMEngine:
             self._apply(command)
 
     def _apply(self, command: _Add | _Abort) -> None:
-        if isinstance(command, _Abort):
-            for out in self.engine.abort_requests([command.request_id]):
-                self._deliver(out)
-            return
+        """Apply one command; whatever it raises concerns that request only."""
         with self._streams_lock:
             stream = self._streams.get(command.request_id)
-        if stream is None:
-            return  # the client left before the engine saw the request
         try:
-            self.engine.add_request(
-                command.request_id, command.prompt, command.params, cache_salt=command.cache_salt
-            )
+            if isinstance(command, _Abort):
+                for out in self.engine.abort_requests([command.request_id]):
+                    self._deliver(out)
+            elif stream is not None:  # else the client left before the engine saw it
+                self.engine.add_request(
+                    command.request_id,
+                    command.prompt,
+                    command.params,
+                    cache_salt=command.cache_salt,
+                )
+        except EngineDeadError:
+            raise
         except MMServeError as exc:
-            stream.put(exc)
+            if stream is not None:
+                stream.put(exc)
+        except Exception:  # noqa: BLE001 - a bug met by this request: it fails alone
+            kind = "abort" if isinstance(command, _Abort) else "add"
+            logger.exception("request %s: %s failed", command.request_id, kind)
+            if stream is not None:
+                stream.put(InternalRequestError(command.request_id))
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._streams_lock:
             stream = self._streams.get(out.request_id)
         if stream is not None:
             stream.put(out)
+
+
+def _dead_reason(exc: BaseException) -> str:
+    return exc.reason if isinstance(exc, EngineDeadError) else f"{type(exc).__name__} in its loop"
 
 
 def _apply_uuids(

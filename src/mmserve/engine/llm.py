@@ -113,6 +113,9 @@ class LLM:
                 self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt)
                 order[request_id] = i
             while any(r is None for r in results):
+                if not self.engine.has_unfinished_requests():
+                    # a bug, but a loop that cannot end must not spin forever
+                    raise RuntimeError("the engine dropped a request without a final output")
                 for out in self.engine.step():
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out

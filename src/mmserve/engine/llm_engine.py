@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import NoReturn, Protocol
 
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.engine.outputs import RequestOutput
-from mmserve.execution.model_runner import ModelRunner
+from mmserve.errors import EngineDeadError, FailureKind, RequestFailure
 from mmserve.execution.request_state import RunnerPayload
 from mmserve.execution.sampler import make_generator
 from mmserve.metrics import EngineMetrics
@@ -15,22 +16,42 @@ from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.mrope import decode_positions
 from mmserve.sampling_params import SamplingParams
-from mmserve.scheduling.outputs import ModelRunnerOutput
+from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
 from mmserve.scheduling.request import Request, RequestStatus
 from mmserve.scheduling.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 
+class Runner(Protocol):
+    """What the engine needs of a model runner (`mmserve.execution.model_runner.ModelRunner`)."""
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. Per-request failures come back in `errors`; raising means the whole
+        step failed."""
+        ...
+
+    def check_device(self) -> None:
+        """Raise if the device can no longer compute anything."""
+        ...
+
+
 class LLMEngine:
-    """One model, one scheduler, one runner. Not thread-safe: one thread drives `step`."""
+    """One model, one scheduler, one runner. Not thread-safe: one thread drives `step`.
+
+    No request's content can stop it: a request that breaks fails alone, and a step that
+    raises fails the requests in it. The engine declares itself dead (every later `step`
+    raises EngineDeadError) only when, after a failed step, the device or the scheduler's
+    bookkeeping no longer checks out: counting failures instead would let a few hostile
+    requests in a row kill the server.
+    """
 
     def __init__(
         self,
         *,
         input_processor: InputProcessor,
         scheduler: Scheduler,
-        runner: ModelRunner,
+        runner: Runner,
         output_processor: OutputProcessor,
         metrics: EngineMetrics,
         max_model_len: int,
@@ -43,6 +64,7 @@ class LLMEngine:
         self.metrics = metrics
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.dead_reason: str | None = None  # set once, when the engine can no longer run
 
     def add_request(
         self,
@@ -52,7 +74,26 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a processed prompt. Raises a typed 4xx error if it can never run."""
+        """Queue a processed prompt. Raises a typed 4xx error if it can never run; whatever it
+        raises, nothing of the request is left behind."""
+        self._raise_if_dead()
+        request = self._make_request(request_id, prompt, params, cache_salt)
+        self.scheduler.add_request(request)
+        try:
+            self.output_processor.add_request(
+                request_id, prompt.prompt, request.prompt_token_ids, params
+            )
+        except BaseException:
+            self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+            raise
+
+    def _make_request(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        cache_salt: str | None,
+    ) -> Request:
         num_prompt = len(prompt.prompt_token_ids)
         max_tokens = self.max_model_len - num_prompt
         if params.max_tokens is not None:
@@ -67,7 +108,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             generator=make_generator(params.seed) if params.seed is not None else None,
         )
-        request = Request(
+        return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt.prompt_token_ids),
             mm_features=list(prompt.mm_features),
@@ -77,10 +118,6 @@ class LLMEngine:
             stop_token_ids=params.stop_token_ids,
             cache_salt=cache_salt,
             payload=payload,
-        )
-        self.scheduler.add_request(request)
-        self.output_processor.add_request(
-            request_id, prompt.prompt, request.prompt_token_ids, params
         )
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
@@ -94,28 +131,65 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self._execute(scheduler_output)
-        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs, stopped = self.output_processor.process(updates)
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        self._record_stats()
-        return outputs
+        """schedule -> execute -> update -> outputs. Raises only EngineDeadError."""
+        self._raise_if_dead()
+        try:
+            scheduler_output = self.scheduler.schedule()
+            runner_output = self._execute(scheduler_output)
+            updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+            step = self.output_processor.process(updates)
+            self.scheduler.finish_requests(step.stopped_ids, RequestStatus.FINISHED_STOPPED)
+            self.scheduler.finish_requests(step.failed_ids, RequestStatus.FINISHED_ERROR)
+            self._record_stats()
+        except EngineDeadError:
+            raise
+        except Exception:  # noqa: BLE001 - a bug outside the model: contained below
+            return self._fail_unfinished()
+        return step.outputs
 
-    def _execute(self, scheduler_output) -> ModelRunnerOutput:
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step; a crash of the forward pass fails the requests in it, not the engine."""
         try:
             return self.runner.execute(scheduler_output)
-        except Exception as exc:  # noqa: BLE001 - contained to the requests of this step
-            logger.exception(
-                "model step failed; failing the %d requests in it",
-                len(scheduler_output.num_scheduled_tokens),
-            )
-            message = f"internal error while running the model: {type(exc).__name__}"
-            return ModelRunnerOutput(
-                {}, dict.fromkeys(scheduler_output.num_scheduled_tokens, message)
-            )
+        except Exception:  # noqa: BLE001 - contained to the requests of this step
+            request_ids = sorted(scheduler_output.num_scheduled_tokens)
+            logger.exception("model step failed; failing the requests in it: %s", request_ids)
+            self._check_sound()
+            failure = RequestFailure("internal error while running the model", FailureKind.INTERNAL)
+            return ModelRunnerOutput({}, dict.fromkeys(request_ids, failure))
+
+    def _fail_unfinished(self) -> list[RequestOutput]:
+        """A step raised outside the model (scheduler, outputs): which requests it touched is
+        unknown, so every unfinished one fails; the engine goes on if it is still sound."""
+        request_ids = sorted(set(self.scheduler.requests) | self.output_processor.request_ids)
+        logger.exception("engine step failed; failing every unfinished request: %s", request_ids)
+        failure = RequestFailure("internal error in the engine step", FailureKind.INTERNAL)
+        try:
+            self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+            outputs = [o for i in request_ids if (o := self.output_processor.fail(i, failure))]
+            self._record_stats()
+        except Exception as exc:  # noqa: BLE001 - the books cannot even be closed
+            self._declare_dead(exc)
+        self._check_sound()
+        return outputs
+
+    def _check_sound(self) -> None:
+        """After a failed step: declare the engine dead unless the device still computes and
+        the scheduler's books still balance."""
+        try:
+            self.runner.check_device()
+            self.scheduler.check_integrity()
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the engine cannot go on
+            self._declare_dead(exc)
+
+    def _declare_dead(self, exc: Exception) -> NoReturn:
+        logger.exception("the engine cannot go on after a failed step")
+        self.dead_reason = f"{type(exc).__name__} after a failed step"
+        raise EngineDeadError(self.dead_reason) from exc
+
+    def _raise_if_dead(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
 
     def _record_stats(self) -> None:
         s = self.scheduler.make_stats()

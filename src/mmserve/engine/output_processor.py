@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from mmserve.engine.detokenizer import DecodeFn, IncrementalDetokenizer
 from mmserve.engine.outputs import CompletionOutput, RequestOutput
+from mmserve.errors import FailureKind, RequestFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.outputs import RequestUpdate
@@ -18,6 +21,16 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
+
+logger = logging.getLogger(__name__)
+
+
+class ProcessedStep(NamedTuple):
+    """The outputs of one step, and the requests the scheduler must now finish."""
+
+    outputs: list[RequestOutput]
+    stopped_ids: list[str]  # a stop string appeared in the text
+    failed_ids: list[str]  # detokenizing or stop-string matching raised
 
 
 @dataclass
@@ -57,10 +70,13 @@ class OutputProcessor:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs of this step and the ids a stop string has just finished."""
-        outputs: list[RequestOutput] = []
-        stopped_by_string: list[str] = []
+    @property
+    def request_ids(self) -> set[str]:
+        return set(self._requests)
+
+    def process(self, updates: list[RequestUpdate]) -> ProcessedStep:
+        """The outputs of this step; a request whose text cannot be made fails alone."""
+        step = ProcessedStep([], [], [])
         now = time.monotonic()
         for update in updates:
             tracked = self._requests.get(update.request_id)
@@ -69,13 +85,22 @@ class OutputProcessor:
             if update.new_token_ids:
                 self._observe_latency(tracked, now, len(update.new_token_ids))
             tracked.token_ids.extend(update.new_token_ids)
-            delta = tracked.detokenizer.add_tokens(update.new_token_ids)
             finish_reason = FINISH_REASONS.get(update.finish_status) if update.finished else None
             stop_reason: str | int | None = update.stop_reason
+            failure = update.error
+            try:
+                delta = tracked.detokenizer.add_tokens(update.new_token_ids)
+            except Exception as exc:  # noqa: BLE001 - fails this request only; logged once
+                logger.exception("request %s: detokenizing failed", update.request_id)
+                delta, finish_reason, stop_reason = "", "error", None
+                failure = RequestFailure(
+                    f"detokenizing the output failed: {type(exc).__name__}", FailureKind.INTERNAL
+                )
+                step.failed_ids.append(update.request_id)
             if finish_reason is None and tracked.detokenizer.stop_reason is not None:
                 finish_reason, stop_reason = "stop", tracked.detokenizer.stop_reason
-                stopped_by_string.append(update.request_id)
-            outputs.append(
+                step.stopped_ids.append(update.request_id)
+            step.outputs.append(
                 self._output(
                     update.request_id,
                     tracked,
@@ -83,22 +108,29 @@ class OutputProcessor:
                     update.new_token_ids,
                     finish_reason,
                     stop_reason,
-                    update.error,
+                    failure,
                 )
             )
             if finish_reason is not None:
                 self._finish(update.request_id, finish_reason)
-        return outputs, stopped_by_string
+        return step
 
-    def abort(
-        self, request_id: str, reason: str = "abort", error: str | None = None
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Final output of a request aborted from outside the step (client gone, shutdown)."""
+        return self._end(request_id, "abort", None)
+
+    def fail(self, request_id: str, failure: RequestFailure) -> RequestOutput | None:
+        """Final output of a request failed from outside the step (a failed engine step)."""
+        return self._end(request_id, "error", failure)
+
+    def _end(
+        self, request_id: str, reason: str, failure: RequestFailure | None
     ) -> RequestOutput | None:
-        """Final output of a request finished from outside the step (abort, engine error)."""
         tracked = self._requests.get(request_id)
         if tracked is None:
             return None
         self._finish(request_id, reason)
-        return self._output(request_id, tracked, "", [], reason, None, error)
+        return self._output(request_id, tracked, "", [], reason, None, failure)
 
     def _output(
         self,
@@ -108,7 +140,7 @@ class OutputProcessor:
         delta_ids: list[int],
         finish_reason: str | None,
         stop_reason: str | int | None,
-        error: str | None,
+        failure: RequestFailure | None,
     ) -> RequestOutput:
         completion = CompletionOutput(
             index=0,
@@ -125,7 +157,9 @@ class OutputProcessor:
             prompt_token_ids=tracked.prompt_token_ids,
             outputs=[completion],
             finished=finish_reason is not None,
-            error=error,
+            error=None if failure is None else failure.message,
+            error_kind=None if failure is None else failure.kind,
+            error_param=None if failure is None else failure.param,
         )
 
     def _observe_latency(self, tracked: _Tracked, now: float, num_new: int) -> None:

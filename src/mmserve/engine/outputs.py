@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mmserve.errors import FailureKind
+
 
 @dataclass
 class CompletionOutput:
@@ -25,6 +27,10 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """One update of one request. A request that failed (finish_reason "error") carries why
+    in `error`, whose fault in `error_kind` (REQUEST: the client's, answered 400 naming
+    `error_param`; INTERNAL: the server's, answered 500) and nothing else fails with it."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -32,3 +38,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None
+    error_kind: FailureKind | None = None
+    error_param: str | None = None

@@ -22,8 +22,13 @@ class EngineClient(Protocol):
     - `generate` submits a processed prompt and yields cumulative `RequestOutput`s, the last one
       with `finished=True`. Closing the iterator early (client gone) aborts the request and frees
       its KV blocks and encoder-cache references. A failure inside the engine that concerns only
-      this request ends it with finish_reason "error" and `error` set; it never raises into
-      other requests.
+      this request ends it with finish_reason "error", `error` set and `error_kind` saying
+      whose fault it is (`mmserve.errors.FailureKind`); it never raises into other requests.
+      A command the engine could not apply raises a typed error (`InvalidRequestError`, or
+      `InternalRequestError` naming the request id) from the iterator.
+    - When the engine has died, `is_healthy` is False and every method that needs it
+      (`process_*`, `generate`, and iterators already running) raises `EngineDeadError` within
+      a second instead of waiting.
     """
 
     model_name: str

@@ -9,10 +9,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.encoder_runner import EncoderRunner
 from mmserve.execution.request_state import RequestState, RunnerPayload
 from mmserve.execution.sampler import SamplingRow, make_generator, sample
 from mmserve.layers.attention import build_attention_metadata
+from mmserve.multimodal import MultiModalFeature
 from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
-        errors: dict[str, str] = {}
+        errors: dict[str, RequestFailure] = {}
         self._encode(so, errors)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({}, errors)
@@ -82,9 +84,35 @@ class ModelRunner:
             rows = [self._sampling_row(self.states[r]) for r in batch.sample_request_ids]
             tokens = sample(logits, rows, self._generator)
             for request_id, token in zip(batch.sample_request_ids, tokens, strict=True):
+                if isinstance(token, RequestFailure):
+                    errors[request_id] = token
+                    if token.kind is FailureKind.INTERNAL:  # its KV may hold NaN
+                        self._scrub_kv(self.states[request_id])
+                    continue
                 self.states[request_id].token_ids.append(token)
                 sampled[request_id] = [token]
         return ModelRunnerOutput(sampled, errors)
+
+    def _scrub_kv(self, state: RequestState) -> None:
+        """Zero the KV blocks a failed request wrote itself.
+
+        NOTE: NaN left in a freed block reaches its next owners: decode attention reads whole
+        blocks (and pads block tables with block 0) and masks the slots past each sequence's
+        length, but a masked weight of 0 times a NaN value is still NaN. Blocks the request
+        got from the prefix cache are shared and were written by others: left alone.
+        """
+        own = state.block_ids[state.first_own_block_idx :]
+        if own:
+            idx = torch.tensor(own, dtype=torch.long, device=self.device)
+            for kv_cache in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
+                kv_cache[:, idx] = 0
+
+    def check_device(self) -> None:
+        """Raise if the device can no longer compute: after a CUDA error every later call
+        fails, so a failed step followed by a failed probe means the engine is done for."""
+        probe = torch.ones(1, device=self.device) + 1  # [1]
+        if probe.item() != 2.0:
+            raise RuntimeError(f"device {self.device} computed 1 + 1 = {probe.item()}")
 
     # ---------------------------------------------------------------------------- state
 
@@ -102,6 +130,7 @@ class ModelRunner:
                 list(new.block_ids),
                 new.num_computed_tokens,
                 payload,
+                first_own_block_idx=new.num_computed_tokens // self.block_size,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.states[cached.request_id]
@@ -110,11 +139,17 @@ class ModelRunner:
 
     def _sampling_row(self, state: RequestState) -> SamplingRow:
         p = state.payload
-        return SamplingRow(p.sampling_params, p.generator, state.num_output_tokens, p.eos_token_ids)
+        return SamplingRow(
+            state.request_id,
+            p.sampling_params,
+            p.generator,
+            state.num_output_tokens,
+            p.eos_token_ids,
+        )
 
     # -------------------------------------------------------------------------- encoder
 
-    def _encode(self, so: SchedulerOutput, errors: dict[str, str]) -> None:
+    def _encode(self, so: SchedulerOutput, errors: dict[str, RequestFailure]) -> None:
         """Run every scheduled item through the vision tower in as few calls as possible."""
         features = [
             (request_id, self.states[request_id].mm_features[i])
@@ -125,18 +160,23 @@ class ModelRunner:
             return
         try:
             self.encoder.encode([f for _, f in features])
-        except Exception:
-            # One bad item must fail only its own request: retry item by item.
-            logger.exception("batched encoder call failed; retrying item by item")
+        except Exception as exc:  # noqa: BLE001 - the retry below finds the item at fault
+            # One bad item must fail only its own request: retry item by item. The traceback
+            # is logged once, by the item that fails again.
+            logger.warning("batched encoder call failed (%s); retrying item by item", exc)
             for request_id, feature in features:
                 try:
                     self.encoder.encode([feature])
-                except Exception as exc:  # noqa: BLE001 - reported to that request only
-                    errors[request_id] = f"encoding multimodal item failed: {exc}"
+                except Exception as item_exc:  # noqa: BLE001 - reported to that request only
+                    logger.exception("request %s: encoding an image failed", request_id)
+                    errors[request_id] = RequestFailure(
+                        f"encoding multimodal item failed: {type(item_exc).__name__}",
+                        FailureKind.INTERNAL,
+                    )
 
     # ----------------------------------------------------------------------------- batch
 
-    def _prepare_batch(self, so: SchedulerOutput, errors: dict[str, str]) -> _Batch:
+    def _prepare_batch(self, so: SchedulerOutput, errors: dict[str, RequestFailure]) -> _Batch:
         ids: list[int] = []
         positions: list[np.ndarray] = []
         mm_index: list[int] = []
@@ -151,7 +191,9 @@ class ModelRunner:
             try:
                 local_index, parts = self._gather_mm_embeddings(state, start, end, window_ids)
             except _SpliceError as exc:
-                errors[request_id] = str(exc)
+                if exc.kind is FailureKind.INTERNAL:
+                    logger.error("request %s: %s", request_id, exc, exc_info=exc.__cause__)
+                errors[request_id] = RequestFailure(str(exc), exc.kind)
                 continue
             offset = len(ids)
             ids.extend(window_ids)
@@ -201,10 +243,11 @@ class ModelRunner:
             hi = min(end, feature.placeholder.end)
             if lo >= hi:
                 continue
-            emb = self.encoder.get(feature.identifier)
+            emb = self._embeddings(feature)
             if emb is None:
                 raise _SpliceError(
-                    f"encoder cache miss for item {feature.identifier[:16]} (a scheduler bug)"
+                    f"encoder cache miss for item {feature.identifier[:16]} (a scheduler bug)",
+                    FailureKind.INTERNAL,
                 )
             if emb.shape[0] != feature.placeholder.length:
                 raise _SpliceError(
@@ -230,6 +273,36 @@ class ModelRunner:
             )
         return local_index, parts
 
+    def _embeddings(self, feature: MultiModalFeature) -> torch.Tensor | None:
+        """The item's embeddings from the encoder cache, encoding it now if it is missing.
+
+        NOTE: an item whose encoding failed (failing its request) still counts as resident in
+        the scheduler, so a later request with the same picture is not scheduled to encode
+        it. Encoding it here keeps one failure from failing every later request that shares
+        the item; the scheduler frees the entry as usual.
+        """
+        emb = self.encoder.get(feature.identifier)
+        if emb is not None or feature.data is None:
+            return emb
+        logger.warning(
+            "item %s is not in the encoder cache; encoding it now", feature.identifier[:16]
+        )
+        try:
+            self.encoder.encode([feature])
+        except Exception as exc:  # noqa: BLE001 - fails the request that needs the item
+            raise _SpliceError(
+                f"encoding multimodal item failed: {type(exc).__name__}", FailureKind.INTERNAL
+            ) from exc
+        return self.encoder.get(feature.identifier)
+
 
 class _SpliceError(Exception):
-    """The embeddings of a request do not match its placeholders; fails that request only."""
+    """The embeddings of a request do not match its placeholders; fails that request only.
+
+    REQUEST when the prompt's own placeholders disagree with its items, INTERNAL when the
+    runner lost what the scheduler said it holds.
+    """
+
+    def __init__(self, message: str, kind: FailureKind = FailureKind.REQUEST) -> None:
+        super().__init__(message)
+        self.kind = kind

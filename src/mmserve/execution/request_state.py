@@ -40,6 +40,8 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     payload: RunnerPayload
+    # blocks before this index came from the prefix cache (shared, written by others)
+    first_own_block_idx: int = 0
 
     @property
     def num_output_tokens(self) -> int:

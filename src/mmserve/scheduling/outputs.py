@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mmserve.errors import RequestFailure
 from mmserve.multimodal import MultiModalFeature
 from mmserve.scheduling.request import RequestStatus
 
@@ -58,10 +59,10 @@ class SchedulerOutput:
 @dataclass(frozen=True)
 class ModelRunnerOutput:
     """The runner's answer: sampled tokens per request, and requests that failed inside it
-    (e.g. a placeholder/embedding count mismatch) with their error message."""
+    (e.g. a placeholder/embedding count mismatch) with why and whose fault it is."""
 
     sampled_token_ids: dict[str, list[int]]
-    errors: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, RequestFailure] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class RequestUpdate:
     new_token_ids: list[int]
     finish_status: RequestStatus | None = None
     stop_reason: int | None = None
-    error: str | None = None
+    error: RequestFailure | None = None
 
     @property
     def finished(self) -> bool:
