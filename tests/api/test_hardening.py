@@ -190,7 +190,7 @@ def test_a_tiny_temperature_is_clamped_not_a_failure(open_server):
         ("repetition_penalty", 1.3),
         ("top_logprobs", 2),
         ("tool_choice", "required"),
-        ("parallel_tool_calls", True),
+        ("parallel_tool_calls", False),  # True is the OpenAI default (a no-op)
         ("response_format", {"type": "json_object"}),
     ],
 )
