@@ -14,6 +14,7 @@ from mmserve.errors import InvalidRequestError, PromptTooLongError, TooManyItems
 from mmserve.hashing import DEFAULT_NAMESPACE, Hasher
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.chat import check_user_text, parse_chat_messages
+from mmserve.processing.decode_budget import RequestDecodeBudget
 from mmserve.processing.image_processor import ImageProcessorConfig, max_tokens_per_item
 from mmserve.processing.item_resolver import ItemResolver
 from mmserve.processing.media import MediaLoader
@@ -183,9 +184,10 @@ class InputProcessor:
         uuids = (prompt.get("multi_modal_uuids") or {}).get("image")
         if isinstance(uuids, str):
             uuids = [uuids]
+        budget = self.media_loader.new_decode_budget()
         return self.process(
             prompt.get("prompt", ""),
-            [self._load_offline(img) for img in images],
+            [self._load_offline(img, budget) for img in images],
             mm_processor_kwargs=prompt.get("mm_processor_kwargs"),
             multi_modal_uuids=uuids,
             namespace=namespace,
@@ -220,7 +222,8 @@ class InputProcessor:
         prompt, sources, uuids = self._render_checked(
             messages, add_generation_prompt, chat_template_kwargs
         )
-        images = [self._load(src) for src in sources]
+        budget = self.media_loader.new_decode_budget()
+        images = [self._load(src, budget) for src in sources]
         return self.process(
             prompt,
             images,
@@ -243,8 +246,10 @@ class InputProcessor:
             messages, add_generation_prompt, chat_template_kwargs
         )
 
+        budget = self.media_loader.new_decode_budget()
+
         async def load(src: Any) -> ImageInput:
-            return None if src is None else await self.media_loader.aload_image(src)
+            return None if src is None else await self.media_loader.aload_image(src, budget)
 
         images = await asyncio.gather(*(load(src) for src in sources))
         return await asyncio.to_thread(
@@ -273,13 +278,13 @@ class InputProcessor:
         self._check_item_limit(len(sources))
         return prompt, sources, uuids
 
-    def _load(self, source: Any) -> ImageInput:
-        return None if source is None else self.media_loader.load_image(source)
+    def _load(self, source: Any, budget: RequestDecodeBudget) -> ImageInput:
+        return None if source is None else self.media_loader.load_image(source, budget)
 
-    def _load_offline(self, image: Any) -> ImageInput:
+    def _load_offline(self, image: Any, budget: RequestDecodeBudget) -> ImageInput:
         if image is None or isinstance(image, Image.Image):
             return image  # PIL: hashed as given (mode, size, pixels, EXIF id)
-        return self.media_loader.load_image(image)
+        return self.media_loader.load_image(image, budget)
 
     def _check_item_limit(self, num_images: int) -> None:
         limit = self.limit_mm_per_prompt.get("image")

@@ -13,9 +13,11 @@ from urllib.parse import unquote, urlsplit
 from PIL import Image
 
 from mmserve.errors import MediaError, MediaFetchRefusedError
+from mmserve.processing.decode_budget import DecodeMemoryGate, Release, RequestDecodeBudget
+from mmserve.processing.decode_workers import DecodeWorkerPool
 from mmserve.processing.image_decode import (
     DEFAULT_MAX_IMAGE_PIXELS,
-    DecodeWorkerPool,
+    ImageHeader,
     decode_image_bytes,
 )
 from mmserve.processing.image_processor import to_rgb
@@ -31,6 +33,12 @@ class MediaConfig:
     `allowed_media_domains` empty means any public host; listed hosts are the only ones
     fetched, and may resolve to private addresses. `decode_workers` 0 decodes in-process
     (tests, the offline API); > 0 decodes in that many worker processes started on first use.
+
+    Decode memory is estimated from each image's header (`ImageHeader.decode_bytes`) before
+    any pixel exists: `max_decode_bytes_per_request` caps the sum over one request's images
+    (400), `max_inflight_decode_bytes` the sum over decoded images alive in the server (a
+    decode waits up to `decode_wait_timeout_s` for room, then 503); 0 means no cap. A decode
+    worker resident over `decode_worker_max_rss_bytes` (0: no limit) after a decode is retired.
     """
 
     allowed_media_domains: tuple[str, ...] = ()
@@ -41,6 +49,10 @@ class MediaConfig:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     decode_workers: int = 0
     decode_timeout_s: float = 10.0
+    max_decode_bytes_per_request: int = 1 << 30
+    max_inflight_decode_bytes: int = 2 << 30
+    decode_wait_timeout_s: float = 10.0
+    decode_worker_max_rss_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -54,6 +66,7 @@ class MediaConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_redirects < 0 or self.decode_workers < 0:
             raise ValueError("max_redirects and decode_workers must be >= 0")
+        self._check_decode_fields()
         if self.allowed_local_media_path is not None:
             root = Path(self.allowed_local_media_path)
             if not root.is_absolute():
@@ -61,6 +74,32 @@ class MediaConfig:
                     "--allowed-local-media-path must be an absolute path, got "
                     f"{self.allowed_local_media_path!r}"
                 )
+
+    @property
+    def decode_bytes_per_request_cap(self) -> int:
+        """The per-request cap in force: a request can never use more than the in-flight cap."""
+        return self.max_decode_bytes_per_request or self.max_inflight_decode_bytes
+
+    def _check_decode_fields(self) -> None:
+        for name in (
+            "max_decode_bytes_per_request",
+            "max_inflight_decode_bytes",
+            "decode_worker_max_rss_bytes",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no cap), got {getattr(self, name)}")
+        if self.decode_wait_timeout_s <= 0:
+            raise ValueError(
+                f"decode_wait_timeout_s must be positive, got {self.decode_wait_timeout_s}"
+            )
+        per_request, inflight = self.max_decode_bytes_per_request, self.max_inflight_decode_bytes
+        if inflight and per_request > inflight:
+            # A request holds all its decoded images at once, so one over the server-wide cap
+            # would wait for room that can never appear.
+            raise ValueError(
+                f"max_decode_bytes_per_request ({per_request}) must not exceed "
+                f"max_inflight_decode_bytes ({inflight}); lower it or raise the in-flight cap"
+            )
 
 
 class MediaLoader:
@@ -70,12 +109,18 @@ class MediaLoader:
         self.config = config or MediaConfig()
         self._pool: DecodeWorkerPool | None = None
         self._pool_lock = threading.Lock()
+        self.decode_gate = DecodeMemoryGate(
+            self.config.max_inflight_decode_bytes, self.config.decode_wait_timeout_s
+        )
 
-    def load_image(self, source: MediaSource) -> Image.Image:
+    def load_image(
+        self, source: MediaSource, budget: RequestDecodeBudget | None = None
+    ) -> Image.Image:
+        """`budget`: the request's decode budget (`new_decode_budget`); None: this image alone."""
         if isinstance(source, Image.Image):
             return to_rgb(source)
         if isinstance(source, bytes | bytearray | memoryview):
-            return self._decode(bytes(source))
+            return self._decode(bytes(source), budget)
         if not isinstance(source, str):
             raise MediaError(
                 f"unsupported image source of type {type(source).__name__}; pass a PIL image, "
@@ -83,7 +128,7 @@ class MediaLoader:
             )
         scheme = source.split(":", 1)[0].lower() if ":" in source else ""
         if scheme == "data":
-            return self._decode(self._read_data_url(source))
+            return self._decode(self._read_data_url(source), budget)
         if scheme in ("http", "https"):
             cfg = self.config
             data = fetch_url(
@@ -93,16 +138,18 @@ class MediaLoader:
                 max_bytes=cfg.max_fetch_bytes,
                 max_redirects=cfg.max_redirects,
             )
-            return self._decode(data)
+            return self._decode(data, budget)
         if scheme == "file":
-            return self._decode(self._read_file_url(source))
+            return self._decode(self._read_file_url(source), budget)
         raise MediaFetchRefusedError(
             "image URL must be a data:, http(s):// or (when enabled) file:// URL", param="image_url"
         )
 
-    async def aload_image(self, source: MediaSource) -> Image.Image:
+    async def aload_image(
+        self, source: MediaSource, budget: RequestDecodeBudget | None = None
+    ) -> Image.Image:
         """`load_image` on a worker thread, so fetching and decoding never block the event loop."""
-        return await asyncio.to_thread(self.load_image, source)
+        return await asyncio.to_thread(self.load_image, source, budget)
 
     def close(self) -> None:
         with self._pool_lock:
@@ -116,15 +163,27 @@ class MediaLoader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _decode(self, data: bytes) -> Image.Image:
+    def new_decode_budget(self) -> RequestDecodeBudget:
+        """A fresh per-request decode-memory budget: pass one to every load of a request."""
+        return RequestDecodeBudget(self.config.decode_bytes_per_request_cap)
+
+    def _decode(self, data: bytes, budget: RequestDecodeBudget | None = None) -> Image.Image:
         cfg = self.config
+        budget = budget if budget is not None else self.new_decode_budget()
+
+        def admit(header: ImageHeader) -> Release:
+            budget.charge(header.decode_bytes)
+            return self.decode_gate.reserve(header.decode_bytes)
+
         if cfg.decode_workers == 0:
-            return decode_image_bytes(data, cfg.max_image_pixels)
+            return decode_image_bytes(data, cfg.max_image_pixels, admit=admit)
         with self._pool_lock:
             if self._pool is None:
-                self._pool = DecodeWorkerPool(cfg.decode_workers, cfg.decode_timeout_s)
+                self._pool = DecodeWorkerPool(
+                    cfg.decode_workers, cfg.decode_timeout_s, cfg.decode_worker_max_rss_bytes
+                )
             pool = self._pool
-        return pool.decode(data, cfg.max_image_pixels)
+        return pool.decode(data, cfg.max_image_pixels, admit=admit)
 
     def _read_data_url(self, url: str) -> bytes:
         header, sep, payload = url.partition(",")
