@@ -20,6 +20,8 @@ from mmserve.layers.attention import allocate_kv_caches, kv_cache_bytes_per_bloc
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import ModelConfig
 from mmserve.models.loader import load_model
+from mmserve.processing.image_decode import default_max_image_pixels
+from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.media import MediaConfig, MediaLoader
 from mmserve.scheduling.scheduler import Scheduler
@@ -93,6 +95,10 @@ def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngin
     dtype = resolve_dtype(args.dtype, device, checkpoint_dtype)
     model, model_config = load_model(model_dir, device=device, dtype=dtype)
     max_model_len = args.max_model_len or model_config.text.max_position_embeddings
+    # No image needs more pixels than the processor resizes it to (or 4096x4096 when that is less).
+    image_config = ImageProcessorConfig.from_pretrained(model_dir)
+    processor_max_pixels = image_config.with_overrides(args.mm_processor_kwargs).max_pixels
+    max_image_pixels = args.max_image_pixels or default_max_image_pixels(processor_max_pixels)
     media = MediaLoader(
         MediaConfig(
             allowed_media_domains=args.allowed_media_domains or (),
@@ -100,6 +106,11 @@ def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngin
             fetch_timeout_s=args.media_fetch_timeout,
             max_fetch_bytes=args.max_media_bytes,
             decode_workers=decode_workers,
+            max_image_pixels=max_image_pixels,
+            max_decode_bytes_per_request=args.max_decode_bytes_per_request,
+            max_inflight_decode_bytes=args.max_inflight_decode_bytes,
+            decode_wait_timeout_s=args.decode_wait_timeout,
+            decode_worker_max_rss_bytes=args.decode_worker_max_rss_mb << 20,
         )
     )
     input_processor = InputProcessor.from_pretrained(
