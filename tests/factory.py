@@ -247,3 +247,39 @@ def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> I
     if channels == 1:
         arr = arr[:, :, 0]
     return Image.fromarray(arr, mode=mode)
+
+
+# PNG (bit depth, colour type, bytes per row) of the modes `flat_png` writes.
+_PNG_LAYOUTS = {
+    "1": (1, 0, 1 / 8),
+    "L": (8, 0, 1),
+    "P": (8, 3, 1),
+    "RGB": (8, 2, 3),
+    "RGBA": (8, 6, 4),
+}
+
+
+def flat_png(width: int, height: int, mode: str = "1") -> bytes:
+    """A valid PNG of one flat colour, written row by row without building the image in memory:
+    a 9000x9000 1-bit picture is a few KB on the wire and 81 MP once decoded."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    bit_depth, colour_type, row_factor = _PNG_LAYOUTS[mode]
+    row = b"\0" + b"\x55" * -(-int(width * row_factor * 8) // 8)  # filter byte + pixels
+    packer = zlib.compressobj(9)
+    idat = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    ihdr = struct.pack(">IIBBBBB", width, height, bit_depth, colour_type, 0, 0, 0)
+    palette = chunk(b"PLTE", bytes(range(256)) * 3) if mode == "P" else b""
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + palette
+        + chunk(b"IDAT", idat)
+        + chunk(b"IEND", b"")
+    )

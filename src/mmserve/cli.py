@@ -223,12 +223,57 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="An idle keep-alive connection is closed after this long without a new request.",
     )
+    _add_decode_args(p)
     a("--log-level", choices=LOG_LEVELS, default="info", help="mmserve's log level.")
     a(
         "--uvicorn-log-level",
         choices=LOG_LEVELS,
         default="warning",
         help="uvicorn's log level (access logs appear at info).",
+    )
+
+
+def _add_decode_args(p: argparse.ArgumentParser) -> None:
+    """Decode-memory caps: each is checked from the image header, before pixels are decoded."""
+    a = p.add_argument
+    a(
+        "--max-image-pixels",
+        type=int,
+        default=None,
+        metavar="PIXELS",
+        help="Largest image (width x height) to decode; bigger ones get 400. Default: the image "
+        "processor's max_pixels or 4096x4096 = 16777216, whichever is larger.",
+    )
+    a(
+        "--max-decode-bytes-per-request",
+        type=int,
+        default=1 << 30,
+        metavar="BYTES",
+        help="Most estimated decode memory of one request's images together (1-bit and palette "
+        "images count as decoded RGB); over it: 400. 0: only the in-flight cap. Default 1 GiB.",
+    )
+    a(
+        "--max-inflight-decode-bytes",
+        type=int,
+        default=2 << 30,
+        metavar="BYTES",
+        help="Most estimated memory of decoded images alive in the server at once; a decode "
+        "waits for room (first come, first served) up to --decode-wait-timeout, then 503. "
+        "0: no cap. Default 2 GiB.",
+    )
+    a(
+        "--decode-wait-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="How long a decode may wait for --max-inflight-decode-bytes room before a 503.",
+    )
+    a(
+        "--decode-worker-max-rss-mb",
+        type=int,
+        default=1024,
+        metavar="MB",
+        help="A decode worker process resident over this after a decode is replaced. 0: never.",
     )
 
 

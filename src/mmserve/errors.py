@@ -54,6 +54,22 @@ class ImageDecodeError(MediaError):
     code = "invalid_image"
 
 
+class ImageTooLargeError(ImageDecodeError):
+    """An image (or a request's images together) would need more decode memory than allowed."""
+
+    code = "image_too_large"
+
+
+class DecodeBusyError(MediaError):
+    """Decoding could not start in time because other requests hold the decode-memory budget.
+
+    Not the client's fault and not a failure: the same request may succeed when retried.
+    """
+
+    status_code = 503
+    code = "server_busy"
+
+
 class PromptTooLongError(InvalidRequestError):
     code = "prompt_too_long"
 

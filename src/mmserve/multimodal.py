@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,18 @@ class ProcessedImage:
     @property
     def nbytes(self) -> int:
         return int(self.pixel_values.nbytes)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes the pixel array keeps alive: the whole buffer it views, not just its own span."""
+        root = self.pixel_values
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        held = root.nbytes
+        if root.base is not None:  # a view of a foreign buffer (bytes, mmap)
+            with contextlib.suppress(TypeError):  # not a buffer: count the array alone
+                held = max(held, memoryview(root.base).nbytes)
+        return int(held)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import multiprocessing
 import struct
 import time
 import zlib
@@ -12,10 +13,10 @@ import zlib
 import pytest
 from PIL import Image
 
-from mmserve.errors import ImageDecodeError, MediaError
-from mmserve.processing.image_decode import DecodeWorkerPool
+from mmserve.errors import ImageDecodeError, ImageTooLargeError, MediaError
+from mmserve.processing.decode_workers import DecodeWorkerPool
 from mmserve.processing.media import MediaConfig, MediaLoader
-from tests.factory import random_image
+from tests.factory import flat_png, random_image
 
 
 def _encode(image: Image.Image, fmt: str = "PNG") -> bytes:
@@ -131,5 +132,45 @@ def test_a_decode_that_overruns_fails_alone_and_the_pool_recovers() -> None:
             pool.decode(big, 10**8, timeout_s=1e-4)
         small = random_image(30, 20, seed=5)
         assert pool.decode(_encode(small), 10**8).tobytes() == small.tobytes()
+    finally:
+        pool.close()
+
+
+def test_a_worker_over_its_rss_limit_is_retired_and_replaced() -> None:
+    png = _encode(random_image(40, 30, seed=6))
+    tiny = DecodeWorkerPool(num_workers=1, timeout_s=30, max_rss_bytes=1)  # every worker is over
+    try:
+        for _ in range(3):
+            assert tiny.decode(png, 10**8).tobytes() == random_image(40, 30, seed=6).tobytes()
+        assert (tiny.num_started, tiny.num_retired) == (3, 3)
+        assert len(multiprocessing.active_children()) <= 1  # retired workers are gone, not idle
+    finally:
+        tiny.close()
+    roomy = DecodeWorkerPool(num_workers=1, timeout_s=30, max_rss_bytes=1 << 30)
+    try:
+        for _ in range(3):
+            roomy.decode(png, 10**8)
+        assert (roomy.num_started, roomy.num_retired) == (1, 0)
+    finally:
+        roomy.close()
+
+
+def test_worker_refusals_keep_their_kind_and_the_worker() -> None:
+    pool = DecodeWorkerPool(num_workers=1, timeout_s=30)
+    try:
+        with pytest.raises(ImageTooLargeError, match="--max-image-pixels") as info:
+            pool.decode(flat_png(9000, 9000, "1"), 4096 * 4096)
+        assert info.value.param == "image_url"
+        seen = []
+
+        def refuse(header):
+            seen.append((header.format, header.mode, header.width, header.height))
+            raise ImageTooLargeError("refused by the parent")
+
+        with pytest.raises(ImageTooLargeError, match="refused by the parent"):
+            pool.decode(flat_png(64, 32, "P"), 10**8, admit=refuse)
+        assert seen == [("PNG", "P", 64, 32)]
+        assert pool.decode(flat_png(64, 32, "P"), 10**8).size == (64, 32)
+        assert pool.num_started == 1  # neither refusal cost a worker
     finally:
         pool.close()

@@ -86,6 +86,12 @@ class EngineArgs:
     http_keep_alive_timeout: float = 5.0
     log_level: str = "info"
     uvicorn_log_level: str = "warning"
+    # Decode memory (issue #20): caps checked from image headers, before any pixel exists.
+    max_image_pixels: int | None = None  # None: max(processor max_pixels, 4096 * 4096)
+    max_decode_bytes_per_request: int = 1 << 30
+    max_inflight_decode_bytes: int = 2 << 30
+    decode_wait_timeout: float = 10.0
+    decode_worker_max_rss_mb: int = 1024
 
     def __post_init__(self) -> None:
         for name in (
@@ -125,6 +131,7 @@ class EngineArgs:
                 f"--mm-processor-cache-gb must be >= 0 (0 disables the cache), "
                 f"got {self.mm_processor_cache_gb}"
             )
+        self._check_decode_flags()
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, DEVICES)
         _check_choice("hash_algorithm", self.hash_algorithm, HASH_ALGORITHMS)
@@ -144,6 +151,26 @@ class EngineArgs:
             if not keys or not all(isinstance(k, str) and k.strip() for k in keys):
                 raise ValueError("--api-key must not be empty (omit it to disable authentication)")
             object.__setattr__(self, "api_key", keys)
+
+    def _check_decode_flags(self) -> None:
+        if self.max_image_pixels is not None:
+            _check_positive("max_image_pixels", self.max_image_pixels)
+        _check_positive("decode_wait_timeout", self.decode_wait_timeout)
+        for name in (
+            "max_decode_bytes_per_request",
+            "max_inflight_decode_bytes",
+            "decode_worker_max_rss_mb",
+        ):
+            if getattr(self, name) < 0:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be >= 0 (0: no cap), got {getattr(self, name)}")
+        per_request, inflight = self.max_decode_bytes_per_request, self.max_inflight_decode_bytes
+        if inflight and per_request > inflight:
+            raise ValueError(
+                f"--max-decode-bytes-per-request ({per_request}) must not exceed "
+                f"--max-inflight-decode-bytes ({inflight}): a request holds all its decoded "
+                "images at once, so it could never fit"
+            )
 
     @property
     def resolved_served_model_name(self) -> str:

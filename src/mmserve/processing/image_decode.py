@@ -1,62 +1,151 @@
-"""Image decoding with a pixel cap, inline or in worker processes a crash or hang cannot escape."""
+"""Image decoding that reads the header first and refuses oversized images before any pixel exists.
+
+The pixel cap and the decode-memory estimate are checked from the header alone (Image.open
+parses headers, it does not decode); only then, and only after `admit` agreed, are the pixels
+of the first frame decoded and converted to RGB. Worker processes: `decode_workers.py`.
+"""
 
 from __future__ import annotations
 
 import io
-import logging
-import multiprocessing
-import queue
 import struct
-import threading
 import warnings
-from multiprocessing.connection import Connection
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
-from mmserve.errors import ImageDecodeError
+from mmserve.errors import ImageDecodeError, ImageTooLargeError
+from mmserve.processing.decode_budget import Release, hold_until_collected
 from mmserve.processing.image_processor import to_rgb
 
-logger = logging.getLogger(__name__)
-
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-# Pillow's own warning threshold; after smart_resize no image needs more than ~12.8 M pixels.
-DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+# The default pixel cap is the larger of this and the image processor's max_pixels: smart_resize
+# brings every image down to max_pixels anyway, and 4096x4096 covers 4K photos for any model.
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
+# EXIF rides along for its ImageUniqueID only; a JPEG's APP1 segment holds at most 64 KiB, and a
+# larger block (PNG eXIf can be any size) is dropped rather than kept with the image.
+MAX_EXIF_BYTES = 64 * 1024
 
-# Worker wire format (no pickle):
-#   request  = <Q max_pixels> + encoded image bytes
-#   reply ok = b"\x00" + <IIQ width, height, exif_len> + exif + RGB pixel bytes
-#   reply err= b"\x01" + utf-8 message (ours, never the library's)
-_REQUEST = struct.Struct("<Q")
-_REPLY_OK = struct.Struct("<IIQ")
-_READY = b"ready"
+# Bytes per pixel of Pillow's in-memory storage by mode: 1-bit, grey and palette images take one
+# byte, 16-bit grey two, everything else is stored as 32-bit pixels (RGB included).
+_STORAGE_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2}
+_RGB_BYTES = 4  # the RGB image Pillow holds
+# tobytes(), which a worker sends and identity hashes: the packed copy (3 bytes) plus, while
+# Pillow joins it, the list of chunks it is joined from (3 more).
+_PACKED_RGB_BYTES = 6
+# RGBA copy, white background, composite, then RGB: to_rgb's buffers for a transparent image.
+_COMPOSITE_BYTES = 4 * _RGB_BYTES
+_WEBP_CANVAS_BYTES = 8  # libwebp's decoder keeps two RGBA canvases
+_DECODER_STATE_BYTES = 1 << 20  # row buffers and inflate window; measured ~0.3 MB for 4096 wide
 
 
-def decode_image_bytes(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
-    """Decode bytes into an RGB image; refuse unknown formats and oversized images before decoding.
+@dataclass(frozen=True, slots=True)
+class ImageHeader:
+    """What the header says, before decoding: enough to refuse or to budget the decode."""
 
-    The raw EXIF block (if any) is kept in `info["exif"]` so that the EXIF ImageUniqueID can
-    still stand in for content after the RGB conversion.
+    format: str
+    width: int
+    height: int
+    mode: str
+    has_transparency: bool
+
+    @property
+    def num_pixels(self) -> int:
+        return self.width * self.height
+
+    @property
+    def decode_bytes(self) -> int:
+        """Estimated peak memory of decoding this image to RGB (see `estimate_decode_bytes`)."""
+        return estimate_decode_bytes(self.format, self.mode, self.has_transparency, self.num_pixels)
+
+
+def estimate_decode_bytes(fmt: str, mode: str, has_transparency: bool, num_pixels: int) -> int:
+    """Peak bytes of a decode, from the header: the larger of its two phases.
+
+      phase 1: the image in its own mode + the buffers that convert it to RGB
+      phase 2: the RGB image + its packed copy (tobytes, sent by a worker, hashed for identity)
+
+    A 1-bit or palette image is small on the wire but expands: 1 byte per pixel decoded, 4 as
+    RGB. Unknown modes are taken as 32-bit. tests/processing/test_image_decode.py checks this
+    against the kernel's high-water mark of real decodes.
     """
+    native = _STORAGE_BYTES.get(mode, 4)
+    if mode == "RGB" and not has_transparency:
+        conversion = 0
+    elif has_transparency or "A" in mode.upper():  # LA, La, PA, RGBA, RGBa
+        conversion = _COMPOSITE_BYTES
+    else:
+        conversion = _RGB_BYTES
+    per_pixel = max(native + conversion, _RGB_BYTES + _PACKED_RGB_BYTES)
+    canvas = _WEBP_CANVAS_BYTES if fmt == "WEBP" else 0
+    return num_pixels * (per_pixel + canvas) + _DECODER_STATE_BYTES
+
+
+Admit = Callable[[ImageHeader], Release | None]
+
+
+def default_max_image_pixels(processor_max_pixels: int) -> int:
+    """--max-image-pixels when not given: no image needs more, since smart_resize caps it."""
+    return max(processor_max_pixels, DEFAULT_MAX_IMAGE_PIXELS)
+
+
+def read_header(data: bytes, max_pixels: int) -> tuple[Image.Image, ImageHeader]:
+    """Open (not decode) the image and check its size against `max_pixels`."""
     if not data:
         raise ImageDecodeError("the image is empty (0 bytes)")
+    webp_size = webp_canvas_size(data)
+    if webp_size is not None:
+        # libwebp allocates its canvases while opening, so the cap is checked before that.
+        _check_pixels(*webp_size, max_pixels)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data), formats=list(ALLOWED_FORMATS))
     except Image.DecompressionBombError:
-        raise ImageDecodeError(f"the image is over the {max_pixels}-pixel limit") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
+        raise _too_many_pixels_error(None, None, max_pixels) from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, struct.error):
         raise ImageDecodeError(
             f"the data is not a supported image; send one of {', '.join(ALLOWED_FORMATS)}"
         ) from None
     width, height = img.size
     if width <= 0 or height <= 0:
         raise ImageDecodeError("the image has an empty side")
-    if width * height > max_pixels:
-        raise ImageDecodeError(
-            f"the image is {width}x{height} = {width * height} pixels, over the "
-            f"{max_pixels}-pixel limit; downscale it before sending"
-        )
+    _check_pixels(width, height, max_pixels)
+    header = ImageHeader(
+        format=img.format or "",
+        width=width,
+        height=height,
+        mode=img.mode,
+        has_transparency=img.info.get("transparency") is not None,
+    )
+    return img, header
+
+
+def decode_image_bytes(
+    data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, *, admit: Admit | None = None
+) -> Image.Image:
+    """Decode the first frame of `data` into an RGB image.
+
+    `admit(header)` runs after the header checks and before any pixel is decoded; it may refuse
+    (raise) or return a release that is held until the returned image is garbage (or called at
+    once if decoding fails). The raw EXIF block (if small) is kept in `info["exif"]` so that
+    the EXIF ImageUniqueID survives the RGB conversion; nothing else from `info` is kept.
+    """
+    img, header = read_header(data, max_pixels)
+    release = admit(header) if admit is not None else None
+    try:
+        rgb = decode_first_frame(img)
+    except BaseException:
+        if release is not None:
+            release()
+        raise
+    hold_until_collected(rgb, release)
+    return rgb
+
+
+def decode_first_frame(img: Image.Image) -> Image.Image:
+    """Decode an opened image's current (first) frame only, as RGB; never seeks other frames."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -68,110 +157,45 @@ def decode_image_bytes(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) 
         raise ImageDecodeError(
             f"the {img.format or 'image'} data is truncated or corrupt and could not be decoded"
         ) from None
-    if exif and "exif" not in rgb.info:
-        rgb.info["exif"] = exif
+    # convert() copies info (ICC profiles, PNG text chunks, XMP): none of it is used downstream.
+    small_exif = isinstance(exif, bytes) and 0 < len(exif) <= MAX_EXIF_BYTES
+    rgb.info = {"exif": exif} if small_exif else {}
     return rgb
 
 
-def _worker_main(conn: Connection) -> None:
-    """Worker loop: decode requests until the pipe closes."""
-    conn.send_bytes(_READY)
-    while True:
-        try:
-            request = conn.recv_bytes()
-        except (EOFError, OSError):
-            return
-        (max_pixels,) = _REQUEST.unpack_from(request)
-        try:
-            img = decode_image_bytes(request[_REQUEST.size :], max_pixels)
-        except ImageDecodeError as e:
-            conn.send_bytes(b"\x01" + e.message.encode())
-            continue
-        exif = img.info.get("exif") or b""
-        header = _REPLY_OK.pack(img.width, img.height, len(exif))
-        conn.send_bytes(b"\x00" + header + exif + img.tobytes())
+def webp_canvas_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from a WebP file's first chunk (VP8X, VP8L or VP8), or None if not WebP.
 
-
-def _unpack_reply(reply: bytes) -> Image.Image:
-    if reply[:1] == b"\x01":
-        raise ImageDecodeError(reply[1:].decode())
-    width, height, exif_len = _REPLY_OK.unpack_from(reply, 1)
-    start = 1 + _REPLY_OK.size
-    img = Image.frombytes("RGB", (width, height), reply[start + exif_len :])
-    if exif_len:
-        img.info["exif"] = reply[start : start + exif_len]
-    return img
-
-
-class _Worker:
-    def __init__(self, ctx: multiprocessing.context.BaseContext, start_timeout_s: float) -> None:
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
-        self.process.start()
-        child.close()
-        if not self.conn.poll(start_timeout_s) or self.conn.recv_bytes() != _READY:
-            self.kill()
-            raise RuntimeError("image decode worker did not start")
-
-    def kill(self) -> None:
-        self.conn.close()
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(timeout=5)
-
-
-class DecodeWorkerPool:
-    """Up to `num_workers` decode processes, started on first use.
-
-    A worker that times out or dies is killed and replaced; only the request it was serving
-    fails. Thread-safe: the server calls `decode` from worker threads.
+    Layouts (offsets in the file): RIFF size WEBP at 0..11, chunk tag at 12..15, chunk data at 20.
+      VP8X: 24-bit little-endian width-1 at 24, height-1 at 27
+      VP8L: signature 0x2f at 20, then 14 bits width-1, 14 bits height-1 (little-endian bits)
+      VP8 : start code 9d 01 2a at 23, then 14-bit width at 26, 14-bit height at 28
     """
+    if len(data) < 30 or data[:4] != b"RIFF" or data[8:12] != b"WEBP":
+        return None
+    tag = data[12:16]
+    if tag == b"VP8X":
+        width = int.from_bytes(data[24:27], "little") + 1
+        height = int.from_bytes(data[27:30], "little") + 1
+        return width, height
+    if tag == b"VP8L" and data[20] == 0x2F:
+        bits = int.from_bytes(data[21:25], "little")
+        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    if tag == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":
+        width, height = struct.unpack_from("<HH", data, 26)
+        return width & 0x3FFF, height & 0x3FFF
+    return None
 
-    def __init__(self, num_workers: int = 2, timeout_s: float = 10.0) -> None:
-        if num_workers <= 0:
-            raise ValueError(f"num_workers must be positive, got {num_workers}")
-        self.timeout_s = timeout_s
-        self._ctx = multiprocessing.get_context("spawn")
-        self._slots = threading.BoundedSemaphore(num_workers)
-        self._idle: queue.LifoQueue[_Worker] = queue.LifoQueue()
-        self._closed = False
 
-    def decode(
-        self, data: bytes, max_pixels: int, *, timeout_s: float | None = None
-    ) -> Image.Image:
-        """Decode in a worker; `timeout_s` overrides the pool's limit for this one call."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if self._closed:
-            raise RuntimeError("DecodeWorkerPool is closed")
-        with self._slots:
-            worker = self._checkout()
-            healthy = False
-            try:
-                worker.conn.send_bytes(_REQUEST.pack(max_pixels) + data)
-                if not worker.conn.poll(timeout_s):
-                    raise ImageDecodeError(f"decoding the image took longer than {timeout_s:g} s")
-                reply = worker.conn.recv_bytes()
-                healthy = True
-            except (EOFError, OSError):
-                logger.warning("an image decode worker died; replacing it")
-                raise ImageDecodeError("the image could not be decoded (decoder failed)") from None
-            finally:
-                if healthy and not self._closed:
-                    self._idle.put(worker)
-                else:
-                    worker.kill()
-        return _unpack_reply(reply)
+def _check_pixels(width: int, height: int, max_pixels: int) -> None:
+    if width * height > max_pixels:
+        raise _too_many_pixels_error(width, height, max_pixels)
 
-    def _checkout(self) -> _Worker:
-        try:
-            return self._idle.get_nowait()
-        except queue.Empty:
-            return _Worker(self._ctx, start_timeout_s=60.0)
 
-    def close(self) -> None:
-        self._closed = True
-        while True:
-            try:
-                self._idle.get_nowait().kill()
-            except queue.Empty:
-                return
+def _too_many_pixels_error(width: int | None, height: int | None, max_pixels: int) -> Exception:
+    size = f"{width}x{height} = {width * height} pixels" if width and height else "too large"
+    return ImageTooLargeError(
+        f"the image is {size}, over the {max_pixels}-pixel limit (--max-image-pixels); "
+        "downscale it before sending",
+        param="image_url",
+    )

@@ -14,6 +14,7 @@ from mmserve.errors import InvalidRequestError, PromptTooLongError, TooManyItems
 from mmserve.hashing import DEFAULT_NAMESPACE, Hasher
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.chat import check_media_uuid, check_user_text, parse_chat_messages
+from mmserve.processing.decode_budget import RequestDecodeBudget
 from mmserve.processing.image_processor import ImageProcessorConfig, max_tokens_per_item
 from mmserve.processing.item_resolver import ItemResolver
 from mmserve.processing.media import MediaLoader
@@ -191,9 +192,10 @@ class InputProcessor:
             )
         images = [images] if images is None or isinstance(images, Image.Image) else images
         uuids = _offline_uuids(prompt.get("multi_modal_uuids"))
+        budget = self.media_loader.new_decode_budget()
         return self.process(
             prompt.get("prompt", ""),
-            [self._load_offline(img) for img in images],
+            [self._load_offline(img, budget) for img in images],
             mm_processor_kwargs=prompt.get("mm_processor_kwargs"),
             multi_modal_uuids=uuids,
             namespace=namespace,
@@ -228,7 +230,8 @@ class InputProcessor:
         prompt, sources, uuids = self._render_checked(
             messages, add_generation_prompt, chat_template_kwargs
         )
-        images = [self._load(src) for src in sources]
+        budget = self.media_loader.new_decode_budget()
+        images = [self._load(src, budget) for src in sources]
         return self.process(
             prompt,
             images,
@@ -251,7 +254,7 @@ class InputProcessor:
             messages, add_generation_prompt, chat_template_kwargs
         )
 
-        images = await self._aload_all(sources)
+        images = await self._aload_all(sources, self.media_loader.new_decode_budget())
         return await asyncio.to_thread(
             self.process,
             prompt,
@@ -278,12 +281,14 @@ class InputProcessor:
         self._check_item_limit(len(sources))
         return prompt, sources, uuids
 
-    async def _aload_all(self, sources: Sequence[Any]) -> list[ImageInput]:
+    async def _aload_all(
+        self, sources: Sequence[Any], budget: RequestDecodeBudget
+    ) -> list[ImageInput]:
         """Load every image concurrently; when one fails, stop the others (their fetch slots
         and decode threads serve other requests instead of a request that already failed)."""
 
         async def load(src: Any) -> ImageInput:
-            return None if src is None else await self.media_loader.aload_image(src)
+            return None if src is None else await self.media_loader.aload_image(src, budget)
 
         tasks = [asyncio.ensure_future(load(src)) for src in sources]
         try:
@@ -292,13 +297,13 @@ class InputProcessor:
             for task in tasks:
                 task.cancel()
 
-    def _load(self, source: Any) -> ImageInput:
-        return None if source is None else self.media_loader.load_image(source)
+    def _load(self, source: Any, budget: RequestDecodeBudget) -> ImageInput:
+        return None if source is None else self.media_loader.load_image(source, budget)
 
-    def _load_offline(self, image: Any) -> ImageInput:
+    def _load_offline(self, image: Any, budget: RequestDecodeBudget) -> ImageInput:
         if image is None or isinstance(image, Image.Image):
             return image  # PIL: hashed as given (mode, size, pixels, EXIF id)
-        return self.media_loader.load_image(image)
+        return self.media_loader.load_image(image, budget)
 
     def _check_item_limit(self, num_images: int) -> None:
         limit = self.limit_mm_per_prompt.get("image")

@@ -14,16 +14,27 @@ from urllib.parse import unquote_to_bytes, urlsplit
 from PIL import Image
 
 from mmserve.errors import MediaError, MediaFetchRefusedError
+from mmserve.processing.decode_budget import DecodeMemoryGate, Release, RequestDecodeBudget
+from mmserve.processing.decode_workers import DecodeWorkerPool
 from mmserve.processing.http_fetch import AsyncFetcher, FetchPolicy, fetch_url
 from mmserve.processing.image_decode import (
     DEFAULT_MAX_IMAGE_PIXELS,
-    DecodeWorkerPool,
+    Admit,
+    ImageHeader,
     decode_image_bytes,
 )
 from mmserve.processing.image_processor import to_rgb
 from mmserve.processing.url_guard import AllowedHost, parse_allowlist
 
 MediaSource = Image.Image | bytes | str
+
+
+class _NoRoomYet(Exception):
+    """Raised from a decode's admit: its estimate does not fit the in-flight cap right now."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self.nbytes = nbytes
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,12 @@ class MediaConfig:
     to private addresses. `max_concurrent_fetches` bounds the server's http(s) fetches in
     flight. `decode_workers` 0 decodes in-process (tests, the offline API); > 0 decodes in that
     many worker processes started on first use.
+
+    Decode memory is estimated from each image's header (`ImageHeader.decode_bytes`) before
+    any pixel exists: `max_decode_bytes_per_request` caps the sum over one request's images
+    (400), `max_inflight_decode_bytes` the sum over decoded images alive in the server (a
+    decode waits up to `decode_wait_timeout_s` for room, then 503); 0 means no cap. A decode
+    worker resident over `decode_worker_max_rss_bytes` (0: no limit) after a decode is retired.
     """
 
     allowed_media_domains: tuple[str, ...] = ()
@@ -46,6 +63,10 @@ class MediaConfig:
     decode_workers: int = 0
     decode_timeout_s: float = 10.0
     max_concurrent_fetches: int = 16
+    max_decode_bytes_per_request: int = 1 << 30
+    max_inflight_decode_bytes: int = 2 << 30
+    decode_wait_timeout_s: float = 10.0
+    decode_worker_max_rss_bytes: int = 1 << 30
     allowlist: tuple[AllowedHost, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +85,7 @@ class MediaConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_redirects < 0 or self.decode_workers < 0:
             raise ValueError("max_redirects and decode_workers must be >= 0")
+        self._check_decode_fields()
         if self.allowed_local_media_path is not None:
             root = Path(self.allowed_local_media_path)
             if not root.is_absolute():
@@ -81,6 +103,32 @@ class MediaConfig:
             max_redirects=self.max_redirects,
         )
 
+    @property
+    def decode_bytes_per_request_cap(self) -> int:
+        """The per-request cap in force: a request can never use more than the in-flight cap."""
+        return self.max_decode_bytes_per_request or self.max_inflight_decode_bytes
+
+    def _check_decode_fields(self) -> None:
+        for name in (
+            "max_decode_bytes_per_request",
+            "max_inflight_decode_bytes",
+            "decode_worker_max_rss_bytes",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no cap), got {getattr(self, name)}")
+        if self.decode_wait_timeout_s <= 0:
+            raise ValueError(
+                f"decode_wait_timeout_s must be positive, got {self.decode_wait_timeout_s}"
+            )
+        per_request, inflight = self.max_decode_bytes_per_request, self.max_inflight_decode_bytes
+        if inflight and per_request > inflight:
+            # A request holds all its decoded images at once, so one over the server-wide cap
+            # would wait for room that can never appear.
+            raise ValueError(
+                f"max_decode_bytes_per_request ({per_request}) must not exceed "
+                f"max_inflight_decode_bytes ({inflight}); lower it or raise the in-flight cap"
+            )
+
 
 class MediaLoader:
     """Turns any supported media source into an RGB PIL image. Close it to stop decode workers."""
@@ -90,12 +138,35 @@ class MediaLoader:
         self._pool: DecodeWorkerPool | None = None
         self._pool_lock = threading.Lock()
         self._fetcher = AsyncFetcher(self.config.fetch_policy, self.config.max_concurrent_fetches)
+        self.decode_gate = DecodeMemoryGate(
+            self.config.max_inflight_decode_bytes, self.config.decode_wait_timeout_s
+        )
 
-    def load_image(self, source: MediaSource) -> Image.Image:
+    def load_image(
+        self, source: MediaSource, budget: RequestDecodeBudget | None = None
+    ) -> Image.Image:
+        """`budget`: the request's decode budget (`new_decode_budget`); None: this image alone."""
+        read = self._read_source(source)
+        return read if isinstance(read, Image.Image) else self._decode(read, budget)
+
+    async def aload_image(
+        self, source: MediaSource, budget: RequestDecodeBudget | None = None
+    ) -> Image.Image:
+        """http(s): fetched on the event loop in the bounded fetch pool. Anything else (data:,
+        file://, bytes) is read on a worker thread that no fetch ever holds, so slow media
+        servers cannot delay inline images. Then `adecode`: no thread waits for decode memory."""
+        if isinstance(source, str) and _scheme(source) in ("http", "https"):
+            read: Image.Image | bytes = await self._fetcher.fetch(source)
+        else:
+            read = await asyncio.to_thread(self._read_source, source)
+        return read if isinstance(read, Image.Image) else await self.adecode(read, budget)
+
+    def _read_source(self, source: MediaSource) -> Image.Image | bytes:
+        """An RGB image for a PIL source; the encoded bytes for every other kind."""
         if isinstance(source, Image.Image):
             return to_rgb(source)
         if isinstance(source, bytes | bytearray | memoryview):
-            return self._decode(bytes(source))
+            return bytes(source)
         if not isinstance(source, str):
             raise MediaError(
                 f"unsupported image source of type {type(source).__name__}; pass a PIL image, "
@@ -103,23 +174,14 @@ class MediaLoader:
             )
         scheme = _scheme(source)
         if scheme == "data":
-            return self._decode(self._read_data_url(source))
+            return self._read_data_url(source)
         if scheme in ("http", "https"):
-            return self._decode(fetch_url(source, self.config.fetch_policy))
+            return fetch_url(source, self.config.fetch_policy)
         if scheme == "file":
-            return self._decode(self._read_file_url(source))
+            return self._read_file_url(source)
         raise MediaFetchRefusedError(
             "image URL must be a data:, http(s):// or (when enabled) file:// URL", param="image_url"
         )
-
-    async def aload_image(self, source: MediaSource) -> Image.Image:
-        """http(s): fetched on the event loop in the bounded fetch pool, then decoded on a
-        worker thread. Anything else (data:, file://, bytes) is read and decoded on a worker
-        thread that no fetch ever holds, so slow media servers cannot delay inline images."""
-        if isinstance(source, str) and _scheme(source) in ("http", "https"):
-            data = await self._fetcher.fetch(source)
-            return await asyncio.to_thread(self._decode, data)
-        return await asyncio.to_thread(self.load_image, source)
 
     def close(self) -> None:
         self._fetcher.close()
@@ -134,15 +196,64 @@ class MediaLoader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _decode(self, data: bytes) -> Image.Image:
+    def new_decode_budget(self) -> RequestDecodeBudget:
+        """A fresh per-request decode-memory budget: pass one to every load of a request."""
+        return RequestDecodeBudget(self.config.decode_bytes_per_request_cap)
+
+    def _decode(self, data: bytes, budget: RequestDecodeBudget | None = None) -> Image.Image:
+        """Decode on this thread; waiting for decode memory blocks it (see `adecode`)."""
+        budget = budget if budget is not None else self.new_decode_budget()
+
+        def admit(header: ImageHeader) -> Release:
+            budget.charge(header.decode_bytes)
+            return self.decode_gate.reserve(header.decode_bytes)
+
+        return self._decode_admitted(data, admit)
+
+    async def adecode(self, data: bytes, budget: RequestDecodeBudget | None = None) -> Image.Image:
+        """Decode on a worker thread; when decode memory is short, wait on the event loop.
+
+        A wait inside the thread would hold it (and a decode process) while the room it waits
+        for is freed only by processing that needs threads too. So: read the header and, if
+        the estimate fits now, decode at once; if not, give the thread and the worker back,
+        await room (FIFO, bounded), then decode with the room already held.
+        """
+        budget = budget if budget is not None else self.new_decode_budget()
+
+        def admit_if_room(header: ImageHeader) -> Release:
+            budget.charge(header.decode_bytes)
+            release = self.decode_gate.try_reserve(header.decode_bytes)
+            if release is None:
+                raise _NoRoomYet(header.decode_bytes)
+            return release
+
+        try:
+            return await asyncio.to_thread(self._decode_admitted, data, admit_if_room)
+        except _NoRoomYet as short:
+            nbytes = short.nbytes
+        release = await self.decode_gate.areserve(nbytes)
+
+        def admit_reserved(header: ImageHeader) -> Release:
+            assert header.decode_bytes == nbytes, "the same bytes gave another header"
+            return release
+
+        try:
+            return await asyncio.to_thread(self._decode_admitted, data, admit_reserved)
+        except BaseException:
+            release()  # idempotent: a failed decode has given it back already
+            raise
+
+    def _decode_admitted(self, data: bytes, admit: Admit) -> Image.Image:
         cfg = self.config
         if cfg.decode_workers == 0:
-            return decode_image_bytes(data, cfg.max_image_pixels)
+            return decode_image_bytes(data, cfg.max_image_pixels, admit=admit)
         with self._pool_lock:
             if self._pool is None:
-                self._pool = DecodeWorkerPool(cfg.decode_workers, cfg.decode_timeout_s)
+                self._pool = DecodeWorkerPool(
+                    cfg.decode_workers, cfg.decode_timeout_s, cfg.decode_worker_max_rss_bytes
+                )
             pool = self._pool
-        return pool.decode(data, cfg.max_image_pixels)
+        return pool.decode(data, cfg.max_image_pixels, admit=admit)
 
     def _read_data_url(self, url: str) -> bytes:
         header, sep, payload = url.partition(",")

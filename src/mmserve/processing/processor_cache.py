@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -9,6 +10,14 @@ from dataclasses import dataclass
 from mmserve.multimodal import ProcessedImage
 
 GIB = 1 << 30
+# What an entry costs beyond its pixel buffer and its key: the ndarray objects (the array and
+# the view it is reshaped into), the ProcessedImage and its grid tuple, the OrderedDict node.
+# tracemalloc measures ~400 bytes on CPython 3.11 (tests/processing/test_processor_cache.py).
+CACHE_ENTRY_OVERHEAD_BYTES = 512
+# The same for a UUID record: key tuple, UUIDRecord with its two ints, the OrderedDict node
+# (~250 bytes measured).
+UUID_ENTRY_OVERHEAD_BYTES = 320
+DEFAULT_UUID_INDEX_BYTES = 16 << 20
 
 
 @dataclass(slots=True)
@@ -19,11 +28,18 @@ class CacheStats:
     hits: int = 0
 
 
-class ProcessorCache:
-    """An LRU of ProcessedImage by identity, bounded by the bytes of the pixel arrays it holds.
+def cache_entry_bytes(identity: str, item: ProcessedImage) -> int:
+    """What holding `item` under `identity` costs: its whole pixel buffer, the key, overhead."""
+    return item.buffer_bytes + sys.getsizeof(identity) + CACHE_ENTRY_OVERHEAD_BYTES
 
-    A capacity of 0 disables it: every get is a counted miss and put stores nothing. An item
-    larger than the whole capacity is not stored (it would evict everything for one entry).
+
+class ProcessorCache:
+    """An LRU of ProcessedImage by identity, bounded by what its entries really hold.
+
+    An entry costs `cache_entry_bytes`: the pixel buffer (all of it, when the array is a view),
+    the key and a fixed per-entry overhead. A capacity of 0 disables the cache: every get is a
+    counted miss and put stores nothing. An entry larger than the whole capacity is not stored
+    (it would evict everything for one entry).
     Thread-safe: the server processes requests on worker threads.
     """
 
@@ -33,7 +49,7 @@ class ProcessorCache:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.stats = CacheStats()
-        self._items: OrderedDict[str, ProcessedImage] = OrderedDict()
+        self._items: OrderedDict[str, tuple[ProcessedImage, int]] = OrderedDict()  # (item, cost)
         self._lock = threading.Lock()
 
     @classmethod
@@ -57,30 +73,34 @@ class ProcessorCache:
     def get(self, identity: str) -> ProcessedImage | None:
         with self._lock:
             self.stats.queries += 1
-            item = self._items.get(identity)
-            if item is None:
+            entry = self._items.get(identity)
+            if entry is None:
                 return None
             self.stats.hits += 1
             self._items.move_to_end(identity)
-            return item
+            return entry[0]
 
     def put(self, identity: str, item: ProcessedImage) -> None:
-        if item.nbytes > self.capacity_bytes:
+        cost = cache_entry_bytes(identity, item)
+        if cost > self.capacity_bytes:
             return
         with self._lock:
             old = self._items.pop(identity, None)
             if old is not None:
-                self.used_bytes -= old.nbytes
-            while self.used_bytes + item.nbytes > self.capacity_bytes:
-                _, evicted = self._items.popitem(last=False)
-                self.used_bytes -= evicted.nbytes
-            self._items[identity] = item
-            self.used_bytes += item.nbytes
+                self.used_bytes -= old[1]
+            while self.used_bytes + cost > self.capacity_bytes:
+                _, (_, evicted_cost) = self._items.popitem(last=False)
+                self.used_bytes -= evicted_cost
+            self._items[identity] = (item, cost)
+            self.used_bytes += cost
 
     def check_integrity(self) -> None:
-        assert self.used_bytes == sum(i.nbytes for i in self._items.values())
-        assert 0 <= self.used_bytes <= max(self.capacity_bytes, 0)
-        assert self.stats.hits <= self.stats.queries
+        with self._lock:
+            for identity, (item, cost) in self._items.items():
+                assert cost == cache_entry_bytes(identity, item), identity
+            assert self.used_bytes == sum(cost for _, cost in self._items.values())
+            assert 0 <= self.used_bytes <= self.capacity_bytes
+            assert self.stats.hits <= self.stats.queries
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,30 +113,54 @@ class UUIDRecord:
 
 
 class UUIDIndex:
-    """Bounded LRU (namespace, uuid) -> the original image's size and mode."""
+    """LRU (namespace, uuid) -> the original image's size and mode, bounded in bytes.
 
-    def __init__(self, max_entries: int = 65536) -> None:
-        if max_entries <= 0:
-            raise ValueError(f"max_entries must be positive, got {max_entries}")
-        self.max_entries = max_entries
-        self._records: OrderedDict[tuple[str, str], UUIDRecord] = OrderedDict()
+    An entry costs the two key strings as Python holds them plus a fixed overhead, so that
+    long uuids take their share of the budget instead of hiding behind an entry count.
+    """
+
+    def __init__(self, capacity_bytes: int = DEFAULT_UUID_INDEX_BYTES) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self._records: OrderedDict[tuple[str, str], tuple[UUIDRecord, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._records)
 
+    @staticmethod
+    def entry_bytes(namespace: str, uuid: str) -> int:
+        return sys.getsizeof(namespace) + sys.getsizeof(uuid) + UUID_ENTRY_OVERHEAD_BYTES
+
     def remember(self, namespace: str, uuid: str, record: UUIDRecord) -> None:
+        cost = self.entry_bytes(namespace, uuid)
+        if cost > self.capacity_bytes:
+            return
         with self._lock:
             key = (namespace, uuid)
-            self._records[key] = record
-            self._records.move_to_end(key)
-            while len(self._records) > self.max_entries:
-                self._records.popitem(last=False)
+            old = self._records.pop(key, None)
+            if old is not None:
+                self.used_bytes -= old[1]
+            while self.used_bytes + cost > self.capacity_bytes:
+                _, (_, evicted_cost) = self._records.popitem(last=False)
+                self.used_bytes -= evicted_cost
+            self._records[key] = (record, cost)
+            self.used_bytes += cost
 
     def lookup(self, namespace: str, uuid: str) -> UUIDRecord | None:
         with self._lock:
             key = (namespace, uuid)
-            record = self._records.get(key)
-            if record is not None:
-                self._records.move_to_end(key)
-            return record
+            entry = self._records.get(key)
+            if entry is None:
+                return None
+            self._records.move_to_end(key)
+            return entry[0]
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            for (namespace, uuid), (_, cost) in self._records.items():
+                assert cost == self.entry_bytes(namespace, uuid), uuid
+            assert self.used_bytes == sum(cost for _, cost in self._records.values())
+            assert 0 <= self.used_bytes <= self.capacity_bytes
