@@ -11,7 +11,7 @@ import torch
 
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.engine.args import EngineArgs
-from mmserve.engine.host_allocator import tune_host_allocator
+from mmserve.engine.host_allocator import limit_malloc_arenas, tune_host_allocator
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.execution.encoder_runner import EncoderRunner
@@ -83,6 +83,7 @@ def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngin
     decodes in-process).
     """
     torch.manual_seed(args.seed)
+    limit_malloc_arenas()  # before the serving threads exist: see host_allocator.py
     device = resolve_device(args.device)
     if device.type == "cpu":
         tune_host_allocator()  # activations live in host memory: reuse it, do not re-fault it

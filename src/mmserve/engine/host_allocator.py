@@ -7,6 +7,12 @@ time: over a quarter of a 2-thread CPU run of benchmarks/compare_hf.py went to t
 both thresholds makes malloc reuse what it already has; resident memory then stays at its peak
 (bounded by what the engine ever held at once, plus at most TRIM_THRESHOLD of idle heap).
 benchmarks/RESULTS.md has the measured effect.
+
+The number of malloc arenas is capped as well, on every device. glibc gives each new thread an
+arena of its own (up to 8 per core), and a server processes pictures on many threads: image
+buffers of every size freed in many arenas leave holes that no arena hands back, so resident
+memory crept up with every new picture long after the caches were full (issue #20;
+benchmarks/soak_rss.py measures it).
 """
 
 from __future__ import annotations
@@ -21,22 +27,44 @@ logger = logging.getLogger(__name__)
 # mallopt(3) parameter numbers from glibc's malloc.h.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 # Blocks below this come from the heap, not from a fresh mmap. 32 MiB is the most glibc honours
 # on 64-bit Linux (larger values are accepted and silently ignored), so bigger blocks still
 # fault in every time.
 MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 1 << 30  # keep up to 1 GiB of free heap top instead of returning it
+# The main arena plus one shared by every other thread. Large blocks (the only ones that reach
+# glibc: Python's own allocator serves objects under 512 bytes) are few per request, so threads
+# rarely wait on the shared arena's lock; in benchmarks/soak_rss.py runs, 2 levelled off best.
+MALLOC_ARENA_MAX = 2
+
+
+def _glibc() -> ctypes.CDLL | None:
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    name = ctypes.util.find_library("c")
+    return None if name is None else ctypes.CDLL(name)
+
+
+def limit_malloc_arenas(max_arenas: int = MALLOC_ARENA_MAX) -> bool:
+    """Cap glibc's malloc arenas (threads beyond it share); False on other C libraries.
+
+    Call it before the threads that allocate start: an arena, once made, is never removed.
+    """
+    if max_arenas <= 0:
+        raise ValueError(f"max_arenas must be positive, got {max_arenas}")
+    libc = _glibc()
+    if libc is None:
+        return False
+    return bool(libc.mallopt(_M_ARENA_MAX, max_arenas))
 
 
 def tune_host_allocator() -> bool:
     """Apply the thresholds above to this process's glibc malloc; False (and nothing changed)
     on other C libraries or when glibc refuses a value. Idempotent."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    libc = ctypes.CDLL(name)
     ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     )
