@@ -7,6 +7,7 @@ import base64
 import gc
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,69 @@ def test_caps_are_validated_naming_the_field_or_flag() -> None:
         EngineArgs(max_image_pixels=0)
     with pytest.raises(ValueError, match="--decode-worker-max-rss-mb must be >= 0"):
         EngineArgs(decode_worker_max_rss_mb=-5)
+
+
+@pytest.mark.parametrize("decode_workers", [0, 1])
+def test_async_decode_waits_for_room_without_holding_a_thread_or_a_worker(
+    decode_workers: int,
+) -> None:
+    """One executor thread: the job that frees the held image must run while a decode waits.
+
+    A decode that waited inside its thread would hold the only thread until its timeout.
+    """
+    loader = _loader(
+        max_decode_bytes_per_request=GREY_100_BYTES,
+        max_inflight_decode_bytes=int(1.5 * GREY_100_BYTES),
+        decode_wait_timeout_s=20,
+        decode_workers=decode_workers,
+        decode_timeout_s=60,
+    )
+    held = [loader.load_image(GREY_100)]
+
+    async def scenario() -> tuple[float, tuple[int, int]]:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=1))
+        waiting = asyncio.create_task(loader.adecode(GREY_100))
+        deadline = time.monotonic() + 10
+        while loader.decode_gate.num_waiting == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert loader.decode_gate.num_waiting == 1 and not waiting.done()
+        if decode_workers:  # the only decode process is free while the decode waits
+            other = await asyncio.to_thread(loader._pool.decode, flat_png(8, 8, "L"), 10**6)
+            assert other.size == (8, 8)
+        start = time.monotonic()
+        await asyncio.to_thread(held.clear)  # "processing" finishes on the only thread
+        image = await asyncio.wait_for(waiting, 20)
+        return time.monotonic() - start, image.size
+
+    try:
+        elapsed, size = asyncio.run(scenario())
+    finally:
+        loader.close()
+    assert size == (100, 100) and elapsed < 5
+    gc.collect()
+    assert loader.decode_gate.in_use_bytes == 0
+
+
+def test_async_decode_times_out_with_a_503_and_gives_way_when_cancelled() -> None:
+    loader = _loader(
+        max_decode_bytes_per_request=GREY_100_BYTES,
+        max_inflight_decode_bytes=int(1.5 * GREY_100_BYTES),
+        decode_wait_timeout_s=0.3,
+    )
+    held = loader.load_image(GREY_100)
+
+    async def scenario() -> None:
+        with pytest.raises(DecodeBusyError):
+            await loader.adecode(GREY_100)
+        waiting = asyncio.create_task(loader.adecode(GREY_100))
+        await asyncio.sleep(0.1)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    asyncio.run(scenario())
+    assert loader.decode_gate.num_waiting == 0
+    assert loader.decode_gate.in_use_bytes == GREY_100_BYTES  # only the held image
+    del held
+    assert loader.decode_gate.in_use_bytes == 0
+    loader.decode_gate.check_integrity()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -41,15 +41,31 @@ class RequestDecodeBudget:
             self.used_bytes = total
 
 
+class _Waiter:
+    """One queued reservation; `wake` is called (under the gate's lock) to grant it, and says
+    whether anyone is still there to take it."""
+
+    __slots__ = ("nbytes", "granted", "wake")
+
+    def __init__(self, nbytes: int, wake: Callable[[], bool]) -> None:
+        self.nbytes = nbytes
+        self.granted = False
+        self.wake = wake
+
+
 class DecodeMemoryGate:
     """The server-wide cap on the estimated bytes of decoded images alive at once (0: no cap).
 
     A decode reserves its estimate after the image header is read and before any pixel buffer
     exists, and keeps it while the decoded image lives (`hold_until_collected`): the buffers
     are only given back when the image is garbage, not when decoding returns. Waiters are
-    served first come, first served, so a large decode is never starved by a stream of small
-    ones; each waits at most `wait_timeout_s`, then fails with DecodeBusyError (503, retry).
-    Thread-safe; it blocks, so call it from decode threads, never from the event loop.
+    served first come, first served (a release hands the room to the head of the queue, so a
+    large decode is never starved by a stream of small ones); each waits at most
+    `wait_timeout_s`, then fails with DecodeBusyError (503, retry).
+
+    Thread-safe. `reserve` blocks its thread; the server awaits `areserve` on the event loop
+    instead, so that waiting decodes never hold the threads that processing (which frees
+    decoded images) needs.
     """
 
     def __init__(self, capacity_bytes: int, wait_timeout_s: float) -> None:
@@ -60,11 +76,60 @@ class DecodeMemoryGate:
         self.capacity_bytes = capacity_bytes
         self.wait_timeout_s = wait_timeout_s
         self.in_use_bytes = 0
-        self._waiters: deque[object] = deque()
-        self._cond = threading.Condition()
+        self._waiters: deque[_Waiter] = deque()
+        self._lock = threading.Lock()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiters)
+
+    def try_reserve(self, nbytes: int) -> Release | None:
+        """Take `nbytes` if they fit now and nobody is queued before; None otherwise."""
+        waiter = self._enqueue(nbytes, lambda: False, queue=False)
+        return None if waiter is not None else _OnceRelease(self, nbytes)
 
     def reserve(self, nbytes: int) -> Release:
-        """Wait (FIFO, bounded) until `nbytes` fit, take them; returns their idempotent release."""
+        """Wait (FIFO, bounded) until `nbytes` fit and take them; returns their release."""
+        event = threading.Event()
+
+        def wake() -> bool:
+            event.set()
+            return True
+
+        waiter = self._enqueue(nbytes, wake)
+        if waiter is not None and not event.wait(self.wait_timeout_s) and not self._leave(waiter):
+            raise self._busy_error()
+        return _OnceRelease(self, nbytes)
+
+    async def areserve(self, nbytes: int) -> Release:
+        """`reserve` for the event loop: the wait holds no thread."""
+        loop = asyncio.get_running_loop()
+        granted = loop.create_future()
+
+        def wake() -> bool:
+            try:
+                loop.call_soon_threadsafe(lambda: granted.done() or granted.set_result(None))
+            except RuntimeError:  # that loop is closed: nobody will use the room
+                return False
+            return True
+
+        waiter = self._enqueue(nbytes, wake)
+        if waiter is not None:
+            try:
+                await asyncio.wait_for(granted, self.wait_timeout_s)
+            except TimeoutError:
+                if not self._leave(waiter):
+                    raise self._busy_error() from None
+            except asyncio.CancelledError:
+                if self._leave(waiter):
+                    self._release(nbytes)  # granted just as the caller went away
+                raise
+        return _OnceRelease(self, nbytes)
+
+    def _enqueue(
+        self, nbytes: int, wake: Callable[[], bool], *, queue: bool = True
+    ) -> _Waiter | None:
+        """Take the bytes now (None) or return a waiter for them, queued unless `queue` is off."""
         cap = self.capacity_bytes
         if cap and nbytes > cap:
             raise ImageTooLargeError(
@@ -72,33 +137,49 @@ class DecodeMemoryGate:
                 f"{cap}-byte server-wide limit (--max-inflight-decode-bytes); downscale it",
                 param="image_url",
             )
-        with self._cond:
-            ticket = object()
-            self._waiters.append(ticket)
-            deadline = time.monotonic() + self.wait_timeout_s
-            try:
-                while self._waiters[0] is not ticket or (cap and self.in_use_bytes + nbytes > cap):
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise DecodeBusyError(
-                            f"the server is busy decoding other images (waited "
-                            f"{self.wait_timeout_s:g} s for decode memory); retry shortly"
-                        )
-                    self._cond.wait(remaining)
+        with self._lock:
+            if not self._waiters and (not cap or self.in_use_bytes + nbytes <= cap):
                 self.in_use_bytes += nbytes
-            finally:
-                self._waiters.remove(ticket)
-                self._cond.notify_all()
-        return _OnceRelease(self, nbytes)
+                return None
+            waiter = _Waiter(nbytes, wake)
+            if queue:
+                self._waiters.append(waiter)
+            return waiter
+
+    def _leave(self, waiter: _Waiter) -> bool:
+        """A waiter stops waiting; True if it was granted in the meantime (it owns the bytes)."""
+        with self._lock:
+            if waiter.granted:
+                return True
+            self._waiters.remove(waiter)
+            self._grant()  # the next in line may fit now
+            return False
+
+    def _busy_error(self) -> DecodeBusyError:
+        return DecodeBusyError(
+            f"the server is busy decoding other images (waited {self.wait_timeout_s:g} s for "
+            "decode memory); retry shortly"
+        )
+
+    def _grant(self) -> None:
+        """Hand room to waiters from the head of the queue while they fit (lock held)."""
+        cap = self.capacity_bytes
+        while self._waiters and (not cap or self.in_use_bytes + self._waiters[0].nbytes <= cap):
+            waiter = self._waiters.popleft()
+            if waiter.wake():
+                self.in_use_bytes += waiter.nbytes
+                waiter.granted = True
 
     def _release(self, nbytes: int) -> None:
-        with self._cond:
+        with self._lock:
             self.in_use_bytes -= nbytes
-            self._cond.notify_all()
+            self._grant()
 
     def check_integrity(self) -> None:
-        assert self.in_use_bytes >= 0, "released more than was reserved"
-        assert not self.capacity_bytes or self.in_use_bytes <= self.capacity_bytes
+        with self._lock:
+            assert self.in_use_bytes >= 0, "released more than was reserved"
+            assert not self.capacity_bytes or self.in_use_bytes <= self.capacity_bytes
+            assert all(not w.granted for w in self._waiters), "a granted waiter still queued"
 
 
 class _OnceRelease:

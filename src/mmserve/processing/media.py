@@ -17,6 +17,7 @@ from mmserve.processing.decode_budget import DecodeMemoryGate, Release, RequestD
 from mmserve.processing.decode_workers import DecodeWorkerPool
 from mmserve.processing.image_decode import (
     DEFAULT_MAX_IMAGE_PIXELS,
+    Admit,
     ImageHeader,
     decode_image_bytes,
 )
@@ -24,6 +25,14 @@ from mmserve.processing.image_processor import to_rgb
 from mmserve.processing.url_guard import fetch_url
 
 MediaSource = Image.Image | bytes | str
+
+
+class _NoRoomYet(Exception):
+    """Raised from a decode's admit: its estimate does not fit the in-flight cap right now."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self.nbytes = nbytes
 
 
 @dataclass(frozen=True)
@@ -168,13 +177,50 @@ class MediaLoader:
         return RequestDecodeBudget(self.config.decode_bytes_per_request_cap)
 
     def _decode(self, data: bytes, budget: RequestDecodeBudget | None = None) -> Image.Image:
-        cfg = self.config
+        """Decode on this thread; waiting for decode memory blocks it (see `adecode`)."""
         budget = budget if budget is not None else self.new_decode_budget()
 
         def admit(header: ImageHeader) -> Release:
             budget.charge(header.decode_bytes)
             return self.decode_gate.reserve(header.decode_bytes)
 
+        return self._decode_admitted(data, admit)
+
+    async def adecode(self, data: bytes, budget: RequestDecodeBudget | None = None) -> Image.Image:
+        """Decode on a worker thread; when decode memory is short, wait on the event loop.
+
+        A wait inside the thread would hold it (and a decode process) while the room it waits
+        for is freed only by processing that needs threads too. So: read the header and, if
+        the estimate fits now, decode at once; if not, give the thread and the worker back,
+        await room (FIFO, bounded), then decode with the room already held.
+        """
+        budget = budget if budget is not None else self.new_decode_budget()
+
+        def admit_if_room(header: ImageHeader) -> Release:
+            budget.charge(header.decode_bytes)
+            release = self.decode_gate.try_reserve(header.decode_bytes)
+            if release is None:
+                raise _NoRoomYet(header.decode_bytes)
+            return release
+
+        try:
+            return await asyncio.to_thread(self._decode_admitted, data, admit_if_room)
+        except _NoRoomYet as short:
+            nbytes = short.nbytes
+        release = await self.decode_gate.areserve(nbytes)
+
+        def admit_reserved(header: ImageHeader) -> Release:
+            assert header.decode_bytes == nbytes, "the same bytes gave another header"
+            return release
+
+        try:
+            return await asyncio.to_thread(self._decode_admitted, data, admit_reserved)
+        except BaseException:
+            release()  # idempotent: a failed decode has given it back already
+            raise
+
+    def _decode_admitted(self, data: bytes, admit: Admit) -> Image.Image:
+        cfg = self.config
         if cfg.decode_workers == 0:
             return decode_image_bytes(data, cfg.max_image_pixels, admit=admit)
         with self._pool_lock:
