@@ -50,8 +50,11 @@ def test_new_pictures_leave_no_per_request_state_and_bounded_per_item_state() ->
         engine.step()
     assert not engine.has_unfinished_requests()
     scheduler, runner = engine.scheduler, engine.runner
-    # per request: nothing left anywhere
-    assert not scheduler.requests and not runner.states
+    # per request: nothing left anywhere. NOTE: the runner hears of requests that finished in
+    # the last step at the next one, so until then it keeps at most one batch of them.
+    assert not scheduler.requests and len(runner.states) <= 4
+    engine.step()
+    assert not runner.states
     assert not any(rid in engine.output_processor for rid in request_ids)
     assert all(scheduler.kv_cache_manager.block_ids(rid) == [] for rid in request_ids)
     # per picture: the runner holds no embedding the encoder cache manager has evicted
