@@ -193,9 +193,9 @@ def test_caps_are_validated_naming_the_field_or_flag() -> None:
         EngineArgs(decode_worker_max_rss_mb=-5)
 
 
-@pytest.mark.parametrize("decode_workers", [0, 1])
+@pytest.mark.parametrize(("decode_workers", "entry"), [(0, "adecode"), (1, "aload_image")])
 def test_async_decode_waits_for_room_without_holding_a_thread_or_a_worker(
-    decode_workers: int,
+    decode_workers: int, entry: str
 ) -> None:
     """One executor thread: the job that frees the held image must run while a decode waits.
 
@@ -212,7 +212,9 @@ def test_async_decode_waits_for_room_without_holding_a_thread_or_a_worker(
 
     async def scenario() -> tuple[float, tuple[int, int]]:
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=1))
-        waiting = asyncio.create_task(loader.adecode(GREY_100))
+        url = "data:image/png;base64," + base64.b64encode(GREY_100).decode()
+        load = loader.adecode(GREY_100) if entry == "adecode" else loader.aload_image(url)
+        waiting = asyncio.create_task(load)
         deadline = time.monotonic() + 10
         while loader.decode_gate.num_waiting == 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)

@@ -126,10 +126,23 @@ class MediaLoader:
         self, source: MediaSource, budget: RequestDecodeBudget | None = None
     ) -> Image.Image:
         """`budget`: the request's decode budget (`new_decode_budget`); None: this image alone."""
+        read = self._read_source(source)
+        return read if isinstance(read, Image.Image) else self._decode(read, budget)
+
+    async def aload_image(
+        self, source: MediaSource, budget: RequestDecodeBudget | None = None
+    ) -> Image.Image:
+        """Fetch on a worker thread, then `adecode`: nothing blocks the event loop, and no
+        thread waits for decode memory."""
+        read = await asyncio.to_thread(self._read_source, source)
+        return read if isinstance(read, Image.Image) else await self.adecode(read, budget)
+
+    def _read_source(self, source: MediaSource) -> Image.Image | bytes:
+        """An RGB image for a PIL source; the encoded bytes for every other kind."""
         if isinstance(source, Image.Image):
             return to_rgb(source)
         if isinstance(source, bytes | bytearray | memoryview):
-            return self._decode(bytes(source), budget)
+            return bytes(source)
         if not isinstance(source, str):
             raise MediaError(
                 f"unsupported image source of type {type(source).__name__}; pass a PIL image, "
@@ -137,28 +150,21 @@ class MediaLoader:
             )
         scheme = source.split(":", 1)[0].lower() if ":" in source else ""
         if scheme == "data":
-            return self._decode(self._read_data_url(source), budget)
+            return self._read_data_url(source)
         if scheme in ("http", "https"):
             cfg = self.config
-            data = fetch_url(
+            return fetch_url(
                 source,
                 allowed_domains=cfg.allowed_media_domains,
                 timeout_s=cfg.fetch_timeout_s,
                 max_bytes=cfg.max_fetch_bytes,
                 max_redirects=cfg.max_redirects,
             )
-            return self._decode(data, budget)
         if scheme == "file":
-            return self._decode(self._read_file_url(source), budget)
+            return self._read_file_url(source)
         raise MediaFetchRefusedError(
             "image URL must be a data:, http(s):// or (when enabled) file:// URL", param="image_url"
         )
-
-    async def aload_image(
-        self, source: MediaSource, budget: RequestDecodeBudget | None = None
-    ) -> Image.Image:
-        """`load_image` on a worker thread, so fetching and decoding never block the event loop."""
-        return await asyncio.to_thread(self.load_image, source, budget)
 
     def close(self) -> None:
         with self._pool_lock:
