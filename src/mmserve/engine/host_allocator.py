@@ -8,11 +8,11 @@ both thresholds makes malloc reuse what it already has; resident memory then sta
 (bounded by what the engine ever held at once, plus at most TRIM_THRESHOLD of idle heap).
 benchmarks/RESULTS.md has the measured effect.
 
-The number of malloc arenas is capped as well, on every device. glibc gives each new thread an
-arena of its own (up to 8 per core), and a server processes pictures on many threads: image
+The server also caps the number of malloc arenas, on every device. glibc gives each new thread
+an arena of its own (up to 8 per core), and a server processes pictures on many threads: image
 buffers of every size freed in many arenas leave holes that no arena hands back, so resident
 memory crept up with every new picture long after the caches were full (issue #20;
-benchmarks/soak_rss.py measures it).
+benchmarks/soak_rss.py measures it, benchmarks/RESULTS.md has the figures).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 1 << 30  # keep up to 1 GiB of free heap top instead of returning it
 # The main arena plus one shared by every other thread. Large blocks (the only ones that reach
 # glibc: Python's own allocator serves objects under 512 bytes) are few per request, so threads
-# rarely wait on the shared arena's lock; in benchmarks/soak_rss.py runs, 2 levelled off best.
+# rarely wait on the shared arena's lock; in benchmarks/soak_rss.py runs 2 levelled off best
+# (4 still crept a little). The offline API keeps glibc's default: it measured ~5% slower.
 MALLOC_ARENA_MAX = 2
 
 
