@@ -135,3 +135,23 @@ def test_http_timeout_flags_reach_their_fields_and_refuse_nonsense() -> None:
         for bad in (0, -1.0, float("nan"), float("inf")):
             with pytest.raises(ValueError, match="--" + field.replace("_", "-")):
                 EngineArgs(**{field: bad})
+
+
+def test_decode_memory_flags_reach_their_fields_and_are_checked() -> None:
+    defaults = args_of()
+    assert defaults.max_image_pixels is None  # resolved by the factory from the processor
+    assert (defaults.max_decode_bytes_per_request, defaults.max_inflight_decode_bytes) == (
+        1 << 30,
+        2 << 30,
+    )
+    assert (defaults.decode_wait_timeout, defaults.decode_worker_max_rss_mb) == (10.0, 1024)
+    args = args_of(
+        "--max-image-pixels", "1000000", "--max-decode-bytes-per-request", "5000",
+        "--max-inflight-decode-bytes", "9000", "--decode-wait-timeout", "2.5",
+        "--decode-worker-max-rss-mb", "0",
+    )  # fmt: skip
+    assert (args.max_image_pixels, args.max_decode_bytes_per_request) == (1_000_000, 5000)
+    assert (args.max_inflight_decode_bytes, args.decode_wait_timeout) == (9000, 2.5)
+    assert args.decode_worker_max_rss_mb == 0
+    with pytest.raises(ValueError, match="--max-decode-bytes-per-request"):
+        args_of("--max-decode-bytes-per-request", "5000", "--max-inflight-decode-bytes", "10")

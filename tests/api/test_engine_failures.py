@@ -30,6 +30,7 @@ from tests.engine.faults import FaultyRunner, bypassing_validation, rewired
 
 pytestmark = pytest.mark.anyio
 MODEL = "tiny"
+JSON = {"content-type": "application/json"}
 INTERNAL_MESSAGE = re.compile(
     r"^internal error while running request ((?:chat)?cmpl-[0-9a-f]+); "
     r"the server log has the traceback$"
@@ -82,7 +83,7 @@ async def _with_innocent(served: Served, hostile: dict) -> httpx.Response:
     alone = await served.client.post("/v1/completions", json=innocent)
     assert alone.status_code == 200, alone.text
     both = await asyncio.gather(
-        served.client.post("/v1/completions", content=json.dumps(hostile)),
+        served.client.post("/v1/completions", content=json.dumps(hostile), headers=JSON),
         served.client.post("/v1/completions", json=innocent),
     )
     assert both[1].status_code == 200, both[1].text

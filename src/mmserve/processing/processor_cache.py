@@ -17,7 +17,9 @@ CACHE_ENTRY_OVERHEAD_BYTES = 512
 # The same for a UUID record: key tuple, UUIDRecord with its two ints, the OrderedDict node
 # (~250 bytes measured).
 UUID_ENTRY_OVERHEAD_BYTES = 320
-DEFAULT_UUID_INDEX_BYTES = 16 << 20
+# About the 65,536 entries of the old count limit for 36-character uuids (70,000); 48,000 of
+# 256 characters, the longest a caller may send.
+DEFAULT_UUID_INDEX_BYTES = 32 << 20
 
 
 @dataclass(slots=True)
