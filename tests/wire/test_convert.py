@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mmserve.config import CacheConfig, SchedulerConfig
-from mmserve.errors import InvalidRequestError
+from mmserve.errors import FailureKind, InvalidRequestError, RequestFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import MultiModalFeature, ProcessedImage, ProcessedPrompt
 from mmserve.sampling_params import SamplingParams
@@ -114,7 +114,7 @@ def _prompt() -> ProcessedPrompt:
 
 
 def test_a_request_round_trips_with_one_pixel_frame_per_distinct_item():
-    params = SamplingParams(temperature=0.5, seed=2**64 - 1, stop=["x"], stop_token_ids=[9])
+    params = SamplingParams(temperature=0.5, seed=2**63 - 1, stop=["x"], stop_token_ids=[9])
     msg = convert.request_to_wire(
         "r1", _prompt(), params, arrival_time_s=7.5, cache_salt="s", eos_token_ids=(2,)
     )
@@ -169,7 +169,15 @@ def test_sampling_values_the_engine_refuses_are_refused_on_arrival():
         RequestUpdate("r", [7], RequestStatus.FINISHED_STOPPED),
         RequestUpdate("r", [], RequestStatus.FINISHED_LENGTH),
         RequestUpdate("r", [], RequestStatus.FINISHED_ABORTED),
-        RequestUpdate("r", [], RequestStatus.FINISHED_ERROR, error="4 embeddings, 5 placeholders"),
+        RequestUpdate(
+            "r",
+            [],
+            RequestStatus.FINISHED_ERROR,
+            error=RequestFailure("4 embeddings, 5 placeholders", FailureKind.REQUEST, "messages"),
+        ),
+        RequestUpdate(
+            "r", [], RequestStatus.FINISHED_ERROR, error=RequestFailure("NaN", FailureKind.INTERNAL)
+        ),
     ],
 )
 def test_updates_round_trip(update):

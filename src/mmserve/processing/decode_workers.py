@@ -99,7 +99,7 @@ class _Worker:
             self.kill()
             raise RuntimeError("image decode worker did not start")
 
-    def recv(self, timeout_s: float) -> bytes:
+    def recv_reply(self, timeout_s: float) -> bytes:
         if not self.conn.poll(timeout_s):
             raise ImageDecodeError(f"decoding the image took longer than {timeout_s:g} s")
         return self.conn.recv_bytes()
@@ -159,7 +159,7 @@ class DecodeWorkerPool:
                 try:
                     worker.conn.send_bytes(_MAX_PIXELS.pack(max_pixels))
                     worker.conn.send_bytes(data)
-                    reply = worker.recv(timeout_s)
+                    reply = worker.recv_reply(timeout_s)
                     if reply[:1] == b"H":
                         try:
                             release = admit(_parse_header(reply)) if admit is not None else None
@@ -168,7 +168,7 @@ class DecodeWorkerPool:
                             healthy = True
                             raise
                         worker.conn.send_bytes(_GO)
-                        reply = worker.recv(timeout_s)
+                        reply = worker.recv_reply(timeout_s)
                     if reply[:1] == b"E":
                         rss_bytes, kind = _ERR.unpack_from(reply, 1)
                         healthy = True
@@ -177,7 +177,7 @@ class DecodeWorkerPool:
                         raise OSError("unexpected reply from an image decode worker")
                     width, height, exif_len, rss_bytes = _OK.unpack_from(reply, 1)
                     exif = reply[1 + _OK.size : 1 + _OK.size + exif_len]
-                    pixels = worker.recv(timeout_s)
+                    pixels = worker.recv_reply(timeout_s)
                     healthy = True
                 except (EOFError, OSError):
                     logger.warning("an image decode worker died; replacing it")

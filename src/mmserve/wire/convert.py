@@ -14,6 +14,7 @@ from typing import NamedTuple, Protocol
 import msgspec
 import numpy as np
 
+from mmserve.errors import FailureKind, RequestFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import MultiModalFeature, PlaceholderRange, ProcessedImage, ProcessedPrompt
 from mmserve.sampling_params import SamplingParams
@@ -125,13 +126,12 @@ def sampling_params_from_wire(w: WireSamplingParams) -> SamplingParams:
     return SamplingParams(**msgspec.structs.asdict(w))
 
 
-def failure_to_wire(error: str) -> WireRequestFailure:
-    # Every failure the runner reports today is the request's own (answered 400).
-    return WireRequestFailure(error, "request")
+def failure_to_wire(failure: RequestFailure) -> WireRequestFailure:
+    return WireRequestFailure(failure.message, failure.kind.value, failure.param)
 
 
-def failure_from_wire(w: WireRequestFailure) -> str:
-    return w.message
+def failure_from_wire(w: WireRequestFailure) -> RequestFailure:
+    return RequestFailure(w.message, FailureKind(w.kind), w.param)
 
 
 def _pixels_by_identifier(items: Sequence[WireEncoderInput]) -> dict[str, ProcessedImage]:
