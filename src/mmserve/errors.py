@@ -119,6 +119,13 @@ class EngineDeadError(MMServeError):
         self.reason = reason
 
 
+class ServerShuttingDownError(MMServeError):
+    """The server is draining after SIGTERM and takes no new requests (answered 503)."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down and takes no new requests; retry elsewhere")
+
+
 class FailureKind(enum.Enum):
     """Whose fault a failed request is; it decides the status the request is answered with."""
 

@@ -242,3 +242,9 @@ async def test_health_of_a_dead_engine_is_503_engine_dead(
 ) -> None:
     engine.healthy = False
     assert _error(await client.get("/health"), 503)["code"] == "engine_dead"
+
+
+async def test_a_request_after_shutdown_began_gets_a_503_not_a_500(served: Served) -> None:
+    await served.engine.shutdown(timeout_s=0.1)
+    resp = await served.client.post("/v1/completions", json=_completion())
+    assert _error(resp, 503)["code"] == "shutting_down"

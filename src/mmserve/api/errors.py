@@ -18,6 +18,7 @@ from mmserve.errors import (
     InternalRequestError,
     InvalidRequestError,
     RequestFailedError,
+    ServerShuttingDownError,
 )
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,8 @@ def as_api_error(exc: Exception) -> APIError:
         return APIError(500, str(exc), code="internal_error")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, ServerShuttingDownError):
+        return APIError(503, str(exc), code="shutting_down")
     if isinstance(exc, ValidationError):
         return validation_error(exc.errors())
     logger.error("unexpected error while handling a request", exc_info=exc)

@@ -16,7 +16,13 @@ from typing import Any
 from mmserve.engine.factory import ResolvedConfig
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.outputs import RequestOutput
-from mmserve.errors import EngineDeadError, InternalRequestError, InvalidRequestError, MMServeError
+from mmserve.errors import (
+    EngineDeadError,
+    InternalRequestError,
+    InvalidRequestError,
+    MMServeError,
+    ServerShuttingDownError,
+)
 from mmserve.hashing import DEFAULT_NAMESPACE
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.chat import check_media_uuid
@@ -141,7 +147,7 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self._accepting:
-            raise MMServeError("the server is shutting down")
+            raise ServerShuttingDownError()
         stream = _Stream(asyncio.get_running_loop())
         with self._streams_lock:
             # checked under the lock the dying thread takes to tell every stream: either this
