@@ -2,7 +2,7 @@
 names the request id, a dead engine a fast 503; and an innocent request goes on untouched.
 
 A real engine (tiny checkpoint) behind the real app, in-process; faults are injected with
-`tests.engine.faults.FaultyRunner`.
+`tests.engine.faults.FaultyExecutor`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from mmserve.errors import EngineDeadError, InternalRequestError, InvalidRequest
 from tests.api.conftest import MODEL as ECHO_MODEL
 from tests.api.conftest import sse_payloads
 from tests.api.echo_engine import INTERNAL_MARKER, EchoEngine
-from tests.engine.faults import FaultyRunner, bypassing_validation, rewired
+from tests.engine.faults import FaultyExecutor, bypassing_validation, rewired
 
 pytestmark = pytest.mark.anyio
 MODEL = "tiny"
@@ -41,14 +41,14 @@ INTERNAL_MESSAGE = re.compile(
 class Served:
     client: httpx.AsyncClient
     engine: AsyncLLMEngine
-    runner: FaultyRunner
+    executor: FaultyExecutor
 
 
 @pytest.fixture
 async def served(qwen2_vl_dir: Path) -> AsyncIterator[Served]:
     llm = LLM(model=str(qwen2_vl_dir), num_gpu_blocks_override=128)
-    runner = FaultyRunner(llm.engine.runner)
-    engine = AsyncLLMEngine(rewired(llm.engine, runner=runner), llm.config, model_name=MODEL)
+    executor = FaultyExecutor(llm.engine.executor)
+    engine = AsyncLLMEngine(rewired(llm.engine, executor=executor), llm.config, model_name=MODEL)
     app = create_app(
         engine,
         api_keys=None,
@@ -58,7 +58,7 @@ async def served(qwen2_vl_dir: Path) -> AsyncIterator[Served]:
     )
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as client:
-        yield Served(client, engine, runner)
+        yield Served(client, engine, executor)
     await engine.shutdown(timeout_s=1.0)
 
 
@@ -114,7 +114,7 @@ async def test_a_tiny_temperature_is_answered(served: Served) -> None:
 async def test_a_failed_step_is_a_500_naming_the_request_once_in_the_log(
     served: Served, caplog: pytest.LogCaptureFixture
 ) -> None:
-    served.runner.crash_after(0)
+    served.executor.crash_after(0)
     with caplog.at_level(logging.ERROR):
         resp = await served.client.post("/v1/chat/completions", json=_chat())
     error = _error(resp, 500)
@@ -128,7 +128,7 @@ async def test_a_failed_step_is_a_500_naming_the_request_once_in_the_log(
 
 
 async def test_a_step_failing_mid_stream_is_an_in_band_500(served: Served) -> None:
-    served.runner.crash_after(2)
+    served.executor.crash_after(2)
     resp = await served.client.post("/v1/chat/completions", json=_chat(stream=True, max_tokens=8))
     assert resp.status_code == 200
     payloads = sse_payloads(resp.text)
@@ -141,13 +141,13 @@ async def test_a_step_failing_mid_stream_is_an_in_band_500(served: Served) -> No
 
 
 async def test_a_dead_engine_fails_waiting_and_new_requests_fast(served: Served) -> None:
-    engine, runner = served.engine, served.runner
+    engine, executor = served.engine, served.executor
     prompt = await engine.process_prompt("hello world")
     params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
     outputs = engine.generate(prompt, params, "in-flight")
     await anext(outputs)
-    runner.is_device_dead = True
-    runner.crash_after(0)
+    executor.is_device_dead = True
+    executor.crash_after(0)
     start = time.monotonic()
     with pytest.raises(EngineDeadError):
         async for _ in outputs:
@@ -168,8 +168,8 @@ async def test_a_dead_engine_fails_waiting_and_new_requests_fast(served: Served)
 async def test_a_request_running_when_the_engine_dies_gets_a_503(
     served: Served, stream: bool
 ) -> None:
-    served.runner.is_device_dead = True
-    served.runner.crash_after(2)
+    served.executor.is_device_dead = True
+    served.executor.crash_after(2)
     resp = await served.client.post("/v1/completions", json=_completion(stream=stream))
     if not stream:
         assert _error(resp, 503)["code"] == "engine_dead"

@@ -5,18 +5,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mmserve.engine.llm_engine import LLMEngine, Runner
+from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.outputs import RequestOutput
+from mmserve.execution.executor import Executor
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
 
 
-class FaultyRunner:
-    """A real runner that raises at the end of a chosen step, after it really ran (so its
+class FaultyExecutor:
+    """A real executor that raises at the end of a chosen step, after it really ran (so its
     state has moved on, as when a late part of a step fails), and whose device can "die"."""
 
-    def __init__(self, runner: Runner) -> None:
-        self.runner = runner
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
         self.steps_until_crash: int | None = None
         self.is_device_dead = False
         self.num_crashes = 0
@@ -26,7 +27,7 @@ class FaultyRunner:
         self.steps_until_crash = num_steps
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        out = self.runner.execute(scheduler_output)
+        out = self.executor.execute(scheduler_output)
         if self.steps_until_crash is not None:
             if self.steps_until_crash == 0:
                 self.steps_until_crash = None
@@ -35,19 +36,22 @@ class FaultyRunner:
             self.steps_until_crash -= 1
         return out
 
-    def check_device(self) -> None:
+    def check_health(self) -> None:
         if self.is_device_dead:
             raise RuntimeError("injected: the device is gone")
-        self.runner.check_device()
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
 
 def rewired(engine: LLMEngine, **parts: Any) -> LLMEngine:
-    """A new engine over the same processor, scheduler, runner and outputs, with `parts`
+    """A new engine over the same processor, scheduler, executor and outputs, with `parts`
     (constructor arguments) replaced."""
     kwargs: dict[str, Any] = {
         "input_processor": engine.input_processor,
         "scheduler": engine.scheduler,
-        "runner": engine.runner,
+        "executor": engine.executor,
         "output_processor": engine.output_processor,
         "metrics": engine.metrics,
         "max_model_len": engine.max_model_len,

@@ -16,7 +16,7 @@ from mmserve.execution.encoder_runner import EncoderRunner
 from mmserve.multimodal import ProcessedPrompt
 from tests.engine.conftest import DIVERSE
 from tests.engine.faults import (
-    FaultyRunner,
+    FaultyExecutor,
     assert_nothing_held,
     bypassing_validation,
     rewired,
@@ -153,12 +153,12 @@ def test_a_step_that_raises_fails_its_requests_and_the_engine_goes_on(
 ) -> None:
     mates = _batchmates(llm)
     alone = _run_with(llm.engine, mates)
-    runner = FaultyRunner(llm.engine.runner)
-    engine = rewired(llm.engine, runner=runner)
-    runner.crash_after(1)  # the second step: both requests are decoding
+    executor = FaultyExecutor(llm.engine.executor)
+    engine = rewired(llm.engine, executor=executor)
+    executor.crash_after(1)  # the second step: both requests are decoding
     with caplog.at_level(logging.ERROR):
         crashed = _run_with(engine, mates)
-    assert runner.num_crashes == 1
+    assert executor.num_crashes == 1
     for request_id in mates:
         assert crashed[request_id].outputs[0].finish_reason == "error"
         assert crashed[request_id].error_kind is FailureKind.INTERNAL
@@ -199,10 +199,10 @@ def test_a_bug_outside_the_model_fails_the_unfinished_and_the_engine_goes_on(llm
 
 
 def test_a_failed_step_on_a_dead_device_declares_the_engine_dead(llm: LLM) -> None:
-    runner = FaultyRunner(llm.engine.runner)
-    engine = rewired(llm.engine, runner=runner)
-    runner.crash_after(0)
-    runner.is_device_dead = True
+    executor = FaultyExecutor(llm.engine.executor)
+    engine = rewired(llm.engine, executor=executor)
+    executor.crash_after(0)
+    executor.is_device_dead = True
     engine.add_request("a", _prompt(llm, "hello"), GREEDY)
     with pytest.raises(EngineDeadError):
         engine.step()
@@ -218,7 +218,7 @@ def test_an_item_whose_encoding_failed_does_not_fail_later_requests(
 ) -> None:
     prompt = _prompt(llm, "what is this?", image_seed=5)
     reference = _run_with(LLM(model=str(checkpoint)).engine, {"ref": (prompt, GREEDY)})
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     embed = runner.model.embed_multimodal
     calls = []
 

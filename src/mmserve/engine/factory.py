@@ -15,6 +15,7 @@ from mmserve.engine.host_allocator import limit_malloc_arenas, tune_host_allocat
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.execution.encoder_runner import EncoderRunner
+from mmserve.execution.executor import InProcessExecutor
 from mmserve.execution.model_runner import ModelRunner
 from mmserve.layers.attention import allocate_kv_caches, kv_cache_bytes_per_block
 from mmserve.metrics import EngineMetrics
@@ -76,7 +77,7 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> tor
 
 
 def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngine, ResolvedConfig]:
-    """Load the model and build processor, scheduler and runner for it.
+    """Load the model and build processor, scheduler and executor for it.
 
     `decode_workers` > 0 decodes media bytes in that many worker processes, so that a decoder
     crash or hang fails one request instead of the server (the server uses it; the offline API
@@ -176,7 +177,7 @@ def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngin
     engine = LLMEngine(
         input_processor=input_processor,
         scheduler=scheduler,
-        runner=runner,
+        executor=InProcessExecutor(runner),
         output_processor=OutputProcessor(
             lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip), metrics
         ),

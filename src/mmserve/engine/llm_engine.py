@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import NoReturn, Protocol
+from typing import NoReturn
 
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.engine.outputs import RequestOutput
 from mmserve.errors import EngineDeadError, FailureKind, RequestFailure
+from mmserve.execution.executor import Executor
 from mmserve.execution.request_state import RunnerPayload
 from mmserve.execution.sampler import make_generator
 from mmserve.metrics import EngineMetrics
@@ -23,21 +24,8 @@ from mmserve.scheduling.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
-class Runner(Protocol):
-    """What the engine needs of a model runner (`mmserve.execution.model_runner.ModelRunner`)."""
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. Per-request failures come back in `errors`; raising means the whole
-        step failed."""
-        ...
-
-    def check_device(self) -> None:
-        """Raise if the device can no longer compute anything."""
-        ...
-
-
 class LLMEngine:
-    """One model, one scheduler, one runner. Not thread-safe: one thread drives `step`.
+    """One model, one scheduler, one executor. Not thread-safe: one thread drives `step`.
 
     No request's content can stop it: a request that breaks fails alone, and a step that
     raises fails the requests in it. The engine declares itself dead (every later `step`
@@ -51,7 +39,7 @@ class LLMEngine:
         *,
         input_processor: InputProcessor,
         scheduler: Scheduler,
-        runner: Runner,
+        executor: Executor,
         output_processor: OutputProcessor,
         metrics: EngineMetrics,
         max_model_len: int,
@@ -59,7 +47,7 @@ class LLMEngine:
     ) -> None:
         self.input_processor = input_processor
         self.scheduler = scheduler
-        self.runner = runner
+        self.executor = executor
         self.output_processor = output_processor
         self.metrics = metrics
         self.max_model_len = max_model_len
@@ -150,7 +138,7 @@ class LLMEngine:
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step; a crash of the forward pass fails the requests in it, not the engine."""
         try:
-            return self.runner.execute(scheduler_output)
+            return self.executor.execute(scheduler_output)
         except Exception:  # noqa: BLE001 - contained to the requests of this step
             request_ids = sorted(scheduler_output.num_scheduled_tokens)
             logger.exception("model step failed; failing the requests in it: %s", request_ids)
@@ -177,7 +165,7 @@ class LLMEngine:
         """After a failed step: declare the engine dead unless the device still computes and
         the scheduler's books still balance."""
         try:
-            self.runner.check_device()
+            self.executor.check_health()
             self.scheduler.check_integrity()
         except Exception as exc:  # noqa: BLE001 - whatever it is, the engine cannot go on
             self._declare_dead(exc)

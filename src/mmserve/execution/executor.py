@@ -1,0 +1,68 @@
+"""The seam between the engine loop and whatever computes a step: the Executor protocol."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from mmserve.execution.model_runner import ModelRunner
+from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(Protocol):
+    """Runs scheduled steps on one or more devices; `LLMEngine` knows nothing else of them.
+
+    An executor may run its model in this process, in worker processes (one per tensor-parallel
+    rank) or behind a remote encoder: the scheduler and the engine loop are the same for all.
+    Steps arrive in order, one at a time, from one thread.
+    """
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: encode the scheduled items, forward the scheduled tokens, sample.
+
+        The answer accounts for every request in `scheduler_output.num_scheduled_tokens`:
+        sampled token ids for each whose step reaches the end of its tokens, or an entry in
+        `errors` for each that failed alone (a bad item, a count mismatch, a sampling error);
+        requests still in a partial prefill may be absent. An executor never drops a request
+        silently.
+
+        Raising means the whole step failed and its outcome is unknown (a device fault, a dead
+        worker): the engine fails every request of the step, then calls `check_health` to learn
+        whether the executor can go on. After a raise the executor must still accept the
+        `finished_req_ids` of later steps, so the state of the failed requests is freed.
+        """
+        ...
+
+    def check_health(self) -> None:
+        """Return if the executor can still compute; raise (any exception, with a message that
+        says what is gone) if it cannot, e.g. a CUDA error or a worker that died. Cheap:
+        called after every failed step."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release devices, workers and their memory. Idempotent; no call follows but another
+        `shutdown`."""
+        ...
+
+
+class InProcessExecutor:
+    """One ModelRunner in this process: the executor of a single-device engine."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.is_shut_down = False
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.is_shut_down:
+            raise RuntimeError("execute after shutdown: the executor's runner is released")
+        return self.runner.execute(scheduler_output)
+
+    def check_health(self) -> None:
+        if self.is_shut_down:
+            raise RuntimeError("the executor was shut down")
+        self.runner.check_device()
+
+    def shutdown(self) -> None:
+        # The runner holds the KV caches and the encoder cache: dropping its states is what
+        # frees a request's memory; the tensors go with the runner when the engine goes.
+        self.is_shut_down = True
+        self.runner.states.clear()
