@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +16,7 @@ from mmserve.execution.encoder_runner import EncoderRunner
 from mmserve.execution.request_state import RequestState, RunnerPayload
 from mmserve.execution.sampler import SamplingRow, make_generator, sample
 from mmserve.layers.attention import build_attention_metadata
-from mmserve.multimodal import MultiModalFeature
+from mmserve.multimodal import MultiModalFeature, ProcessedImage
 from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -60,10 +62,14 @@ class ModelRunner:
         self._generator = make_generator(seed)
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, so: SchedulerOutput, encoder_inputs: Mapping[str, ProcessedImage] | None = None
+    ) -> ModelRunnerOutput:
+        """`encoder_inputs` (by identifier) gives the pixels of items whose features hold none:
+        a step decoded from the wire sends them only on the step that encodes them."""
         self._update_states(so)
         errors: dict[str, RequestFailure] = {}
-        self._encode(so, errors)
+        self._encode(so, errors, encoder_inputs or {})
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({}, errors)
         batch = self._prepare_batch(so, errors)
@@ -149,10 +155,15 @@ class ModelRunner:
 
     # -------------------------------------------------------------------------- encoder
 
-    def _encode(self, so: SchedulerOutput, errors: dict[str, RequestFailure]) -> None:
+    def _encode(
+        self,
+        so: SchedulerOutput,
+        errors: dict[str, RequestFailure],
+        encoder_inputs: Mapping[str, ProcessedImage],
+    ) -> None:
         """Run every scheduled item through the vision tower in as few calls as possible."""
         features = [
-            (request_id, self.states[request_id].mm_features[i])
+            (request_id, _with_pixels(self.states[request_id].mm_features[i], encoder_inputs))
             for request_id, item_idxs in so.scheduled_encoder_inputs.items()
             for i in item_idxs
         ]
@@ -294,6 +305,17 @@ class ModelRunner:
                 f"encoding multimodal item failed: {type(exc).__name__}", FailureKind.INTERNAL
             ) from exc
         return self.encoder.get(feature.identifier)
+
+
+def _with_pixels(
+    feature: MultiModalFeature, encoder_inputs: Mapping[str, ProcessedImage]
+) -> MultiModalFeature:
+    """The feature with its pixels for this step only: the state keeps none it was not sent
+    with, so pixels are not held for the whole decode."""
+    data = encoder_inputs.get(feature.identifier)
+    if feature.data is not None or data is None:
+        return feature
+    return dataclasses.replace(feature, data=data)
 
 
 class _SpliceError(Exception):

@@ -7,8 +7,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mmserve.execution.sampler import make_generator
 from mmserve.multimodal import MultiModalFeature
 from mmserve.sampling_params import SamplingParams
+from mmserve.wire.convert import sampling_params_from_wire
+from mmserve.wire.executor import WireRunnerPayload
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,21 @@ class RunnerPayload:
     @property
     def num_prompt_tokens(self) -> int:
         return int(self.mrope_positions.shape[1])
+
+
+def payload_from_wire(w: WireRunnerPayload) -> RunnerPayload:
+    """The payload an executor in another process builds (`make_payload` of
+    `wire.convert.scheduler_output_from_wire`).
+
+    NOTE: the generator starts again from the seed. In-process, a seeded request resumed after
+    preemption keeps its stream (the payload lives on the scheduler's Request); through the wire
+    it restarts, so seeded sampling after a preemption differs from in-process (greedy does not).
+    """
+    params = sampling_params_from_wire(w.sampling_params)
+    generator = make_generator(params.seed) if params.seed is not None else None
+    return RunnerPayload(
+        params, w.mrope_positions, w.mrope_position_delta, tuple(w.eos_token_ids), generator
+    )
 
 
 @dataclass(slots=True)
