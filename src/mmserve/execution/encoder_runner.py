@@ -87,7 +87,9 @@ class EncoderRunner:
     def _run(self, batch: list[MultiModalFeature]) -> None:
         arrays = [f.data.pixel_values for f in batch]  # type: ignore[union-attr]
         # [total_patches, C * T * P * P]
-        pixels = torch.from_numpy(np.concatenate(arrays, axis=0) if len(arrays) > 1 else arrays[0])
+        joined = np.concatenate(arrays, axis=0) if len(arrays) > 1 else arrays[0]
+        # Pixels decoded from wire frames are read-only views; torch wants memory it may write.
+        pixels = torch.from_numpy(joined if joined.flags.writeable else joined.copy())
         pixels = pixels.to(device=self._device, dtype=self._dtype)
         grids = [f.data.grid_thw for f in batch]  # type: ignore[union-attr]
         outputs = self._embed(pixels, grids)
