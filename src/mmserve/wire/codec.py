@@ -126,7 +126,8 @@ def decode(frames: Sequence[Any]) -> Message:
     def dec_hook(type_: type, obj: Any) -> Any:
         if type_ is np.ndarray:
             return _array_from_ref(obj, views, next_frame)
-        raise NotImplementedError
+        # Only ndarray fields reach this hook; msgspec turns the TypeError into a DecodeError.
+        raise TypeError(f"no wire decoding for {type_!r}")
 
     try:
         msg = msgspec.msgpack.Decoder(msg_type, dec_hook=dec_hook).decode(head[HEADER_BYTES:])
