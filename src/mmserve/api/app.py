@@ -41,6 +41,7 @@ from mmserve.api.unsupported import refuse_unsupported_fields
 from mmserve.engine.protocol import EngineClient
 from mmserve.errors import EngineDeadError
 from mmserve.multimodal import ProcessedPrompt
+from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 BodyT = TypeVar("BodyT", bound=BaseModel)
@@ -105,7 +106,7 @@ def create_app(
     async def chat_completions(request: Request, namespace: str = Depends(request_namespace)):
         async def run() -> Response:
             body = await _parse(request, ChatCompletionRequest)
-            _check_before_processing(body)
+            params = _check_before_processing(body)
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
             prompt = await until_disconnect(
                 request,
@@ -118,7 +119,7 @@ def create_app(
                 ),
             )
             fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", served_model_name)
-            return await _generate(request, body, body.requested_max_tokens, prompt, fmt)
+            return await _generate(request, body, params, prompt, fmt)
 
         return await _answer(run)
 
@@ -126,17 +127,17 @@ def create_app(
     async def completions(request: Request, namespace: str = Depends(request_namespace)):
         async def run() -> Response:
             body = await _parse(request, CompletionRequest)
-            _check_before_processing(body)
+            params = _check_before_processing(body)
             prompt_in = body.single_prompt()
             prompt = await until_disconnect(
                 request, engine.process_prompt(prompt_in, namespace=namespace)
             )
             fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", served_model_name)
-            return await _generate(request, body, body.requested_max_tokens, prompt, fmt)
+            return await _generate(request, body, params, prompt, fmt)
 
         return await _answer(run)
 
-    def _check_before_processing(body: SamplingFields) -> None:
+    def _check_before_processing(body: SamplingFields) -> SamplingParams:
         """Refuse what needs no prompt to refuse, before any image is fetched or decoded."""
         if body.model is not None and body.model != served_model_name:
             raise APIError(
@@ -147,17 +148,17 @@ def create_app(
                 param="model",
             )
         # Every sampling range is checked here; the bound by the prompt's length comes later.
-        body.to_sampling_params(body.requested_max_tokens)
+        return body.to_sampling_params(body.requested_max_tokens)
 
     async def _generate(
         request: Request,
         body: SamplingFields,
-        max_tokens: int | None,
+        requested: SamplingParams,
         prompt: ProcessedPrompt,
         fmt: ResponseFormat,
     ) -> Response:
         params = sampling_params_for(
-            body, max_tokens, len(prompt.prompt_token_ids), engine.max_model_len
+            body, requested, len(prompt.prompt_token_ids), engine.max_model_len
         )
         outputs = engine.generate(prompt, params, fmt.request_id, cache_salt=body.cache_salt)
         if not body.stream:

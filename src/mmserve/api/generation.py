@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
@@ -34,9 +35,11 @@ class ClientGoneError(Exception):
 
 
 def sampling_params_for(
-    body: SamplingFields, max_tokens: int | None, prompt_len: int, max_model_len: int
+    body: SamplingFields, requested: SamplingParams, prompt_len: int, max_model_len: int
 ) -> SamplingParams:
-    """SamplingParams with max_tokens bounded by what is left of the model length."""
+    """`requested` (already range-checked) with max_tokens bounded by what is left of the
+    model length; None becomes "up to the model length"."""
+    max_tokens = requested.max_tokens
     room = max_model_len - prompt_len
     if room <= 0:
         raise PromptTooLongError(
@@ -51,7 +54,7 @@ def sampling_params_for(
             f"lower max_tokens to {room} or less",
             param="max_tokens",
         )
-    return body.to_sampling_params(room if max_tokens is None else max_tokens)
+    return dataclasses.replace(requested, max_tokens=room if max_tokens is None else max_tokens)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
