@@ -128,3 +128,28 @@ class EngineMetrics:
 
 def _copy(h: Histogram) -> Histogram:
     return Histogram(h.buckets, list(h.counts), h.total, h.num)
+
+
+# SchedulerStats field -> (kind, metric name): the one table both the engine and the API
+# process's mirror of a remote engine's stats read.
+SCHEDULER_METRICS = (
+    ("num_running", "gauge", "num_requests_running"),
+    ("num_waiting", "gauge", "num_requests_waiting"),
+    ("num_free_kv_blocks", "gauge", "kv_blocks_free"),
+    ("encoder_cache_used_slots", "gauge", "encoder_cache_used_slots"),
+    ("encoder_cache_resident_slots", "gauge", "encoder_cache_resident_slots"),
+    ("prefix_cache_queries", "counter", "prefix_cache_queries"),
+    ("prefix_cache_hits", "counter", "prefix_cache_hits"),
+    ("encoder_cache_queries", "counter", "encoder_cache_queries"),
+    ("encoder_cache_hits", "counter", "encoder_cache_hits"),
+)
+
+
+def record_scheduler_stats(metrics: EngineMetrics, stats: object) -> None:
+    """Set the gauges and counters of SCHEDULER_METRICS from a SchedulerStats (or its wire twin)."""
+    for field_name, kind, metric in SCHEDULER_METRICS:
+        value = getattr(stats, field_name)
+        if kind == "gauge":
+            metrics.set_gauge(metric, value)
+        else:
+            metrics.set_counter(metric, value)

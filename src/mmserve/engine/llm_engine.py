@@ -12,7 +12,7 @@ from mmserve.errors import EngineDeadError, FailureKind, RequestFailure
 from mmserve.execution.executor import Executor
 from mmserve.execution.request_state import RunnerPayload
 from mmserve.execution.sampler import make_generator
-from mmserve.metrics import EngineMetrics
+from mmserve.metrics import EngineMetrics, record_scheduler_stats
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.mrope import decode_positions
@@ -180,17 +180,8 @@ class LLMEngine:
             raise EngineDeadError(self.dead_reason)
 
     def _record_stats(self) -> None:
-        s = self.scheduler.make_stats()
         m = self.metrics
-        m.set_gauge("num_requests_running", s.num_running)
-        m.set_gauge("num_requests_waiting", s.num_waiting)
-        m.set_gauge("kv_blocks_free", s.num_free_kv_blocks)
-        m.set_gauge("encoder_cache_used_slots", s.encoder_cache_used_slots)
-        m.set_gauge("encoder_cache_resident_slots", s.encoder_cache_resident_slots)
-        m.set_counter("prefix_cache_queries", s.prefix_cache_queries)
-        m.set_counter("prefix_cache_hits", s.prefix_cache_hits)
-        m.set_counter("encoder_cache_queries", s.encoder_cache_queries)
-        m.set_counter("encoder_cache_hits", s.encoder_cache_hits)
+        record_scheduler_stats(m, self.scheduler.make_stats())
         cache_stats = self.input_processor.cache.stats
         m.set_counter("processor_cache_queries", cache_stats.queries)
         m.set_counter("processor_cache_hits", cache_stats.hits)

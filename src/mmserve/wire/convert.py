@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 
 from mmserve.errors import FailureKind, RequestFailure
-from mmserve.metrics import EngineMetrics
+from mmserve.metrics import EngineMetrics, record_scheduler_stats
 from mmserve.multimodal import MultiModalFeature, PlaceholderRange, ProcessedImage, ProcessedPrompt
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.outputs import (
@@ -52,18 +52,6 @@ FINISH_REASONS: MappingProxyType[RequestStatus, FinishReason] = MappingProxyType
     }
 )
 _STATUS_BY_REASON = MappingProxyType({reason: s for s, reason in FINISH_REASONS.items()})
-# (SchedulerStats field, metric kind, metric name), as LLMEngine records them.
-SCHEDULER_METRICS = (
-    ("num_running", "gauge", "num_requests_running"),
-    ("num_waiting", "gauge", "num_requests_waiting"),
-    ("num_free_kv_blocks", "gauge", "kv_blocks_free"),
-    ("encoder_cache_used_slots", "gauge", "encoder_cache_used_slots"),
-    ("encoder_cache_resident_slots", "gauge", "encoder_cache_resident_slots"),
-    ("prefix_cache_queries", "counter", "prefix_cache_queries"),
-    ("prefix_cache_hits", "counter", "prefix_cache_hits"),
-    ("encoder_cache_queries", "counter", "encoder_cache_queries"),
-    ("encoder_cache_hits", "counter", "encoder_cache_hits"),
-)
 
 
 class RunnerPayloadLike(Protocol):
@@ -228,12 +216,7 @@ def stats_from_wire(w: EngineStats) -> SchedulerStats:
 
 def apply_stats(w: EngineStats, metrics: EngineMetrics) -> None:
     """Mirror the engine process's stats into the API process's metrics (what it exports)."""
-    for field_name, kind, metric in SCHEDULER_METRICS:
-        value = getattr(w, field_name)
-        if kind == "gauge":
-            metrics.set_gauge(metric, value)
-        else:
-            metrics.set_counter(metric, value)
+    record_scheduler_stats(metrics, w)
     for name, value in w.counters.items():
         metrics.set_counter(name, value)
     for name, gauge in w.gauges.items():
