@@ -79,6 +79,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="Reuse KV blocks of identical prefixes (images keyed by identity). Default on.",
     )
     a(
+        "--multiprocess",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Run the scheduler and the model in an engine process, apart from the HTTP server "
+        "and its media processing (default on for `serve`). --no-multiprocess keeps one process.",
+    )
+    a(
         "--disable-chunked-mm-input",
         action="store_true",
         help="Never split one image's placeholder span across engine steps; rejected at start "
@@ -326,14 +333,14 @@ def serve(engine_args: EngineArgs) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        asyncio.run(_serve(engine_args))
+        return asyncio.run(_serve(engine_args))
     except Exception:
         logger.exception("mmserve failed")
         return 1
-    return 0
 
 
-async def _serve(engine_args: EngineArgs) -> None:
+async def _serve(engine_args: EngineArgs) -> int:
+    """Serve until a signal (exit code 0) or the engine's death (1: a supervisor restarts it)."""
     import uvicorn
 
     from mmserve.api.app import create_app
@@ -364,8 +371,21 @@ async def _serve(engine_args: EngineArgs) -> None:
         timeout_keep_alive=engine_args.http_keep_alive_timeout,  # type: ignore[arg-type]
         ws="none",  # no websocket routes; an upgrade request is answered as plain HTTP
     )
+    server = uvicorn.Server(config)
+    loop = asyncio.get_running_loop()
+    engine_died = asyncio.Event()
+
+    def stop_serving(reason: str) -> None:  # from the engine thread
+        logger.error("the engine died (%s): the server stops", reason)
+        loop.call_soon_threadsafe(engine_died.set)
+        server.should_exit = True  # in-flight requests have their 503s; /health says 503 too
+
+    engine.on_dead = stop_serving
+    if not engine.is_healthy():  # died before it could be told whom to call
+        stop_serving("before the server started")
     logger.info("serving %r on http://%s:%d", name, engine_args.host, engine_args.port)
-    await uvicorn.Server(config).serve()
+    await server.serve()
+    return 1 if engine_died.is_set() else 0
 
 
 def _log_configuration(engine_args: EngineArgs, engine: Any, name: str) -> None:

@@ -153,3 +153,10 @@ def record_scheduler_stats(metrics: EngineMetrics, stats: object) -> None:
             metrics.set_gauge(metric, value)
         else:
             metrics.set_counter(metric, value)
+
+
+# What the engine core counts itself (beyond SCHEDULER_METRICS): an engine process sends these
+# with its stats, and the API process mirrors them. Everything else (tokens, requests, latency,
+# the processor cache) is counted where the outputs are made.
+CORE_COUNTERS = ("encoder_items_encoded", "encoder_forward_calls", "embedding_transfer_bytes")
+CORE_GAUGES = ("kv_blocks_total", "encoder_cache_total_slots")

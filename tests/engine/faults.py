@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from mmserve.engine.core import EngineCore
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.outputs import RequestOutput
 from mmserve.execution.executor import Executor
@@ -48,16 +49,23 @@ class FaultyExecutor:
 def rewired(engine: LLMEngine, **parts: Any) -> LLMEngine:
     """A new engine over the same processor, scheduler, executor and outputs, with `parts`
     (constructor arguments) replaced."""
+    core = engine.core
+    core_parts: dict[str, Any] = {
+        "scheduler": core.scheduler,
+        "executor": core.executor,
+        "metrics": core.metrics,
+        "max_model_len": core.max_model_len,
+        "eos_token_ids": core.eos_token_ids,
+    }
+    core_parts.update({k: v for k, v in parts.items() if k in core_parts})
     kwargs: dict[str, Any] = {
         "input_processor": engine.input_processor,
-        "scheduler": engine.scheduler,
-        "executor": engine.executor,
+        "core": EngineCore(**core_parts),
         "output_processor": engine.output_processor,
         "metrics": engine.metrics,
         "max_model_len": engine.max_model_len,
-        "eos_token_ids": engine.eos_token_ids,
     }
-    kwargs.update(parts)
+    kwargs.update({k: v for k, v in parts.items() if k not in core_parts})
     return LLMEngine(**kwargs)
 
 

@@ -44,18 +44,20 @@ def expected(oracle) -> dict[str, list[int]]:
         {},
         {"max_num_batched_tokens": 32},  # prefill chunks cut through the images
         {"max_num_batched_tokens": 32, "enable_prefix_caching": False, "block_size": 4},
+        {"multiprocess": True},  # the engine core in its own process, as the server runs it
+        {"multiprocess": True, "max_num_batched_tokens": 32},
     ],
-    ids=["default", "chunked", "chunked_no_prefix_small_blocks"],
+    ids=["default", "chunked", "chunked_no_prefix_small_blocks", "multiprocess", "mp_chunked"],
 )
 def test_each_request_alone_and_all_in_one_batch_match_transformers(
     diverse_checkpoint, expected, engine_args
 ):
-    llm = LLM(model=str(diverse_checkpoint), **engine_args)
-    for name, (prompt, images) in CASES.items():
-        out = llm.generate(_request(prompt, images), GREEDY)[0]
-        assert out.outputs[0].token_ids == expected[name], name
-    batch = llm.generate([_request(p, imgs) for p, imgs in CASES.values()], GREEDY)
-    assert [o.outputs[0].token_ids for o in batch] == list(expected.values())
+    with LLM(model=str(diverse_checkpoint), **engine_args) as llm:
+        for name, (prompt, images) in CASES.items():
+            out = llm.generate(_request(prompt, images), GREEDY)[0]
+            assert out.outputs[0].token_ids == expected[name], name
+        batch = llm.generate([_request(p, imgs) for p, imgs in CASES.values()], GREEDY)
+        assert [o.outputs[0].token_ids for o in batch] == list(expected.values())
 
 
 def test_prefix_cache_never_mixes_pictures(diverse_checkpoint, oracle):

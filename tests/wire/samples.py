@@ -10,6 +10,7 @@ from mmserve.wire import (
     EngineCoreAbort,
     EngineCoreOutput,
     EngineCoreOutputs,
+    EngineCoreReady,
     EngineCoreRequest,
     EngineCoreShutdown,
     EngineDead,
@@ -161,6 +162,7 @@ def all_messages() -> list[tuple[str, Message]]:
         ("stats", engine_stats()),
         ("stats_zero", engine_stats(counters={}, gauges={}, num_running=0, num_waiting=0)),
         ("dead", EngineDead("the engine core exited with signal 9")),
+        ("ready", EngineCoreReady({"model": "/m", "num_kv_blocks": 128, "chunked_mm_input": True})),
         ("scheduler_output", scheduler_output()),
         ("scheduler_output_empty", empty_step),
         (

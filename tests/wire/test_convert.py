@@ -181,7 +181,8 @@ def test_sampling_values_the_engine_refuses_are_refused_on_arrival():
     ],
 )
 def test_updates_round_trip(update):
-    batch = _through_wire(EngineCoreOutputs([convert.update_to_wire(update, num_cached_tokens=48)]))
+    update = dataclasses.replace(update, num_cached_tokens=48)
+    batch = _through_wire(EngineCoreOutputs([convert.update_to_wire(update)]))
     (out,) = batch.outputs
     assert out.num_cached_tokens == 48
     assert convert.update_from_wire(out) == update

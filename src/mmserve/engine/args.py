@@ -92,6 +92,9 @@ class EngineArgs:
     max_inflight_decode_bytes: int = 2 << 30
     decode_wait_timeout: float = 10.0
     decode_worker_max_rss_mb: int = 1024
+    # The scheduler and the model in an engine process of their own (issue #14). None: the
+    # entry point's default (the server: yes; the offline LLM: no).
+    multiprocess: bool | None = None
 
     def __post_init__(self) -> None:
         for name in (

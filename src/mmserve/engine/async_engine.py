@@ -9,7 +9,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,8 +72,17 @@ class AsyncLLMEngine:
     in this loop), every waiting request and every new one gets EngineDeadError at once.
     """
 
-    def __init__(self, engine: LLMEngine, resolved: ResolvedConfig, *, model_name: str) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        resolved: ResolvedConfig,
+        *,
+        model_name: str,
+        on_dead: Callable[[str], None] | None = None,
+    ) -> None:
         self.engine = engine
+        # Called once, from the engine thread, when the engine has died (the server exits).
+        self.on_dead = on_dead
         self.resolved = resolved
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
@@ -206,6 +215,7 @@ class AsyncLLMEngine:
             self._commands.put(_Abort(request_id))
         self._stop.set()
         await asyncio.to_thread(self._thread.join, 5.0)
+        await asyncio.to_thread(self.engine.shutdown)
         self.engine.input_processor.media_loader.close()
 
     # ------------------------------------------------------------------------ engine thread
@@ -215,6 +225,7 @@ class AsyncLLMEngine:
             while not self._stop.is_set():
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
+                    self.engine.check_alive()  # a core in another process can die idle
                     self._wait_for_command()
                     continue
                 for out in self.engine.step():  # raises only when the engine is dead
@@ -227,6 +238,8 @@ class AsyncLLMEngine:
                 streams = list(self._streams.values())
             for stream in streams:
                 stream.put(EngineDeadError(_dead_reason(exc)))
+            if self.on_dead is not None and not self._stop.is_set():
+                self.on_dead(_dead_reason(exc))
 
     def _wait_for_command(self) -> None:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.engine.args import EngineArgs
+from mmserve.engine.core import CoreLike, EngineCore
 from mmserve.engine.host_allocator import limit_malloc_arenas, tune_host_allocator
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.output_processor import OutputProcessor
@@ -19,12 +21,13 @@ from mmserve.execution.executor import InProcessExecutor
 from mmserve.execution.model_runner import ModelRunner
 from mmserve.layers.attention import allocate_kv_caches, kv_cache_bytes_per_block
 from mmserve.metrics import EngineMetrics
-from mmserve.models.config import ModelConfig
+from mmserve.models.config import ModelConfig, load_model_config
 from mmserve.models.loader import load_model
 from mmserve.processing.image_decode import default_max_image_pixels
-from mmserve.processing.image_processor import ImageProcessorConfig
+from mmserve.processing.image_processor import ImageProcessorConfig, max_tokens_per_item
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.media import MediaConfig, MediaLoader
+from mmserve.processing.tokenizer import Tokenizer
 from mmserve.scheduling.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -76,30 +79,69 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> tor
     return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
-def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngine, ResolvedConfig]:
-    """Load the model and build processor, scheduler and executor for it.
+@dataclass(frozen=True)
+class EngineShape:
+    """What both the API side and the engine core derive from the flags and the checkpoint's
+    config files, before any weight is loaded."""
+
+    model_dir: Path
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    image_config: ImageProcessorConfig  # with --mm-processor-kwargs applied
+    tokenizer: Tokenizer
+    eos_token_ids: tuple[int, ...]
+    scheduler_config: SchedulerConfig
+
+
+def resolve_shape(args: EngineArgs) -> EngineShape:
+    device = resolve_device(args.device)
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"--model {args.model}: no config.json there; is it a model directory?")
+    model_config = load_model_config(model_dir)
+    dtype = resolve_dtype(args.dtype, device, model_config.dtype)
+    max_model_len = args.max_model_len or model_config.text.max_position_embeddings
+    image_config = ImageProcessorConfig.from_pretrained(model_dir).with_overrides(
+        args.mm_processor_kwargs
+    )
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    eos_token_ids = tuple(dict.fromkeys([*tokenizer.stop_token_ids, *model_config.eos_token_ids]))
+    scheduler_config = SchedulerConfig(
+        max_model_len=max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_tokens_per_mm_item=max_tokens_per_item(image_config),
+        disable_chunked_mm_input=args.disable_chunked_mm_input,
+        encoder_cache_size=args.encoder_cache_size,
+    )
+    return EngineShape(
+        model_dir,
+        model_config,
+        device,
+        dtype,
+        max_model_len,
+        image_config,
+        tokenizer,
+        eos_token_ids,
+        scheduler_config,
+    )
+
+
+def build_input_processor(
+    args: EngineArgs, shape: EngineShape, *, decode_workers: int = 0
+) -> InputProcessor:
+    """The CPU stage: media fetching and decoding, image processing, templating, tokenizing.
 
     `decode_workers` > 0 decodes media bytes in that many worker processes, so that a decoder
     crash or hang fails one request instead of the server (the server uses it; the offline API
     decodes in-process).
     """
-    torch.manual_seed(args.seed)
-    device = resolve_device(args.device)
-    if device.type == "cpu":
-        tune_host_allocator()  # activations live in host memory: reuse it, do not re-fault it
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        raise ValueError(f"--model {args.model}: no config.json there; is it a model directory?")
-    from mmserve.models.config import load_model_config
-
-    checkpoint_dtype = load_model_config(model_dir).dtype
-    dtype = resolve_dtype(args.dtype, device, checkpoint_dtype)
-    model, model_config = load_model(model_dir, device=device, dtype=dtype)
-    max_model_len = args.max_model_len or model_config.text.max_position_embeddings
     # No image needs more pixels than the processor resizes it to (or 4096x4096 when that is less).
-    image_config = ImageProcessorConfig.from_pretrained(model_dir)
-    processor_max_pixels = image_config.with_overrides(args.mm_processor_kwargs).max_pixels
-    max_image_pixels = args.max_image_pixels or default_max_image_pixels(processor_max_pixels)
+    max_image_pixels = args.max_image_pixels or default_max_image_pixels(
+        shape.image_config.max_pixels
+    )
     media = MediaLoader(
         MediaConfig(
             allowed_media_domains=args.allowed_media_domains or (),
@@ -115,25 +157,30 @@ def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngin
             decode_worker_max_rss_bytes=args.decode_worker_max_rss_mb << 20,
         )
     )
-    input_processor = InputProcessor.from_pretrained(
-        model_dir,
-        max_model_len=max_model_len,
+    return InputProcessor.from_pretrained(
+        shape.model_dir,
+        max_model_len=shape.max_model_len,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         mm_processor_kwargs=args.mm_processor_kwargs,
         mm_processor_cache_gb=args.mm_processor_cache_gb,
         hash_algorithm=args.hash_algorithm,
-        model_id=args.served_model_name or str(model_dir.resolve()),
+        model_id=args.served_model_name or str(shape.model_dir.resolve()),
         media_loader=media,
         trust_exif_image_id=args.trust_exif_image_id,
+        tokenizer=shape.tokenizer,
     )
-    scheduler_config = SchedulerConfig(
-        max_model_len=max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_tokens_per_mm_item=input_processor.max_tokens_per_mm_item,
-        disable_chunked_mm_input=args.disable_chunked_mm_input,
-        encoder_cache_size=args.encoder_cache_size,
-    )
+
+
+def build_core(
+    args: EngineArgs, shape: EngineShape, metrics: EngineMetrics
+) -> tuple[EngineCore, ResolvedConfig]:
+    """Load the weights and build the scheduler and the executor: what the engine process runs."""
+    torch.manual_seed(args.seed)
+    device, dtype = shape.device, shape.dtype
+    if device.type == "cpu":
+        tune_host_allocator()  # activations live in host memory: reuse it, do not re-fault it
+    model, model_config = load_model(shape.model_dir, device=device, dtype=dtype)
+    scheduler_config = shape.scheduler_config
     bytes_per_block = kv_cache_bytes_per_block(model_config, args.block_size, dtype)
     num_blocks = _num_kv_blocks(args, scheduler_config, bytes_per_block, device)
     cache_config = CacheConfig(
@@ -144,14 +191,11 @@ def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngin
     )
     element_bytes = torch.empty((), dtype=dtype).element_size()
     bytes_per_slot = model_config.hidden_size * element_bytes
-    tokenizer = input_processor.tokenizer
-    eos_token_ids = tuple(dict.fromkeys([*tokenizer.stop_token_ids, *model_config.eos_token_ids]))
-    metrics = EngineMetrics()
     scheduler = Scheduler(
         scheduler_config,
         cache_config,
         bytes_per_encoder_slot=bytes_per_slot,
-        eos_token_ids=eos_token_ids,
+        eos_token_ids=shape.eos_token_ids,
     )
     merge = model_config.spatial_merge_size
     encoder = EncoderRunner(
@@ -174,16 +218,12 @@ def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngin
     metrics.set_gauge("kv_blocks_total", num_blocks)
     metrics.set_gauge("kv_blocks_free", num_blocks)
     metrics.set_gauge("encoder_cache_total_slots", scheduler_config.effective_encoder_cache_size)
-    engine = LLMEngine(
-        input_processor=input_processor,
+    core = EngineCore(
         scheduler=scheduler,
         executor=InProcessExecutor(runner),
-        output_processor=OutputProcessor(
-            lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip), metrics
-        ),
         metrics=metrics,
-        max_model_len=max_model_len,
-        eos_token_ids=eos_token_ids,
+        max_model_len=shape.max_model_len,
+        eos_token_ids=shape.eos_token_ids,
     )
     resolved = _describe(
         args,
@@ -194,7 +234,31 @@ def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngin
         cache_config,
         bytes_per_block,
         bytes_per_slot,
-        max_model_len,
+        shape.max_model_len,
+    )
+    return core, resolved
+
+
+def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngine, ResolvedConfig]:
+    """An engine with its core in this process, or in an engine process if `args.multiprocess`."""
+    shape = resolve_shape(args)
+    metrics = EngineMetrics()
+    if args.multiprocess:
+        from mmserve.engine.core_client import CoreClient
+
+        core: CoreLike
+        core, resolved = CoreClient.start(args, shape, metrics)
+    else:
+        core, resolved = build_core(args, shape, metrics)
+    tokenizer = shape.tokenizer
+    engine = LLMEngine(
+        input_processor=build_input_processor(args, shape, decode_workers=decode_workers),
+        core=core,
+        output_processor=OutputProcessor(
+            lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip), metrics
+        ),
+        metrics=metrics,
+        max_model_len=shape.max_model_len,
     )
     return engine, resolved
 
@@ -254,10 +318,13 @@ def _describe(
 
 
 def build_async_engine(args: EngineArgs):  # -> AsyncLLMEngine
+    """The server's engine: its core in an engine process unless `--no-multiprocess`."""
     from mmserve.engine.async_engine import AsyncLLMEngine
 
     # Before the serving threads exist (see host_allocator.py). Only the server: it processes
     # pictures on many threads, and the offline API measured ~5% slower with the cap.
     limit_malloc_arenas()
+    if args.multiprocess is None:
+        args = dataclasses.replace(args, multiprocess=True)
     engine, resolved = build_engine(args, decode_workers=SERVER_DECODE_WORKERS)
     return AsyncLLMEngine(engine, resolved, model_name=args.resolved_served_model_name)

@@ -25,6 +25,8 @@ class LLM:
 
     Engine arguments are keyword arguments with the CLI's names (`max_num_batched_tokens=32`,
     `enable_prefix_caching=False`, ...). With no `model`, the bundled toy model is loaded.
+    `multiprocess=True` runs the scheduler and the model in an engine process, as the server
+    does; `shutdown()` (or leaving a `with LLM(...)` block) stops it.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
@@ -33,6 +35,16 @@ class LLM:
         self.engine_args = EngineArgs(**engine_args)
         self.engine, self.resolved_config = build_engine(self.engine_args)
         self._ids = itertools.count()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the engine process (multiprocess) and release the engine. Idempotent."""
+        self.engine.shutdown()
 
     @property
     def config(self) -> ResolvedConfig:

@@ -41,6 +41,7 @@ class _Tracked:
     arrival_s: float
     token_ids: list[int] = field(default_factory=list)
     last_token_s: float | None = None
+    num_cached_tokens: int = 0
 
 
 class OutputProcessor:
@@ -85,6 +86,7 @@ class OutputProcessor:
             if update.new_token_ids:
                 self._observe_latency(tracked, now, len(update.new_token_ids))
             tracked.token_ids.extend(update.new_token_ids)
+            tracked.num_cached_tokens = update.num_cached_tokens
             finish_reason = FINISH_REASONS.get(update.finish_status) if update.finished else None
             stop_reason: str | int | None = update.stop_reason
             failure = update.error
@@ -157,6 +159,7 @@ class OutputProcessor:
             prompt_token_ids=tracked.prompt_token_ids,
             outputs=[completion],
             finished=finish_reason is not None,
+            num_cached_tokens=tracked.num_cached_tokens,
             error=None if failure is None else failure.message,
             error_kind=None if failure is None else failure.kind,
             error_param=None if failure is None else failure.param,

@@ -84,7 +84,9 @@ class InputProcessor:
         revision: str = "",
         media_loader: MediaLoader | None = None,
         trust_exif_image_id: bool = False,
+        tokenizer: Tokenizer | None = None,
     ) -> InputProcessor:
+        """`tokenizer`: one already loaded from `model_dir` (else it is loaded here)."""
         model_dir = Path(model_dir)
         config = json.loads((model_dir / "config.json").read_text())
         text = config.get("text_config") or config
@@ -92,7 +94,7 @@ class InputProcessor:
             mm_processor_kwargs
         )
         return cls(
-            Tokenizer.from_pretrained(model_dir),
+            tokenizer or Tokenizer.from_pretrained(model_dir),
             image_config,
             VisionTokenIds.from_config(config),
             max_model_len=max_model_len or int(text.get("max_position_embeddings", 32768)),

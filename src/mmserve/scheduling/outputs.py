@@ -74,6 +74,7 @@ class RequestUpdate:
     finish_status: RequestStatus | None = None
     stop_reason: int | None = None
     error: RequestFailure | None = None
+    num_cached_tokens: int = 0  # the prefix-cache hit of its first schedule, in tokens
 
     @property
     def finished(self) -> bool:

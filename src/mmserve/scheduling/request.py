@@ -48,6 +48,9 @@ class Request:
     block_hashes: list[str] = field(default_factory=list)
     stop_reason: int | None = None
     num_preemptions: int = 0
+    # The prefix-cache hit of its first schedule, in tokens (usage's cached_tokens); None
+    # until then. A recompute after preemption does not change it.
+    num_cached_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

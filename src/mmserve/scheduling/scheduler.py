@@ -229,6 +229,8 @@ class Scheduler:
                 skipped.append(request)
                 break  # KV is short: later arrivals must not overtake
             request.num_computed_tokens = num_computed
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.new_reqs.append(
@@ -336,7 +338,15 @@ class Scheduler:
             if error is not None:
                 request.status = RequestStatus.FINISHED_ERROR
                 finished.append(request)
-                updates.append(RequestUpdate(request_id, [], request.status, error=error))
+                updates.append(
+                    RequestUpdate(
+                        request_id,
+                        [],
+                        request.status,
+                        error=error,
+                        num_cached_tokens=request.num_cached_tokens or 0,
+                    )
+                )
                 continue
             self.kv_cache_manager.cache_blocks(request)
             self._free_consumed_encoder_inputs(request)
@@ -350,6 +360,7 @@ class Scheduler:
                         new_token_ids,
                         request.status if request.is_finished else None,
                         stop_reason=request.stop_reason,
+                        num_cached_tokens=request.num_cached_tokens or 0,
                     )
                 )
         if finished:

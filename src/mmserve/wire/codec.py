@@ -24,6 +24,7 @@ from mmserve.wire.common import WireError
 from mmserve.wire.engine_core import (
     EngineCoreAbort,
     EngineCoreOutputs,
+    EngineCoreReady,
     EngineCoreRequest,
     EngineCoreShutdown,
     EngineDead,
@@ -43,6 +44,7 @@ Message = (
     | EngineCoreOutputs
     | EngineStats
     | EngineDead
+    | EngineCoreReady
     | WireSchedulerOutput
     | WireModelRunnerOutput
 )
@@ -57,6 +59,7 @@ MESSAGE_TAGS: MappingProxyType[type, int] = MappingProxyType(
         EngineCoreOutputs: 16,
         EngineStats: 17,
         EngineDead: 18,
+        EngineCoreReady: 19,
         WireSchedulerOutput: 32,
         WireModelRunnerOutput: 33,
     }

@@ -176,7 +176,7 @@ def request_from_wire(msg: EngineCoreRequest) -> AddRequest:
     )
 
 
-def update_to_wire(update: RequestUpdate, num_cached_tokens: int = 0) -> EngineCoreOutput:
+def update_to_wire(update: RequestUpdate) -> EngineCoreOutput:
     status = update.finish_status
     finish_reason = FINISH_REASONS[status] if status is not None else None
     return EngineCoreOutput(
@@ -185,7 +185,7 @@ def update_to_wire(update: RequestUpdate, num_cached_tokens: int = 0) -> EngineC
         finish_reason=finish_reason,
         stop_reason=update.stop_reason,
         error=failure_to_wire(update.error) if update.error is not None else None,
-        num_cached_tokens=num_cached_tokens,
+        num_cached_tokens=update.num_cached_tokens,
     )
 
 
@@ -197,6 +197,7 @@ def update_from_wire(out: EngineCoreOutput) -> RequestUpdate:
         finish_status=status,
         stop_reason=out.stop_reason,
         error=failure_from_wire(out.error) if out.error is not None else None,
+        num_cached_tokens=out.num_cached_tokens,
     )
 
 

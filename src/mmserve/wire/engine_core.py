@@ -131,6 +131,16 @@ class EngineCoreOutputs(WireStruct):
     stats: EngineStats | None = None
 
 
+class EngineCoreReady(WireStruct):
+    """Sent once, when the engine core has loaded the model and can take requests.
+
+    `config` is what the core resolved (`engine.factory.ResolvedConfig`: KV blocks, budgets),
+    by field name; the API process logs it and checks admission against it.
+    """
+
+    config: dict[str, str | int | bool]
+
+
 class EngineDead(WireStruct):
     """The engine core is stopping for good: no request can run until a restart."""
 

@@ -1,0 +1,213 @@
+"""EngineCore: the scheduler and the executor, stepped together; what the engine process runs.
+
+It speaks in token ids (`RequestUpdate`s): text, stop strings and latency metrics belong to the
+front end (`LLMEngine` over an `OutputProcessor`), which may live in another process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import NoReturn, Protocol
+
+from mmserve.errors import EngineDeadError, FailureKind, RequestFailure
+from mmserve.execution.executor import Executor
+from mmserve.execution.request_state import RunnerPayload
+from mmserve.execution.sampler import make_generator
+from mmserve.metrics import EngineMetrics, record_scheduler_stats
+from mmserve.multimodal import ProcessedPrompt
+from mmserve.processing.mrope import decode_positions
+from mmserve.sampling_params import SamplingParams
+from mmserve.scheduling.outputs import ModelRunnerOutput, RequestUpdate, SchedulerOutput
+from mmserve.scheduling.request import Request, RequestStatus
+from mmserve.scheduling.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class CoreLike(Protocol):
+    """What `LLMEngine` drives: an `EngineCore` here, or a client of one in another process."""
+
+    dead_reason: str | None
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+    ) -> None: ...
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestUpdate]: ...
+
+    def check_alive(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def make_request(
+    request_id: str,
+    prompt: ProcessedPrompt,
+    params: SamplingParams,
+    *,
+    max_model_len: int,
+    eos_token_ids: tuple[int, ...],
+    cache_salt: str | None = None,
+    with_payload: bool = True,
+) -> Request:
+    """The scheduler's request for a processed prompt; `with_payload=False` builds one only to
+    run the admission checks on (no generator, nothing for a runner)."""
+    num_prompt = len(prompt.prompt_token_ids)
+    max_tokens = max_model_len - num_prompt
+    if params.max_tokens is not None:
+        max_tokens = min(max_tokens, params.max_tokens)
+    payload = None
+    if with_payload:
+        positions, delta = prompt.mrope_positions, prompt.mrope_position_delta
+        if positions is None:  # a text-only prompt built without the processor
+            positions, delta = decode_positions(0, num_prompt, 0), 0
+        payload = RunnerPayload(
+            sampling_params=params,
+            mrope_positions=positions,
+            mrope_position_delta=delta,
+            eos_token_ids=eos_token_ids,
+            generator=make_generator(params.seed) if params.seed is not None else None,
+        )
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt.prompt_token_ids),
+        mm_features=list(prompt.mm_features),
+        max_tokens=max(max_tokens, 1),
+        min_tokens=params.min_tokens,
+        ignore_eos=params.ignore_eos,
+        stop_token_ids=params.stop_token_ids,
+        cache_salt=cache_salt,
+        payload=payload,
+    )
+
+
+class EngineCore:
+    """One scheduler, one executor. Not thread-safe: one thread drives `step`.
+
+    No request's content can stop it: a request that breaks fails alone, and a step that
+    raises fails the requests in it. The core declares itself dead (every later `step` raises
+    EngineDeadError) only when, after a failed step, the device or the scheduler's bookkeeping
+    no longer checks out: counting failures instead would let a few hostile requests in a row
+    kill the server.
+    """
+
+    def __init__(
+        self,
+        *,
+        scheduler: Scheduler,
+        executor: Executor,
+        metrics: EngineMetrics,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.metrics = metrics
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.dead_reason: str | None = None  # set once, when the core can no longer run
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a processed prompt; raises a typed 4xx error if it can never run."""
+        self._raise_if_dead()
+        request = make_request(
+            request_id,
+            prompt,
+            params,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt,
+        )
+        self.scheduler.add_request(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish from outside a step (abort, stop string); unknown ids are ignored."""
+        self.scheduler.finish_requests(list(request_ids), status)
+        self._record_stats()  # the core may go idle now: gauges must not stay stale
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def check_alive(self) -> None:
+        self._raise_if_dead()
+
+    def step(self) -> list[RequestUpdate]:
+        """schedule -> execute -> update. Raises only EngineDeadError."""
+        self._raise_if_dead()
+        try:
+            scheduler_output = self.scheduler.schedule()
+            runner_output = self._execute(scheduler_output)
+            updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+            self._record_stats()
+        except EngineDeadError:
+            raise
+        except Exception:  # noqa: BLE001 - a bug outside the model: contained below
+            return self.fail_all("internal error in the engine step")
+        return updates
+
+    def fail_all(self, message: str) -> list[RequestUpdate]:
+        """Fail every unfinished request (which ones a failed step touched is unknown); the
+        core goes on if it is still sound."""
+        request_ids = sorted(self.scheduler.requests)
+        logger.exception("engine step failed; failing every unfinished request: %s", request_ids)
+        failure = RequestFailure(message, FailureKind.INTERNAL)
+        try:
+            self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+            self._record_stats()
+        except Exception as exc:  # noqa: BLE001 - the books cannot even be closed
+            self._declare_dead(exc)
+        self._check_sound()
+        status = RequestStatus.FINISHED_ERROR
+        return [RequestUpdate(i, [], status, error=failure) for i in request_ids]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step; a crash of the forward pass fails the requests in it, not the core."""
+        try:
+            return self.executor.execute(scheduler_output)
+        except Exception:  # noqa: BLE001 - contained to the requests of this step
+            request_ids = sorted(scheduler_output.num_scheduled_tokens)
+            logger.exception("model step failed; failing the requests in it: %s", request_ids)
+            self._check_sound()
+            failure = RequestFailure("internal error while running the model", FailureKind.INTERNAL)
+            return ModelRunnerOutput({}, dict.fromkeys(request_ids, failure))
+
+    def _check_sound(self) -> None:
+        """After a failed step: declare the core dead unless the device still computes and the
+        scheduler's books still balance."""
+        try:
+            self.executor.check_health()
+            self.scheduler.check_integrity()
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the core cannot go on
+            self._declare_dead(exc)
+
+    def _declare_dead(self, exc: Exception) -> NoReturn:
+        logger.exception("the engine cannot go on after a failed step")
+        self.dead_reason = f"{type(exc).__name__} after a failed step"
+        raise EngineDeadError(self.dead_reason) from exc
+
+    def _raise_if_dead(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+    def _record_stats(self) -> None:
+        record_scheduler_stats(self.metrics, self.scheduler.make_stats())

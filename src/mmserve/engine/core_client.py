@@ -1,0 +1,299 @@
+"""CoreClient: an `EngineCore` in an engine process, seen from the API process.
+
+Requests leave over a ZMQ PUSH socket as `EngineCoreRequest`s and updates come back over a
+PULL socket as `EngineCoreOutputs`, both on ipc:// sockets in a private temporary directory
+(the API process binds, the engine process connects). The client checks admission itself
+before sending, so a request that could never run is refused with the same typed error as
+in-process; it watches the process, so a dead engine is an `EngineDeadError` within
+`STEP_POLL_MS` of a step, never a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from mmserve.config import CacheConfig, SchedulerConfig
+from mmserve.engine.args import EngineArgs
+from mmserve.engine.core import make_request
+from mmserve.errors import EngineDeadError
+from mmserve.metrics import EngineMetrics
+from mmserve.multimodal import ProcessedPrompt
+from mmserve.sampling_params import SamplingParams
+from mmserve.scheduling.admission import validate_request
+from mmserve.scheduling.outputs import RequestUpdate
+from mmserve.scheduling.request import RequestStatus
+from mmserve.wire import codec
+from mmserve.wire.common import WireError
+from mmserve.wire.convert import apply_stats, request_to_wire, update_from_wire
+from mmserve.wire.engine_core import (
+    EngineCoreAbort,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreShutdown,
+    EngineDead,
+)
+
+if TYPE_CHECKING:
+    from mmserve.engine.factory import EngineShape, ResolvedConfig
+
+logger = logging.getLogger(__name__)
+
+# How long one `step` waits for outputs before it looks at the process and returns: the bound
+# on noticing a dead engine, and on how long a new request waits to be sent while others run.
+STEP_POLL_MS = 2
+READY_POLL_MS = 200
+SHUTDOWN_WAIT_S = 10.0
+
+
+class CoreClient:
+    """`CoreLike` over an engine process. One thread drives it (the engine loop's)."""
+
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        ctx: zmq.Context,
+        requests: zmq.Socket,
+        outputs: zmq.Socket,
+        socket_dir: str,
+        *,
+        metrics: EngineMetrics,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+    ) -> None:
+        self.proc = proc
+        self._ctx = ctx
+        self._requests = requests
+        self._outputs = outputs
+        self._socket_dir = socket_dir
+        self.metrics = metrics
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self._unfinished: set[str] = set()
+        self.dead_reason: str | None = None
+        self._closed = False
+        # An LLM that is dropped without shutdown() must not leave its engine process behind.
+        self._finalizer = weakref.finalize(self, _kill, proc, socket_dir)
+
+    @classmethod
+    def start(
+        cls, args: EngineArgs, shape: EngineShape, metrics: EngineMetrics
+    ) -> tuple[CoreClient, ResolvedConfig]:
+        """Start an engine process for `args` and wait until it has loaded the model."""
+        from mmserve.engine.factory import ResolvedConfig
+
+        socket_dir = tempfile.mkdtemp(prefix="mmserve-core-")
+        requests_addr = f"ipc://{socket_dir}/requests"
+        outputs_addr = f"ipc://{socket_dir}/outputs"
+        ctx = zmq.Context()
+        requests = ctx.socket(zmq.PUSH)
+        outputs = ctx.socket(zmq.PULL)
+        requests.bind(requests_addr)
+        outputs.bind(outputs_addr)
+        command = [
+            sys.executable,
+            "-m",
+            "mmserve.engine.core_process",
+            "--input",
+            requests_addr,
+            "--output",
+            outputs_addr,
+            "--parent-pid",
+            str(os.getpid()),
+        ]
+        # A session of its own: a terminal's Ctrl-C or a SIGTERM to the group reaches only
+        # the API process, which drains and then stops the engine.
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
+        assert proc.stdin is not None
+        proc.stdin.write(msgspec.json.encode(dataclasses.replace(args, api_key=None)))
+        proc.stdin.close()
+        try:
+            ready = _wait_ready(proc, outputs)
+        except BaseException:
+            _kill(proc, socket_dir)
+            requests.close(linger=0)
+            outputs.close(linger=0)
+            ctx.term()
+            raise
+        resolved = ResolvedConfig(**ready.config)
+        cache_config = CacheConfig(
+            num_blocks=resolved.num_kv_blocks,
+            block_size=resolved.block_size,
+            enable_prefix_caching=resolved.enable_prefix_caching,
+            hash_algorithm=args.hash_algorithm,
+        )
+        client = cls(
+            proc,
+            ctx,
+            requests,
+            outputs,
+            socket_dir,
+            metrics=metrics,
+            max_model_len=shape.max_model_len,
+            eos_token_ids=shape.eos_token_ids,
+            scheduler_config=shape.scheduler_config,
+            cache_config=cache_config,
+        )
+        logger.info("engine core ready in process %d", proc.pid)
+        return client, resolved
+
+    # ------------------------------------------------------------------------------ CoreLike
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.check_alive()
+        if request_id in self._unfinished:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        request = make_request(
+            request_id,
+            prompt,
+            params,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt,
+            with_payload=False,
+        )
+        validate_request(request, self.scheduler_config, self.cache_config)
+        msg = request_to_wire(
+            request_id, prompt, params, arrival_time_s=time.monotonic(), cache_salt=cache_salt
+        )
+        self._send(msg)
+        self._unfinished.add(request_id)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        ids = [i for i in request_ids if i in self._unfinished]
+        if not ids or self.dead_reason is not None:
+            return
+        self._unfinished.difference_update(ids)
+        self._send(EngineCoreAbort(ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._unfinished)
+
+    def step(self) -> list[RequestUpdate]:
+        """The updates of the steps the engine finished since the last call; [] after
+        STEP_POLL_MS without any. Raises only EngineDeadError."""
+        self.check_alive()
+        if not self._outputs.poll(STEP_POLL_MS):
+            return []
+        updates: list[RequestUpdate] = []
+        while True:
+            try:
+                frames = self._outputs.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return updates
+            updates.extend(self._receive(frames))
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if the engine has died. With no request unfinished, also
+        take in what it sent since (stats after the last abort; outputs of aborted requests,
+        which nobody waits for), so idle gauges are not stale."""
+        if self.dead_reason is None and not self._unfinished:
+            while self._outputs.poll(0):
+                self._receive(self._outputs.recv_multipart(copy=False))
+        if self.dead_reason is None and self.proc.poll() is not None:
+            self._die(f"the engine process exited ({_exit_status(self.proc.returncode)})")
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+    def shutdown(self) -> None:
+        """Ask the engine to stop, wait for it (then kill it), release sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.proc.poll() is None:
+            try:
+                self._requests.send_multipart(codec.encode(EngineCoreShutdown()), flags=zmq.NOBLOCK)
+                self.proc.wait(SHUTDOWN_WAIT_S)
+            except (zmq.ZMQError, subprocess.TimeoutExpired):
+                logger.warning("the engine process did not stop in time; killing it")
+        self._requests.close(linger=0)
+        self._outputs.close(linger=0)
+        self._ctx.term()
+        self._finalizer()  # kills the process if still there, removes the socket directory
+
+    # --------------------------------------------------------------------------- internals
+
+    def _receive(self, frames: list) -> list[RequestUpdate]:
+        try:
+            msg = codec.decode(frames)
+        except WireError as exc:
+            # The stream can no longer be trusted: which outputs were lost is unknown.
+            self._die(f"a malformed message from the engine process: {exc}")
+            raise EngineDeadError(self.dead_reason or "") from exc
+        if isinstance(msg, EngineDead):
+            self._die(f"the engine process died: {msg.reason}")
+            raise EngineDeadError(self.dead_reason or "")
+        if not isinstance(msg, EngineCoreOutputs):
+            logger.error("ignored a %s from the engine process", type(msg).__name__)
+            return []
+        if msg.stats is not None:
+            apply_stats(msg.stats, self.metrics)
+        updates = [update_from_wire(out) for out in msg.outputs]
+        for update in updates:
+            if update.finished:
+                self._unfinished.discard(update.request_id)
+        return updates
+
+    def _send(self, msg: codec.Message) -> None:
+        self._requests.send_multipart(codec.encode(msg), copy=False)
+
+    def _die(self, reason: str) -> None:
+        if self.dead_reason is None:
+            logger.error("%s", reason)
+            self.dead_reason = reason
+            self._unfinished.clear()
+
+
+def _wait_ready(proc: subprocess.Popen, outputs: zmq.Socket) -> EngineCoreReady:
+    while True:
+        if outputs.poll(READY_POLL_MS):
+            msg = codec.decode(outputs.recv_multipart())
+            if isinstance(msg, EngineCoreReady):
+                return msg
+            if isinstance(msg, EngineDead):
+                raise RuntimeError(f"the engine process failed to start: {msg.reason}")
+            raise RuntimeError(f"the engine process sent a {type(msg).__name__} before ready")
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"the engine process exited before it was ready "
+                f"({_exit_status(proc.returncode)}); its log is above"
+            )
+
+
+def _exit_status(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _kill(proc: subprocess.Popen, socket_dir: str) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        try:
+            proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            logger.error("engine process %d did not die after SIGKILL", proc.pid)
+    shutil.rmtree(socket_dir, ignore_errors=True)

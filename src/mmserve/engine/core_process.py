@@ -1,0 +1,197 @@
+"""The engine-core process: scheduler and model, fed over ZMQ by the API process.
+
+Started by `engine.core_client.CoreClient` as `python -m mmserve.engine.core_process --input
+ADDR --output ADDR --parent-pid PID`, with the EngineArgs as JSON on stdin. It connects a PULL
+socket to the API's requests and a PUSH socket to its outputs, loads the model, says
+`EngineCoreReady`, then loops: take every waiting message, run one step, send its outputs.
+
+It never decides its own lifetime except to die: it stops on `EngineCoreShutdown`, when its
+parent is gone, or when the core is dead (after telling the API why, with `EngineDead`).
+SIGINT is ignored (a terminal's Ctrl-C reaches the whole group; the API process drains first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from mmserve.engine.args import EngineArgs
+from mmserve.engine.core import EngineCore
+from mmserve.errors import EngineDeadError, FailureKind, MMServeError, RequestFailure
+from mmserve.metrics import CORE_COUNTERS, CORE_GAUGES, EngineMetrics
+from mmserve.scheduling.outputs import RequestUpdate
+from mmserve.scheduling.request import RequestStatus
+from mmserve.wire import codec
+from mmserve.wire.common import WireError
+from mmserve.wire.convert import request_from_wire, stats_to_wire, update_to_wire
+from mmserve.wire.engine_core import (
+    EngineCoreAbort,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreShutdown,
+    EngineDead,
+    EngineStats,
+)
+
+logger = logging.getLogger("mmserve.engine_core")
+
+# While idle, how often to look whether the API process is still there.
+PARENT_CHECK_MS = 500
+
+
+class CoreLoop:
+    """Drives one EngineCore from its sockets; `run` returns the process's exit code."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        inbox: zmq.Socket,
+        outbox: zmq.Socket,
+        parent_alive: Callable[[], bool],
+    ) -> None:
+        self.core = core
+        self.inbox = inbox
+        self.outbox = outbox
+        self.parent_alive = parent_alive
+        self._last_stats: EngineStats | None = None
+
+    def run(self) -> int:
+        core = self.core
+        while True:
+            busy = core.has_unfinished_requests()
+            if self.inbox.poll(0 if busy else PARENT_CHECK_MS):
+                failed, keep_going = self._drain()
+                stats = self._stats()  # an abort changes them, and the core may now go idle
+                if failed or stats is not None:
+                    self._send(EngineCoreOutputs(failed, stats))
+                if not keep_going:
+                    logger.info("shutdown requested; the engine core stops")
+                    return 0
+            elif not busy and not self.parent_alive():
+                logger.error("the API process is gone; the engine core stops")
+                return 1
+            if not core.has_unfinished_requests():
+                continue
+            try:
+                updates = core.step()
+            except EngineDeadError as exc:
+                self._send(EngineDead(exc.reason))
+                return 1
+            self._send(EngineCoreOutputs([update_to_wire(u) for u in updates], self._stats()))
+
+    def _drain(self) -> tuple[list, bool]:
+        """Apply every waiting message; returns the outputs of requests refused at once, and
+        False once a shutdown was asked for."""
+        failed = []
+        while True:
+            try:
+                frames = self.inbox.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return failed, True
+            try:
+                msg = codec.decode(frames)
+            except WireError as exc:
+                # Only a bug in the API process sends these; which request it was is unknown.
+                logger.error("dropped a malformed message: %s", exc)
+                continue
+            if isinstance(msg, EngineCoreRequest):
+                out = self._add(msg)
+                if out is not None:
+                    failed.append(update_to_wire(out))
+            elif isinstance(msg, EngineCoreAbort):
+                self.core.finish_requests(msg.request_ids, RequestStatus.FINISHED_ABORTED)
+            elif isinstance(msg, EngineCoreShutdown):
+                return failed, False
+            else:
+                logger.error("dropped a %s: not a message for the engine core", type(msg).__name__)
+
+    def _add(self, msg: EngineCoreRequest) -> RequestUpdate | None:
+        """Add the request; a refusal is its final update (the API checked admission already,
+        so this is the rare case of a limit it could not see)."""
+        try:
+            add = request_from_wire(msg)
+            self.core.add_request(add.request_id, add.prompt, add.params, cache_salt=add.cache_salt)
+        except EngineDeadError:
+            raise
+        except MMServeError as exc:
+            failure = RequestFailure(str(exc), FailureKind.REQUEST, getattr(exc, "param", None))
+        except Exception:  # noqa: BLE001 - a bug met by this request: it fails alone
+            logger.exception("request %s: add failed", msg.request_id)
+            failure = RequestFailure("internal error adding the request", FailureKind.INTERNAL)
+        else:
+            return None
+        return RequestUpdate(msg.request_id, [], RequestStatus.FINISHED_ERROR, error=failure)
+
+    def _stats(self) -> EngineStats | None:
+        """The core's stats when they changed since the last ones sent, else None."""
+        snap = self.core.metrics.snapshot()
+        stats = stats_to_wire(
+            self.core.scheduler.make_stats(),
+            {name: snap.counters[name] for name in CORE_COUNTERS},
+            {name: snap.gauges[name] for name in CORE_GAUGES},
+        )
+        if stats == self._last_stats:
+            return None
+        self._last_stats = stats
+        return stats
+
+    def _send(self, msg: codec.Message) -> None:
+        self.outbox.send_multipart(codec.encode(msg), copy=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mmserve-engine-core")
+    parser.add_argument("--input", required=True, help="ZMQ address of the API's requests")
+    parser.add_argument("--output", required=True, help="ZMQ address of the API's outputs")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    ns = parser.parse_args(argv)
+    args = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineArgs)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s (engine core) %(name)s: %(message)s",
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    outbox = ctx.socket(zmq.PUSH)
+    inbox.connect(ns.input)
+    outbox.connect(ns.output)
+    try:
+        return _serve(args, inbox, outbox, ns.parent_pid)
+    finally:
+        outbox.close(linger=2000)  # let EngineDead / the last outputs leave
+        inbox.close(linger=0)
+        ctx.term()
+
+
+def _serve(args: EngineArgs, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> int:
+    from mmserve.engine.factory import build_core, resolve_shape
+
+    try:
+        core, resolved = build_core(args, resolve_shape(args), EngineMetrics())
+    except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits
+        logger.exception("the engine core failed to start")
+        outbox.send_multipart(codec.encode(EngineDead(f"start-up failed: {exc}")))
+        return 1
+    outbox.send_multipart(codec.encode(EngineCoreReady(resolved.as_dict())))
+    loop = CoreLoop(core, inbox, outbox, lambda: os.getppid() == parent_pid)
+    try:
+        return loop.run()
+    except Exception as exc:  # noqa: BLE001 - a bug in this loop: the API must hear of it
+        logger.exception("the engine core loop crashed")
+        outbox.send_multipart(codec.encode(EngineDead(f"{type(exc).__name__} in its loop")))
+        return 1
+    finally:
+        core.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
