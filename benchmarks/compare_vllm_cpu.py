@@ -186,7 +186,13 @@ def measure(
     return ab_summary.load_run(settings.out_dir / f"{stem}.json")
 
 
-def run_context(settings: Settings, vllm_version: str) -> dict:
+def mmserve_location(settings: Settings) -> str:
+    """Where MMSERVE_PY imports mmserve from (so a report says which checkout it measured)."""
+    if not Path(settings.mmserve_py).exists():
+        raise HarnessError(
+            f"MMSERVE_PY={settings.mmserve_py} does not exist; "
+            "point it at the python of a venv with mmserve installed"
+        )
     where = subprocess.run(
         [settings.mmserve_py, "-c", "import mmserve; print(mmserve.__file__)"],
         capture_output=True, text=True,
@@ -195,23 +201,28 @@ def run_context(settings: Settings, vllm_version: str) -> dict:
         raise HarnessError(
             f"MMSERVE_PY={settings.mmserve_py} cannot import mmserve:\n{where.stderr[-2000:]}"
         )
+    return where.stdout.strip()
+
+
+def run_context(settings: Settings, vllm_version: str, mmserve_path: str) -> dict:
     settings_dict = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()}
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "host": f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}",
         "vllm": vllm_version,
-        "mmserve": where.stdout.strip(),
+        "mmserve": mmserve_path,
         "settings": settings_dict,
         "workload": WORKLOAD_FLAGS,
     }
 
 
 def run(settings: Settings) -> int:
+    mmserve_path = mmserve_location(settings)
     vllm_version = vllm_cpu_venv.ensure_vllm_venv(settings.venv)
     model = ensure_model(settings)
     settings.out_dir.mkdir(parents=True, exist_ok=True)
-    context = run_context(settings, vllm_version)
-    log.info("results in %s; mmserve from %s", settings.out_dir, context["mmserve"])
+    context = run_context(settings, vllm_version, mmserve_path)
+    log.info("results in %s; mmserve from %s", settings.out_dir, mmserve_path)
     runs = []
     try:
         for concurrency in settings.concurrencies:
@@ -235,15 +246,15 @@ def parse_args(argv: list[str], environ: dict[str, str]) -> argparse.Namespace:
     flag = parser.add_argument
     flag("--vllm-root", type=Path, default=environ.get("VLLM_ROOT", "/tmp/mmserve-vllm-cpu"))
     flag("--out-dir", type=Path, default=environ.get("OUT_DIR"))
-    flag("--rounds", type=int, default=int(environ.get("ROUNDS", "2")))
+    flag("--rounds", type=int, default=environ.get("ROUNDS", "2"))
     flag("--concurrencies", default=environ.get("CONCURRENCIES", "16"))
-    flag("--num-prompts", type=int, default=int(environ.get("NUM_PROMPTS", "48")))
-    flag("--vllm-port", type=int, default=int(environ.get("VLLM_PORT", "8301")))
-    flag("--mmserve-port", type=int, default=int(environ.get("MMSERVE_PORT", "8302")))
+    flag("--num-prompts", type=int, default=environ.get("NUM_PROMPTS", "48"))
+    flag("--vllm-port", type=int, default=environ.get("VLLM_PORT", "8301"))
+    flag("--mmserve-port", type=int, default=environ.get("MMSERVE_PORT", "8302"))
     flag("--mmserve-py", default=environ.get("MMSERVE_PY", str(REPO / ".venv" / "bin" / "python")))
     flag("--mmserve-args", default=environ.get("MMSERVE_ARGS", ""))
     flag("--vllm-args", default=environ.get("VLLM_ARGS", ""))
-    flag("--startup-timeout-s", type=float, default=float(environ.get("STARTUP_TIMEOUT_S", "600")))
+    flag("--startup-timeout-s", type=float, default=environ.get("STARTUP_TIMEOUT_S", "600"))
     args = parser.parse_args(argv)
     if args.command == "summarize" and args.summary_dir is None:
         parser.error("summarize needs the out dir of a run")
@@ -269,6 +280,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 def exit_on_signal(signum: int, _frame) -> None:
     # SystemExit unwinds through running_server's `finally`, which stops the server.
+    log.error("%s: stopping", signal.Signals(signum).name)
     raise SystemExit(128 + signum)
 
 

@@ -56,10 +56,14 @@ def running_server(
         proc = subprocess.Popen(
             cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+    is_up = False
     try:
-        yield wait_until_healthy(name, proc, port, log_path, timeout_s)
+        startup_s = wait_until_healthy(name, proc, port, log_path, timeout_s)
+        is_up = True
+        yield startup_s
     finally:
-        stop_server(proc)
+        # A server still starting has nothing to wind down (and vLLM defers SIGTERM then).
+        stop_server(proc, grace_s=SERVER_STOP_S if is_up else 0)
 
 
 def wait_until_healthy(
@@ -80,13 +84,14 @@ def wait_until_healthy(
     )
 
 
-def stop_server(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM to the server alone, so that it shuts its own engine processes down in order, then
-    SIGKILL to whatever is left of its session (stragglers, or a server that ignored SIGTERM), and
-    wait until those are gone too, so that the port and the memory are free for the next run."""
+    after at most grace_s SIGKILL to whatever is left of its session (stragglers, or a server
+    that ignored SIGTERM), and wait until those are gone too, so that the port and the memory
+    are free for the next run."""
     proc.terminate()
     with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=SERVER_STOP_S)
+        proc.wait(timeout=grace_s)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
