@@ -233,6 +233,7 @@ def run(settings: Settings) -> int:
     finally:  # a run that stops early still leaves the summary of what it measured
         if runs:
             ab_summary.write_summary(settings.out_dir / "summary.json", runs, context)
+            print("\n== all runs, then medians per concurrency ==")
             print("\n".join(ab_summary.report(runs)))
             print(f"summary: {settings.out_dir / 'summary.json'}")
     return 0
