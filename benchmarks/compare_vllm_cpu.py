@@ -167,23 +167,37 @@ def run_bench(
         )
 
 
-def measure(
-    settings: Settings, engine: str, model: Path, concurrency: int, round_idx: int
-) -> ab_summary.RunResult:
-    """One run: a fresh server of `engine`, one bench against it, the server stopped."""
-    stem = ab_summary.result_stem(engine, concurrency, round_idx)
+def workload_seed(concurrency: int, round_idx: int) -> int:
+    """Distinct per (round, concurrency): no run resends an earlier run's images, so a server
+    kept up across concurrencies gets no cache hit a fresh one would not."""
+    return 1000 * round_idx + concurrency
+
+
+def measure_round(
+    settings: Settings, engine: str, model: Path, round_idx: int
+) -> list[ab_summary.RunResult]:
+    """One server of `engine`, started fresh, benchmarked at every concurrency, then stopped
+    (vLLM's start-up is minutes: one per round, not one per run)."""
     make_command = vllm_command if engine == "vllm" else mmserve_command
     cmd, env = make_command(settings, model)
     port = settings.vllm_port if engine == "vllm" else settings.mmserve_port
-    server_log = settings.out_dir / f"{stem}.server.log"
+    server_log = settings.out_dir / f"{engine}-r{round_idx}.server.log"
     env = {**os.environ, **OFFLINE_ENV, **env}
+    results = []
     with running_server(
         engine, cmd, env, port, server_log, settings.startup_timeout_s
     ) as startup_s:
-        log.info("%s healthy after %.0f s; benchmarking c=%d", engine, startup_s, concurrency)
-        run_bench(settings, model, port, concurrency, stem, seed=round_idx)
-    (settings.out_dir / f"{stem}.server.json").write_text(json.dumps({"startup_s": startup_s}))
-    return ab_summary.load_run(settings.out_dir / f"{stem}.json")
+        log.info("%s healthy after %.0f s", engine, startup_s)
+        for concurrency in settings.concurrencies:
+            stem = ab_summary.result_stem(engine, concurrency, round_idx)
+            log.info("%s round %d: benchmarking c=%d", engine, round_idx, concurrency)
+            seed = workload_seed(concurrency, round_idx)
+            run_bench(settings, model, port, concurrency, stem, seed=seed)
+            server_json = settings.out_dir / f"{stem}.server.json"
+            server_json.write_text(json.dumps({"startup_s": startup_s}))
+            results.append(ab_summary.load_run(settings.out_dir / f"{stem}.json"))
+            print(ab_summary.format_run(results[-1]), flush=True)
+    return results
 
 
 def mmserve_location(settings: Settings) -> str:
@@ -225,11 +239,9 @@ def run(settings: Settings) -> int:
     log.info("results in %s; mmserve from %s", settings.out_dir, mmserve_path)
     runs = []
     try:
-        for concurrency in settings.concurrencies:
-            for round_idx in range(1, settings.rounds + 1):
-                for engine in ab_summary.ENGINES:
-                    runs.append(measure(settings, engine, model, concurrency, round_idx))
-                    print(ab_summary.format_run(runs[-1]), flush=True)
+        for round_idx in range(1, settings.rounds + 1):
+            for engine in ab_summary.ENGINES:
+                runs.extend(measure_round(settings, engine, model, round_idx))
     finally:  # a run that stops early still leaves the summary of what it measured
         if runs:
             ab_summary.write_summary(settings.out_dir / "summary.json", runs, context)

@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mmserve.engine.outputs import CompletionOutput, RequestOutput
+from mmserve.engine.outputs import CompletionOutput, OutputKind, RequestOutput
 from mmserve.errors import FailureKind, InvalidRequestError, MediaError
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
@@ -38,6 +38,7 @@ class EchoEngine:
         self.token_delay_s = token_delay_s
         self.namespaces: list[str] = []
         self.sampling_params: list[SamplingParams] = []  # as each generate() received them
+        self.output_kinds: list[OutputKind] = []
         self.aborted: set[str] = set()
         self.finished: set[str] = set()
         self.running: set[str] = set()
@@ -93,8 +94,11 @@ class EchoEngine:
         request_id: str,
         *,
         cache_salt: str | None = None,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> AsyncIterator[RequestOutput]:
         self.sampling_params.append(sampling_params)
+        self.output_kinds.append(output_kind)
+        sent_text = ""
         ids = prompt.prompt_token_ids
         text_so_far = bytes(i for i in ids if i < 256).decode(errors="replace")
         self._admit(request_id, len(ids))
@@ -127,10 +131,16 @@ class EchoEngine:
                 elif len(out_ids) >= sampling_params.max_tokens:
                     reason = "length"
                 done = reason is not None
-                completion = CompletionOutput(0, text, list(out_ids), finish_reason=reason)
-                yield RequestOutput(
-                    request_id, None, ids, [completion], done, error=error, error_kind=kind
-                )
+                delta, sent_text = text[len(sent_text) :], text
+                if output_kind is OutputKind.DELTA:
+                    completion = CompletionOutput(0, delta, out_ids[-1:], finish_reason=reason)
+                else:
+                    completion = CompletionOutput(0, text, list(out_ids), finish_reason=reason)
+                completion.delta_text, completion.num_tokens = delta, len(out_ids)
+                if done or output_kind is not OutputKind.FINAL_ONLY:
+                    yield RequestOutput(
+                        request_id, None, ids, [completion], done, error=error, error_kind=kind
+                    )
                 if done:
                     return
         finally:

@@ -165,3 +165,31 @@ def test_minus_inf_logits_only_rule_their_token_out() -> None:
         greedy, drawn = sample(logits.clone(), rows, gen)
         assert greedy == int(logits[0].argmax()) != best
         assert 8 <= drawn < 16
+
+
+def test_unseeded_rows_of_equal_params_draw_together_from_each_rows_own_distribution():
+    # every row's mass sits on a different token: a batched draw that mixed rows up would show
+    vocab, num_rows = 40, 12
+    logits = torch.full((num_rows, vocab), -30.0)
+    for i in range(num_rows):
+        logits[i, (3 * i) % vocab] = 10.0
+        logits[i, (3 * i + 1) % vocab] = 9.5
+    p = SamplingParams(temperature=0.7, top_k=2, top_p=0.99)
+    rows = [_row(p, request_id=f"r{i}") for i in range(num_rows)]
+    for draw in range(10):
+        out = sample(logits.clone(), rows, make_generator(draw))
+        for i, token in enumerate(out):
+            assert token in ((3 * i) % vocab, (3 * i + 1) % vocab), (i, token)
+    # top_p cuts the runner-up once it is below the mass already kept
+    narrow = SamplingParams(temperature=0.7, top_p=0.5)
+    out = sample(logits.clone(), [_row(narrow)] * num_rows, make_generator(0))
+    assert out == [(3 * i) % vocab for i in range(num_rows)]
+
+
+def test_a_broken_row_in_a_shared_draw_fails_alone():
+    logits = torch.zeros(4, 10)
+    logits[2, 3] = float("nan")
+    p = SamplingParams(temperature=1.0)
+    out = sample(logits, [_row(p, request_id=f"r{i}") for i in range(4)], make_generator(0))
+    assert isinstance(out[2], RequestFailure) and out[2].kind is FailureKind.INTERNAL
+    assert all(isinstance(t, int) and 0 <= t < 10 for k, t in enumerate(out) if k != 2)

@@ -38,6 +38,7 @@ from mmserve.api.prometheus import build_registry, render
 from mmserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mmserve.api.status import report_status
 from mmserve.api.unsupported import refuse_unsupported_fields
+from mmserve.engine.outputs import OutputKind
 from mmserve.engine.protocol import EngineClient
 from mmserve.errors import EngineDeadError
 from mmserve.multimodal import ProcessedPrompt
@@ -160,7 +161,11 @@ def create_app(
         params = sampling_params_for(
             body, requested, len(prompt.prompt_token_ids), engine.max_model_len
         )
-        outputs = engine.generate(prompt, params, fmt.request_id, cache_salt=body.cache_salt)
+        # A stream sends what each step added; a whole answer needs only the last update.
+        kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
+        outputs = engine.generate(
+            prompt, params, fmt.request_id, cache_salt=body.cache_salt, output_kind=kind
+        )
         if not body.stream:
             final = await until_disconnect(request, collect_final(outputs))
             return JSONResponse(fmt.response(final, finish_reason_or_error(final)))

@@ -11,7 +11,7 @@ from mmserve.engine.outputs import RequestOutput
 def usage_of(output: RequestOutput) -> dict[str, Any]:
     """Exact token counts: the prompt as the model saw it (placeholders expanded) and the output."""
     prompt_tokens = len(output.prompt_token_ids)
-    completion_tokens = len(output.outputs[0].token_ids) if output.outputs else 0
+    completion_tokens = output.outputs[0].num_tokens if output.outputs else 0
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

@@ -124,10 +124,9 @@ async def stream_events(
         start = fmt.start_chunk()
         if start is not None:
             yield _event(start)
-        output, num_sent_chars = first, 0
+        output = first
         while True:
-            text = output.outputs[0].text if output.outputs else ""
-            delta, num_sent_chars = text[num_sent_chars:], max(num_sent_chars, len(text))
+            delta = output.outputs[0].delta_text if output.outputs else ""
             if output.finished:
                 reason = finish_reason_or_error(output)
                 yield _event(fmt.chunk(delta, reason))

@@ -15,7 +15,7 @@ from typing import Any
 
 from mmserve.engine.factory import ResolvedConfig
 from mmserve.engine.llm_engine import LLMEngine
-from mmserve.engine.outputs import RequestOutput
+from mmserve.engine.outputs import OutputKind, RequestOutput
 from mmserve.errors import (
     EngineDeadError,
     InternalRequestError,
@@ -43,6 +43,7 @@ class _Add:
     prompt: ProcessedPrompt
     params: SamplingParams
     cache_salt: str | None
+    output_kind: OutputKind
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,7 @@ class AsyncLLMEngine:
         request_id: str,
         *,
         cache_salt: str | None = None,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> AsyncIterator[RequestOutput]:
         if not self._accepting:
             raise ServerShuttingDownError()
@@ -165,7 +167,7 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, sampling_params, cache_salt))
+        self._commands.put(_Add(request_id, prompt, sampling_params, cache_salt, output_kind))
         finished = False
         try:
             while True:
@@ -228,8 +230,7 @@ class AsyncLLMEngine:
                     self.engine.check_alive()  # a core in another process can die idle
                     self._wait_for_command()
                     continue
-                for out in self.engine.step():  # raises only when the engine is dead
-                    self._deliver(out)
+                self._deliver_step(self.engine.step())  # raises only when the engine is dead
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
             if not isinstance(exc, EngineDeadError):  # the engine has logged its own death
                 logger.exception("engine loop crashed")
@@ -270,6 +271,7 @@ class AsyncLLMEngine:
                     command.prompt,
                     command.params,
                     cache_salt=command.cache_salt,
+                    output_kind=command.output_kind,
                 )
         except EngineDeadError:
             raise
@@ -282,11 +284,30 @@ class AsyncLLMEngine:
             if stream is not None:
                 stream.put(InternalRequestError(command.request_id))
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, with one wake-up of each event loop that waits on some of them
+        (not one per output: each wake-up is a write to the loop's self-pipe)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        with self._streams_lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    batches.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, batch in batches.items():
+            # RuntimeError: the client's loop is closed, nobody is listening any more
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_put_all, batch)
+
     def _deliver(self, out: RequestOutput) -> None:
         with self._streams_lock:
             stream = self._streams.get(out.request_id)
         if stream is not None:
             stream.put(out)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue_, item in batch:
+        queue_.put_nowait(item)
 
 
 def _dead_reason(exc: BaseException) -> str:

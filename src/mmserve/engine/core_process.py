@@ -176,7 +176,10 @@ def _serve(args: EngineArgs, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: 
     from mmserve.engine.factory import build_core, resolve_shape
 
     try:
-        core, resolved = build_core(args, resolve_shape(args), EngineMetrics())
+        shape = resolve_shape(args)
+        if shape.device.type == "cpu":
+            _share_cpus_with_the_api_process()
+        core, resolved = build_core(args, shape, EngineMetrics())
     except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits
         logger.exception("the engine core failed to start")
         outbox.send_multipart(codec.encode(EngineDead(f"start-up failed: {exc}")))
@@ -191,6 +194,23 @@ def _serve(args: EngineArgs, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: 
         return 1
     finally:
         core.shutdown()
+
+
+def _share_cpus_with_the_api_process() -> None:
+    """On a CPU device, leave one core to the API process (HTTP, media, image processing).
+
+    torch's default of one intra-op thread per core makes the two processes fight for every
+    core: on 2 cores the engine spent 1.7x the CPU time for the same steps (spinning threads
+    losing their core), and served ~15% fewer requests. An explicit OMP_NUM_THREADS wins.
+    """
+    import torch
+
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (num_cpus or 1) - 1)
+    torch.set_num_threads(threads)
+    logger.info("%d intra-op threads (one of %d cores left to the API process)", threads, num_cpus)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from mmserve.engine.args import EngineArgs
 from mmserve.engine.factory import ResolvedConfig, build_engine
-from mmserve.engine.outputs import RequestOutput
+from mmserve.engine.outputs import OutputKind, RequestOutput
 from mmserve.hashing import DEFAULT_NAMESPACE
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.tokenizer import Tokenizer
@@ -122,7 +122,9 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt)
+                self.engine.add_request(
+                    request_id, prompt, p, cache_salt=cache_salt, output_kind=OutputKind.FINAL_ONLY
+                )
                 order[request_id] = i
             while any(r is None for r in results):
                 if not self.engine.has_unfinished_requests():

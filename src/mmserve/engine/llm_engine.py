@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from mmserve.engine.core import CoreLike, EngineCore
 from mmserve.engine.output_processor import OutputProcessor
-from mmserve.engine.outputs import RequestOutput
+from mmserve.engine.outputs import OutputKind, RequestOutput
 from mmserve.errors import EngineDeadError, FailureKind, RequestFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
@@ -63,13 +63,14 @@ class LLMEngine:
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
         """Queue a processed prompt. Raises a typed 4xx error if it can never run; whatever it
         raises, nothing of the request is left behind."""
         self.core.add_request(request_id, prompt, params, cache_salt=cache_salt)
         try:
             self.output_processor.add_request(
-                request_id, prompt.prompt, prompt.prompt_token_ids, params
+                request_id, prompt.prompt, prompt.prompt_token_ids, params, output_kind
             )
         except BaseException:
             self.core.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)

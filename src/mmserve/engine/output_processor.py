@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from mmserve.engine.detokenizer import DecodeFn, IncrementalDetokenizer
-from mmserve.engine.outputs import CompletionOutput, RequestOutput
+from mmserve.engine.outputs import CompletionOutput, OutputKind, RequestOutput
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.sampling_params import SamplingParams
@@ -39,6 +39,7 @@ class _Tracked:
     prompt_token_ids: list[int]
     detokenizer: IncrementalDetokenizer
     arrival_s: float
+    kind: OutputKind
     token_ids: list[int] = field(default_factory=list)
     last_token_s: float | None = None
     num_cached_tokens: int = 0
@@ -58,6 +59,7 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
         detok = IncrementalDetokenizer(
             self._decode,
@@ -65,7 +67,9 @@ class OutputProcessor:
             skip_special_tokens=params.skip_special_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
-        self._requests[request_id] = _Tracked(prompt, prompt_token_ids, detok, time.monotonic())
+        self._requests[request_id] = _Tracked(
+            prompt, prompt_token_ids, detok, time.monotonic(), output_kind
+        )
         self._metrics.inc("prompt_tokens", len(prompt_token_ids))
 
     def __contains__(self, request_id: str) -> bool:
@@ -102,6 +106,8 @@ class OutputProcessor:
             if finish_reason is None and tracked.detokenizer.stop_reason is not None:
                 finish_reason, stop_reason = "stop", tracked.detokenizer.stop_reason
                 step.stopped_ids.append(update.request_id)
+            if finish_reason is None and tracked.kind is OutputKind.FINAL_ONLY:
+                continue
             step.outputs.append(
                 self._output(
                     update.request_id,
@@ -144,14 +150,19 @@ class OutputProcessor:
         stop_reason: str | int | None,
         failure: RequestFailure | None,
     ) -> RequestOutput:
+        if tracked.kind is OutputKind.DELTA:
+            text, token_ids = delta_text, list(delta_ids)
+        else:
+            text, token_ids = tracked.detokenizer.text, list(tracked.token_ids)
         completion = CompletionOutput(
             index=0,
-            text=tracked.detokenizer.text,
-            token_ids=list(tracked.token_ids),
+            text=text,
+            token_ids=token_ids,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             delta_text=delta_text,
             delta_token_ids=list(delta_ids),
+            num_tokens=len(tracked.token_ids),
         )
         return RequestOutput(
             request_id=request_id,

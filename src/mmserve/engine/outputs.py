@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from mmserve.errors import FailureKind
 
 
+class OutputKind(enum.Enum):
+    """What each update of a request carries (vLLM's RequestOutputKind).
+
+    CUMULATIVE: every update, with the whole text and token ids so far (the offline default).
+    DELTA: every update, with only what it added in `text`/`token_ids` (streaming: no update
+    copies what came before, so a long answer costs linear, not quadratic, work).
+    FINAL_ONLY: one update, the last, cumulative (a non-streaming answer).
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
 @dataclass
 class CompletionOutput:
-    """One generated sequence: `text`/`token_ids` cumulative, `delta_*` what this update added.
+    """One generated sequence: `text`/`token_ids` cumulative (or, for `OutputKind.DELTA`, this
+    update's part, the same as `delta_*`), `delta_*` what this update added, `num_tokens` the
+    count generated so far in every kind.
 
     finish_reason is None while running, else "stop" (EOS, stop token or stop string),
     "length" (max_tokens or max_model_len), "abort" (client gone or aborted) or "error"
@@ -23,6 +40,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     delta_text: str = ""
     delta_token_ids: list[int] | None = None
+    num_tokens: int = 0
 
 
 @dataclass

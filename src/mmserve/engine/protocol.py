@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from mmserve.engine.outputs import RequestOutput
+from mmserve.engine.outputs import OutputKind, RequestOutput
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.sampling_params import SamplingParams
@@ -19,9 +19,10 @@ class EngineClient(Protocol):
       processing, templating, tokenisation, placeholder expansion, identity) and raise
       `mmserve.errors.InvalidRequestError` subclasses for user mistakes. They do not touch the
       scheduler.
-    - `generate` submits a processed prompt and yields cumulative `RequestOutput`s, the last one
-      with `finished=True`. Closing the iterator early (client gone) aborts the request and frees
-      its KV blocks and encoder-cache references. A failure inside the engine that concerns only
+    - `generate` submits a processed prompt and yields `RequestOutput`s (cumulative, deltas or
+      only the final one, as `output_kind` says), the last one with `finished=True`. Closing
+      the iterator early (client gone) aborts the request and frees its KV blocks and
+      encoder-cache references. A failure inside the engine that concerns only
       this request ends it with finish_reason "error", `error` set and `error_kind` saying
       whose fault it is (`mmserve.errors.FailureKind`); it never raises into other requests.
       A command the engine could not apply raises a typed error (`InvalidRequestError`, or
@@ -59,6 +60,7 @@ class EngineClient(Protocol):
         request_id: str,
         *,
         cache_salt: str | None = None,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...

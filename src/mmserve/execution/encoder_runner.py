@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -88,8 +89,7 @@ class EncoderRunner:
         arrays = [f.data.pixel_values for f in batch]  # type: ignore[union-attr]
         # [total_patches, C * T * P * P]
         joined = np.concatenate(arrays, axis=0) if len(arrays) > 1 else arrays[0]
-        # Pixels decoded from wire frames are read-only views; torch wants memory it may write.
-        pixels = torch.from_numpy(joined if joined.flags.writeable else joined.copy())
+        pixels = _as_tensor(joined)
         pixels = pixels.to(device=self._device, dtype=self._dtype)
         grids = [f.data.grid_thw for f in batch]  # type: ignore[union-attr]
         outputs = self._embed(pixels, grids)
@@ -98,3 +98,18 @@ class EncoderRunner:
         if self._metrics is not None:
             self._metrics.inc("encoder_items_encoded", len(batch))
             self._metrics.inc("encoder_forward_calls")
+
+
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    """The array as a tensor without a copy, read-only arrays included.
+
+    Pixels decoded from wire frames are read-only views of the received message; torch warns
+    about those because a write through the tensor would be undefined. The vision tower only
+    reads its input (the first op makes a new tensor), so the warning does not apply, and a
+    copy would cost a pass over ~5 MB per 448x448 image on the engine's critical path.
+    """
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)

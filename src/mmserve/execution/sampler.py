@@ -39,9 +39,9 @@ def sample(
 ) -> list[int | RequestFailure]:
     """Pick one token per row of `logits` ([num_rows, vocab], any float dtype).
 
-    Greedy rows take one batched argmax. Other rows are sampled one by one with their own
-    generator when they carry a seed, so a seeded request draws the same tokens whatever else
-    shares its batch.
+    Greedy rows take one batched argmax; unseeded random rows of equal parameters one batched
+    draw. A seeded row is sampled alone with its own generator, so a seeded request draws the
+    same tokens whatever else shares its batch.
     """
     assert logits.shape[0] == len(rows)
     num_rows = len(rows)
@@ -52,17 +52,44 @@ def sample(
     best = logits.max(dim=-1)  # values, indices: [num_rows] each
     # one device-to-host copy for both: [num_rows finite flags, num_rows argmax tokens]
     host = torch.cat([torch.isfinite(best.values).to(torch.long), best.indices]).tolist()
-    out: list[int | RequestFailure] = []
+    out: list[int | RequestFailure | None] = [None] * num_rows
+    # unseeded random rows with the same parameters: one batched draw (a seeded row draws
+    # alone, from its own generator, so that its tokens never depend on its batchmates)
+    shared: dict[tuple, list[int]] = {}
     for i, row in enumerate(rows):
         if not host[i]:
-            out.append(_non_finite(row))
+            out[i] = _non_finite(row)
         elif i in failures:
-            out.append(failures[i])
+            out[i] = failures[i]
         elif row.params.is_greedy:
-            out.append(host[num_rows + i])
+            out[i] = host[num_rows + i]
+        elif row.generator is None and _check_params(row.params) is None:
+            p = row.params
+            shared.setdefault((p.temperature, p.effective_top_k, p.top_p), []).append(i)
         else:
-            out.append(_sample_row(logits[i], row, default_generator))
-    return out
+            out[i] = _sample_row(logits[i], row, default_generator)
+    for members in shared.values():
+        tokens = _sample_rows(logits, members, rows, default_generator)
+        for i, token in zip(members, tokens, strict=True):
+            out[i] = token
+    return out  # type: ignore[return-value]
+
+
+def _sample_rows(
+    logits: torch.Tensor,
+    members: list[int],
+    rows: list[SamplingRow],
+    default_generator: torch.Generator,
+) -> list[int | RequestFailure]:
+    """Rows of identical sampling parameters and no seed, in one draw; row by row if that
+    draw fails (so that only a row that cannot be sampled fails)."""
+    if len(members) == 1:
+        return [_sample_row(logits[members[0]], rows[members[0]], default_generator)]
+    try:
+        probs = _probs(logits[members], rows[members[0]].params)  # [n, vocab]
+        return torch.multinomial(probs.cpu(), 1, generator=default_generator).view(-1).tolist()
+    except Exception:  # noqa: BLE001 - retried row by row, where a failure is the row's own
+        return [_sample_row(logits[i], rows[i], default_generator) for i in members]
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int, RequestFailure]:
@@ -121,24 +148,25 @@ def _check_params(params: SamplingParams) -> RequestFailure | None:
     return None
 
 
-def _probs(row_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Sampling probabilities over the last dimension ([vocab] or [rows, vocab])."""
     # Subtracting the max first keeps a tiny temperature finite: the best token scales to 0
     # and the rest to large negatives (or -inf), never inf - inf.
-    shifted = row_logits - row_logits.max()
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
     scaled = shifted / max(float(params.temperature), _MIN_TEMPERATURE)
     top_k = params.effective_top_k
-    if 0 < top_k < scaled.shape[0]:
-        kth = torch.topk(scaled, top_k).values[-1]
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)
         # keep the smallest prefix whose mass reaches top_p (the token that crosses it included)
         drop = cumulative - sorted_probs > params.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        probs = probs / probs.sum()
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
 
