@@ -105,6 +105,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="Size of the processed-image (CPU stage) cache in GiB; 0 disables it.",
     )
     a(
+        "--mm-reencode-cache-gb",
+        type=float,
+        default=1.0,
+        help="GiB of pixels the engine keeps of images a request's prefill has passed, to "
+        "encode them again if the request is preempted; a preempted request whose image was "
+        "evicted from it fails. Default 1.",
+    )
+    a(
         "--mm-processor-kwargs",
         type=_json_object("--mm-processor-kwargs"),
         default=None,

@@ -64,6 +64,7 @@ class EngineArgs:
     disable_chunked_mm_input: bool = False
     limit_mm_per_prompt: dict[str, int] | None = None
     mm_processor_cache_gb: float = 4.0
+    mm_reencode_cache_gb: float = 1.0
     mm_processor_kwargs: dict[str, Any] | None = None
     allowed_media_domains: tuple[str, ...] | None = None
     allowed_local_media_path: str | None = None
@@ -129,6 +130,10 @@ class EngineArgs:
             raise ValueError(f"--media-fetch-timeout must be > 0 s, got {self.media_fetch_timeout}")
         for name in ("http_header_timeout", "http_body_timeout", "http_keep_alive_timeout"):
             _check_seconds(name, getattr(self, name))
+        if self.mm_reencode_cache_gb < 0:
+            raise ValueError(
+                f"--mm-reencode-cache-gb must be >= 0, got {self.mm_reencode_cache_gb}"
+            )
         if self.mm_processor_cache_gb < 0:
             raise ValueError(
                 f"--mm-processor-cache-gb must be >= 0 (0 disables the cache), "

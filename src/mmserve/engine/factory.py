@@ -196,6 +196,7 @@ def build_core(
         cache_config,
         bytes_per_encoder_slot=bytes_per_slot,
         eos_token_ids=shape.eos_token_ids,
+        pixel_store_bytes=int(args.mm_reencode_cache_gb * (1 << 30)),
     )
     merge = model_config.spatial_merge_size
     encoder = EncoderRunner(

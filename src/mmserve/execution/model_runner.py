@@ -171,6 +171,7 @@ class ModelRunner:
             return
         try:
             self.encoder.encode([f for _, f in features])
+            self._drop_encoded_pixels(so)
         except Exception as exc:  # noqa: BLE001 - the retry below finds the item at fault
             # One bad item must fail only its own request: retry item by item. The traceback
             # is logged once, by the item that fails again.
@@ -184,6 +185,15 @@ class ModelRunner:
                         f"encoding multimodal item failed: {type(item_exc).__name__}",
                         FailureKind.INTERNAL,
                     )
+
+    def _drop_encoded_pixels(self, so: SchedulerOutput) -> None:
+        """An encoded item's embeddings are in the encoder cache: the request's state needs
+        its pixels no more (a preempted request comes back with them, from the scheduler)."""
+        for request_id, item_idxs in so.scheduled_encoder_inputs.items():
+            features = self.states[request_id].mm_features
+            for i in item_idxs:
+                if features[i].data is not None:
+                    features[i] = dataclasses.replace(features[i], data=None)
 
     # ----------------------------------------------------------------------------- batch
 

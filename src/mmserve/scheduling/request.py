@@ -51,6 +51,8 @@ class Request:
     # The prefix-cache hit of its first schedule, in tokens (usage's cached_tokens); None
     # until then. A recompute after preemption does not change it.
     num_cached_tokens: int | None = None
+    # identifiers whose pixels moved to the scheduler's PixelStore once the prefill passed them
+    stashed_pixels: set[str] = field(default_factory=set)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -31,11 +31,14 @@ output resident before the step runs:
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from mmserve.config import CacheConfig, SchedulerConfig
+from mmserve.errors import FailureKind, RequestFailure
 from mmserve.scheduling.admission import validate_request
 from mmserve.scheduling.encoder_cache_manager import EncoderCacheManager
 from mmserve.scheduling.kv_cache_manager import KVCacheManager
@@ -47,7 +50,10 @@ from mmserve.scheduling.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
+from mmserve.scheduling.pixel_store import PixelStore
 from mmserve.scheduling.request import Request, RequestStatus, check_stop
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -75,7 +81,11 @@ class Scheduler:
         *,
         bytes_per_encoder_slot: int = 0,
         eos_token_ids: Iterable[int] = (),
+        pixel_store_bytes: int | None = None,
     ) -> None:
+        """`pixel_store_bytes`: None keeps each item's pixels with its request until the
+        request finishes; a number moves them, once the prefill has passed the item, into a
+        `PixelStore` of that many bytes (see pixel_store.py)."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.eos_token_ids = tuple(eos_token_ids)
@@ -87,6 +97,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_req_ids: set[str] = set()
+        self.pixel_store = PixelStore(pixel_store_bytes) if pixel_store_bytes is not None else None
+        self._failed_at_schedule: list[RequestUpdate] = []
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -213,9 +225,14 @@ class Scheduler:
                 skipped.append(request)
                 continue
             num_new = min(request.num_tokens - num_computed, step.token_budget)
-            num_new, items, rolled_back = self._try_schedule_encoder_inputs(
-                request, num_computed, num_new, step
-            )
+            try:
+                num_new, items, rolled_back = self._try_schedule_encoder_inputs(
+                    request, num_computed, num_new, step
+                )
+            except _PixelsGone as gone:
+                self.encoder_cache_manager.free(request)
+                self._fail_at_schedule(request, gone.identifier)
+                continue
             if num_new == 0:
                 # Waiting requests hold no encoder references: drop hits taken by the lookup.
                 self.encoder_cache_manager.free(request)
@@ -277,10 +294,51 @@ class Scheduler:
             if not manager.can_allocate(request, item_idx, budget_left, num_embeds_to_schedule):
                 # Text before the item still runs; at (or inside) the item: nothing this step.
                 return max(0, start - num_computed), to_encode, False
+            if feature.data is None and feature.identifier in request.stashed_pixels:
+                self._restore_pixels(request, item_idx)
             to_encode.append(item_idx)
             identifiers.add(feature.identifier)
             num_embeds_to_schedule += feature.num_embeds
         return num_new, to_encode, False
+
+    def _restore_pixels(self, request: Request, item_idx: int) -> None:
+        """A preempted request encodes an item again: its pixels come back from the store."""
+        feature = request.mm_features[item_idx]
+        data = self.pixel_store.get(feature.identifier) if self.pixel_store is not None else None
+        if data is None:
+            raise _PixelsGone(feature.identifier)
+        request.mm_features[item_idx] = dataclasses.replace(feature, data=data)
+
+    def _stash_consumed_pixels(self, request: Request) -> None:
+        """Items the prefill has passed are never encoded again unless the request is
+        preempted: their pixels leave the request for the bounded store."""
+        store = self.pixel_store
+        if store is None:
+            return
+        num_computed = request.num_computed_tokens
+        for item_idx, feature in enumerate(request.mm_features):
+            if feature.data is not None and feature.placeholder.end <= num_computed:
+                store.put(feature.identifier, feature.data, request.request_id)
+                request.mm_features[item_idx] = dataclasses.replace(feature, data=None)
+                request.stashed_pixels.add(feature.identifier)
+
+    def _fail_at_schedule(self, request: Request, identifier: str) -> None:
+        logger.warning(
+            "request %s: the pixels of item %s, needed again after a preemption, were evicted "
+            "from the re-encode store (over its byte budget); failing the request",
+            request.request_id,
+            identifier[:16],
+        )
+        request.status = RequestStatus.FINISHED_ERROR
+        self._release(request)
+        failure = RequestFailure(
+            f"the engine no longer holds the pixels of item {identifier[:16]} to encode it "
+            "again after a preemption (raise --mm-reencode-cache-gb)",
+            FailureKind.INTERNAL,
+        )
+        self._failed_at_schedule.append(
+            RequestUpdate(request.request_id, [], request.status, error=failure)
+        )
 
     def _next_block_in_flight(self, request: Request, num_computed: int, step: _Step) -> bool:
         if not step.inflight_block_hashes:
@@ -328,7 +386,7 @@ class Scheduler:
         """Apply a finished step: commit computed KV blocks, drop consumed encoder inputs,
         append sampled tokens and apply stop rules. Sampled tokens of a request whose step did
         not reach the end of its tokens (partial prefill) are ignored."""
-        updates: list[RequestUpdate] = []
+        updates, self._failed_at_schedule = self._failed_at_schedule, []
         finished: list[Request] = []
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
@@ -350,6 +408,7 @@ class Scheduler:
                 continue
             self.kv_cache_manager.cache_blocks(request)
             self._free_consumed_encoder_inputs(request)
+            self._stash_consumed_pixels(request)
             new_token_ids = self._append_sampled(request, runner_output)
             if request.is_finished:
                 finished.append(request)
@@ -403,5 +462,15 @@ class Scheduler:
         """Free everything a finished request holds; the runner hears of it next step."""
         self.kv_cache_manager.free(request)
         self.encoder_cache_manager.free(request)
+        if self.pixel_store is not None and request.stashed_pixels:
+            self.pixel_store.release(request.request_id, request.stashed_pixels)
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
+
+
+class _PixelsGone(Exception):
+    """A preempted request needs an item's pixels the store has evicted."""
+
+    def __init__(self, identifier: str) -> None:
+        super().__init__(identifier)
+        self.identifier = identifier

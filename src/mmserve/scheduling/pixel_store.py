@@ -1,0 +1,73 @@
+"""PixelStore: the pixels of items already encoded, kept (bounded) to encode them again.
+
+A request holds an item's pixels only until its prefill has passed the item; then they move
+here, keyed by identity, with the unfinished requests that may need them again. Only a
+preempted request does (it recomputes from its prompt, and an item neither covered by a
+prefix-cache hit nor resident in the encoder cache is encoded again). Entries go when their
+last holder finishes, or, least recently stored first, when the store is over its byte budget:
+a request that then needs that item again fails with a message that says so.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from mmserve.multimodal import ProcessedImage
+
+
+class PixelStore:
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self.num_evicted = 0
+        self.num_restored = 0
+        self._entries: OrderedDict[str, tuple[ProcessedImage, set[str]]] = OrderedDict()
+
+    def __contains__(self, identifier: str) -> bool:
+        return identifier in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, identifier: str, data: ProcessedImage, request_id: str) -> None:
+        """Keep `data` for `request_id` (one copy per identifier, whoever stored it first)."""
+        entry = self._entries.get(identifier)
+        if entry is not None:
+            entry[1].add(request_id)
+            self._entries.move_to_end(identifier)
+            return
+        size = data.buffer_bytes
+        if size > self.capacity_bytes:
+            self.num_evicted += 1
+            return  # it would evict everything and still not fit
+        self._entries[identifier] = (data, {request_id})
+        self.used_bytes += size
+        while self.used_bytes > self.capacity_bytes:
+            self._evict()
+
+    def get(self, identifier: str) -> ProcessedImage | None:
+        entry = self._entries.get(identifier)
+        if entry is None:
+            return None
+        self._entries.move_to_end(identifier)
+        self.num_restored += 1
+        return entry[0]
+
+    def release(self, request_id: str, identifiers: set[str]) -> None:
+        """The request is finished: drop what only it held."""
+        for identifier in identifiers:
+            entry = self._entries.get(identifier)
+            if entry is None:
+                continue
+            entry[1].discard(request_id)
+            if not entry[1]:
+                self._drop(identifier)
+
+    def _evict(self) -> None:
+        identifier = next(iter(self._entries))
+        self._drop(identifier)
+        self.num_evicted += 1
+
+    def _drop(self, identifier: str) -> None:
+        data, _ = self._entries.pop(identifier)
+        self.used_bytes -= data.buffer_bytes
