@@ -104,6 +104,10 @@ class CoreClient:
         ctx = zmq.Context()
         requests = ctx.socket(zmq.PUSH)
         outputs = ctx.socket(zmq.PULL)
+        # No high-water mark: a send must never block the engine thread (what is queued is
+        # bounded by the server's own limits: requests in flight, decode memory).
+        requests.setsockopt(zmq.SNDHWM, 0)
+        outputs.setsockopt(zmq.RCVHWM, 0)
         requests.bind(requests_addr)
         outputs.bind(outputs_addr)
         command = [

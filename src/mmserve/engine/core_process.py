@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     outbox = ctx.socket(zmq.PUSH)
+    # No high-water mark: the loop must never block on a send (see core_client.py).
+    inbox.setsockopt(zmq.RCVHWM, 0)
+    outbox.setsockopt(zmq.SNDHWM, 0)
     inbox.connect(ns.input)
     outbox.connect(ns.output)
     try:
