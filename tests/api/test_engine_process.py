@@ -120,12 +120,27 @@ def test_the_engine_process_does_not_outlive_a_killed_server(
 ) -> None:
     srv = Server(qwen2_vl_dir, tmp_path / "orphan.log")
     core_pid = engine_core_pid(srv.proc.pid)
-    srv.proc.kill()  # no chance to shut anything down
+    name = srv.client.models.list().data[0].id
+    body = {"model": name, "messages": user("Go on."), "ignore_eos": True, "stream": True}
+
+    def forever() -> None:  # keeps the engine busy (up to the model length) until the kill
+        try:
+            with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=body, timeout=30) as r:
+                for _ in r.iter_text():
+                    pass
+        except httpx.HTTPError:
+            pass
+
+    client = threading.Thread(target=forever)
+    client.start()
+    time.sleep(1.0)
+    srv.proc.kill()  # no chance to shut anything down, while a request runs
     srv.proc.wait(timeout=10)
     deadline = time.monotonic() + 10
     while pid_alive(core_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     srv.log.close()
+    client.join(timeout=30)
     assert not pid_alive(core_pid), "the engine process was left behind"
 
 

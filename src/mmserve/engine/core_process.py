@@ -43,7 +43,7 @@ from mmserve.wire.engine_core import (
 
 logger = logging.getLogger("mmserve.engine_core")
 
-# While idle, how often to look whether the API process is still there.
+# While idle, how often to look whether the API process is still there (busy: every step).
 PARENT_CHECK_MS = 500
 
 
@@ -66,6 +66,9 @@ class CoreLoop:
     def run(self) -> int:
         core = self.core
         while True:
+            if not self.parent_alive():  # busy or not: nobody would read what it computes
+                logger.error("the API process is gone; the engine core stops")
+                return 1
             busy = core.has_unfinished_requests()
             if self.inbox.poll(0 if busy else PARENT_CHECK_MS):
                 failed, keep_going = self._drain()
@@ -75,9 +78,6 @@ class CoreLoop:
                 if not keep_going:
                     logger.info("shutdown requested; the engine core stops")
                     return 0
-            elif not busy and not self.parent_alive():
-                logger.error("the API process is gone; the engine core stops")
-                return 1
             if not core.has_unfinished_requests():
                 continue
             try:
