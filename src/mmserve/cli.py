@@ -44,6 +44,13 @@ def _json_object(flag: str):
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="The checkpoint directory, as vLLM takes it (`mmserve serve DIR`); same as --model.",
+    )
+    a(
         "--model",
         default=None,
         metavar="DIR",
@@ -52,8 +59,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     a(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="Model name clients must send; default: the model directory's name.",
+        metavar="NAME",
+        help="Model name(s) clients may send; answers carry the first. Default: the model "
+        "string as given (as vLLM does).",
     )
     a("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1).")
     a("--port", type=int, default=8000, help="Port to listen on (default 8000).")
@@ -358,12 +368,12 @@ async def _serve(engine_args: EngineArgs) -> int:
     engine = build_async_engine(engine_args)
     if inspect.isawaitable(engine):
         engine = await engine
-    name = engine_args.resolved_served_model_name
-    _log_configuration(engine_args, engine, name)
+    names = engine_args.served_model_names
+    _log_configuration(engine_args, engine, ", ".join(names))
     app = create_app(
         engine,
         api_keys=engine_args.api_key,
-        served_model_name=name,
+        served_model_name=names,
         max_request_body_bytes=engine_args.max_request_body_bytes,
         http_body_timeout_s=engine_args.http_body_timeout,
         shutdown_timeout_s=ENGINE_SHUTDOWN_S,
@@ -391,7 +401,7 @@ async def _serve(engine_args: EngineArgs) -> int:
     engine.on_dead = stop_serving
     if not engine.is_healthy():  # died before it could be told whom to call
         stop_serving("before the server started")
-    logger.info("serving %r on http://%s:%d", name, engine_args.host, engine_args.port)
+    logger.info("serving %r on http://%s:%d", names[0], engine_args.host, engine_args.port)
     await server.serve()
     return 1 if engine_died.is_set() else 0
 

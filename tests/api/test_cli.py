@@ -41,7 +41,7 @@ def test_every_flag_reaches_its_field(tmp_path: Path) -> None:
         "--max-request-body-bytes", "2000", "--mm-processor-cache-gb", "0",
         "--max-concurrent-media-fetches", "3", "--trust-exif-image-id",
     )  # fmt: skip
-    assert args.resolved_served_model_name == "Qwen2-VL-tiny"
+    assert args.resolved_served_model_name == str(model)  # the model string, as vLLM names it
     assert (args.port, args.max_num_batched_tokens, args.max_num_seqs) == (9001, 4096, 8)
     assert (args.max_model_len, args.block_size) == (2048, 32)
     assert not args.enable_prefix_caching and args.disable_chunked_mm_input
@@ -155,3 +155,32 @@ def test_decode_memory_flags_reach_their_fields_and_are_checked() -> None:
     assert args.decode_worker_max_rss_mb == 0
     with pytest.raises(ValueError, match="--max-decode-bytes-per-request"):
         args_of("--max-decode-bytes-per-request", "5000", "--max-inflight-decode-bytes", "10")
+
+
+def test_the_model_may_be_positional_as_in_vllm(tmp_path: Path) -> None:
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    args = args_of(str(model), "--max-model-len", "512")
+    assert (args.model, args.max_model_len) == (str(model), 512)
+    assert args.served_model_names == (str(model),)
+    relative = args_of("some/relative/dir")
+    assert relative.resolved_served_model_name == "some/relative/dir"  # as given, unresolved
+
+
+def test_the_model_given_twice_differently_is_a_usage_error(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "mmserve", "serve", str(tmp_path), "--model", "/elsewhere"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "the model is given twice" in proc.stderr
+
+
+def test_several_served_model_names_first_one_answers() -> None:
+    args = args_of("--served-model-name", "qwen", "qwen-vl", "qwen")
+    assert args.served_model_names == ("qwen", "qwen-vl")  # repeats dropped, order kept
+    assert args.resolved_served_model_name == "qwen"
+    with pytest.raises(ValueError, match="--served-model-name must not be empty"):
+        EngineArgs(served_model_name=("qwen", " "))

@@ -68,7 +68,8 @@ def model_name(server: Server) -> str:
 
 
 def test_models_and_health(server: Server, qwen2_vl_dir: Path) -> None:
-    assert [m.id for m in server.client.models.list().data] == [qwen2_vl_dir.name]
+    # named by the --model string as given, as vLLM does
+    assert [m.id for m in server.client.models.list().data] == [str(qwen2_vl_dir)]
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 

@@ -60,13 +60,18 @@ def create_app(
     engine: EngineClient,
     *,
     api_keys: Sequence[str] | None,
-    served_model_name: str,
+    served_model_name: str | Sequence[str],
     max_request_body_bytes: int,
     http_body_timeout_s: float = 60.0,
     status_interval_s: float | None = 5.0,
     shutdown_timeout_s: float = 20.0,
 ) -> FastAPI:
-    """An app serving `engine` under `served_model_name`; it shuts the engine down on exit."""
+    """An app serving `engine` under `served_model_name` (one name or several: clients may send
+    any, answers carry the first); it shuts the engine down on exit."""
+    names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
+    if not names:
+        raise ValueError("served_model_name needs at least one name")
+    primary = names[0]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -94,14 +99,18 @@ def create_app(
 
     @v1.get("/models")
     async def list_models(namespace: str = Depends(request_namespace)) -> dict[str, Any]:
-        card = {
-            "id": served_model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "mmserve",
-            "max_model_len": engine.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "mmserve",
+                "root": primary,
+                "max_model_len": engine.max_model_len,
+            }
+            for name in names
+        ]
+        return {"object": "list", "data": cards}
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request, namespace: str = Depends(request_namespace)):
@@ -119,7 +128,7 @@ def create_app(
                     chat_template_kwargs=body.chat_template_kwargs,
                 ),
             )
-            fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", served_model_name)
+            fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", primary)
             return await _generate(request, body, params, prompt, fmt)
 
         return await _answer(run)
@@ -133,18 +142,19 @@ def create_app(
             prompt = await until_disconnect(
                 request, engine.process_prompt(prompt_in, namespace=namespace)
             )
-            fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", served_model_name)
+            fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", primary)
             return await _generate(request, body, params, prompt, fmt)
 
         return await _answer(run)
 
     def _check_before_processing(body: SamplingFields) -> SamplingParams:
         """Refuse what needs no prompt to refuse, before any image is fetched or decoded."""
-        if body.model is not None and body.model != served_model_name:
+        if body.model is not None and body.model not in names:
+            served = ", ".join(repr(n) for n in names)
             raise APIError(
                 404,
                 f"the model {body.model[:100]!r} does not exist; this server serves "
-                f"{served_model_name!r} (see GET /v1/models)",
+                f"{served} (see GET /v1/models)",
                 code="model_not_found",
                 param="model",
             )

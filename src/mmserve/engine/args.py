@@ -53,7 +53,8 @@ class EngineArgs:
     """
 
     model: str = field(default_factory=bundled_toy_model_dir)
-    served_model_name: str | None = None
+    # One name or several (clients may send any; answers carry the first).
+    served_model_name: str | tuple[str, ...] | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     max_num_batched_tokens: int = 8192
@@ -152,8 +153,12 @@ class EngineArgs:
                         f"--limit-mm-per-prompt maps a modality to a count >= 0, "
                         f"e.g. '{{\"image\": 4}}'; got {key!r}: {value!r}"
                     )
-        if self.served_model_name is not None and not self.served_model_name.strip():
-            raise ValueError("--served-model-name must not be empty")
+        if self.served_model_name is not None:
+            names = self.served_model_name
+            names = (names,) if isinstance(names, str) else tuple(names)
+            if not names or not all(isinstance(n, str) and n.strip() for n in names):
+                raise ValueError("--served-model-name must not be empty")
+            object.__setattr__(self, "served_model_name", tuple(dict.fromkeys(names)))
         if self.api_key is not None:
             keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
             if not keys or not all(isinstance(k, str) and k.strip() for k in keys):
@@ -181,14 +186,19 @@ class EngineArgs:
             )
 
     @property
-    def resolved_served_model_name(self) -> str:
-        """--served-model-name, else `mmserve-toy` for the bundled model, else the dir's name."""
+    def served_model_names(self) -> tuple[str, ...]:
+        """--served-model-name, else `mmserve-toy` for the bundled model, else the --model
+        string as given (what vLLM serves a model as, so a vLLM client's `model` works)."""
         if self.served_model_name:
-            return self.served_model_name
-        model_dir = Path(self.model).resolve()
-        if model_dir == Path(bundled_toy_model_dir()).resolve():
-            return TOY_MODEL_NAME
-        return model_dir.name
+            return tuple(self.served_model_name)
+        if Path(self.model).resolve() == Path(bundled_toy_model_dir()).resolve():
+            return (TOY_MODEL_NAME,)
+        return (str(self.model),)
+
+    @property
+    def resolved_served_model_name(self) -> str:
+        """The name answers carry: the first of `served_model_names`."""
+        return self.served_model_names[0]
 
     @classmethod
     def from_cli(cls, namespace: argparse.Namespace) -> EngineArgs:
@@ -197,6 +207,14 @@ class EngineArgs:
         for f in fields(cls):
             if hasattr(namespace, f.name):
                 values[f.name] = getattr(namespace, f.name)
+        positional = getattr(namespace, "model_tag", None)  # `mmserve serve MODEL`, as vLLM
+        if positional is not None:
+            if values.get("model") not in (None, positional):
+                raise ValueError(
+                    f"the model is given twice, as {positional!r} and as --model "
+                    f"{values['model']!r}; give it once"
+                )
+            values["model"] = positional
         if values.get("model") is None:
             values.pop("model", None)
         for name in ("limit_mm_per_prompt", "mm_processor_kwargs"):

@@ -164,7 +164,9 @@ def build_input_processor(
         mm_processor_kwargs=args.mm_processor_kwargs,
         mm_processor_cache_gb=args.mm_processor_cache_gb,
         hash_algorithm=args.hash_algorithm,
-        model_id=args.served_model_name or str(shape.model_dir.resolve()),
+        model_id=args.served_model_name[0]
+        if args.served_model_name
+        else str(shape.model_dir.resolve()),
         media_loader=media,
         trust_exif_image_id=args.trust_exif_image_id,
         tokenizer=shape.tokenizer,
