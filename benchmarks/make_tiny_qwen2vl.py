@@ -28,58 +28,26 @@ import argparse
 import json
 import logging
 import random
+import sys
 from pathlib import Path
 
 import torch
 
+# The Qwen2-VL special tokens (in the real vocabulary's order) and the chat template its
+# instruct checkpoints ship: the same data the test checkpoints use.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.factory import QWEN2_VL_CHAT_TEMPLATE as CHAT_TEMPLATE  # noqa: E402
+from tests.factory import SPECIAL_TOKENS  # noqa: E402
+
 log = logging.getLogger("make_tiny_qwen2vl")
 
 VOCAB_SIZE = 1024
-
-# Qwen2's own special tokens, in the order of the real vocabulary (they follow the BPE tokens).
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
 
 # The pre-tokenizer split of Qwen2's tokenizer.json (contractions, letter runs, single digits,
 # punctuation runs, newlines, other whitespace); byte-level mapping follows it.
 QWEN2_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# Data: the chat template that the Qwen2-VL instruct checkpoints ship, so both servers render
-# prompts exactly as they would for a real Qwen2-VL.
-CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}"
-    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 IMAGE_PROCESSOR = {

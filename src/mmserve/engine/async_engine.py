@@ -263,8 +263,7 @@ class AsyncLLMEngine:
             stream = self._streams.get(command.request_id)
         try:
             if isinstance(command, _Abort):
-                for out in self.engine.abort_requests([command.request_id]):
-                    self._deliver(out)
+                self._deliver_step(self.engine.abort_requests([command.request_id]))
             elif stream is not None:  # else the client left before the engine saw it
                 self.engine.add_request(
                     command.request_id,
@@ -285,8 +284,8 @@ class AsyncLLMEngine:
                 stream.put(InternalRequestError(command.request_id))
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs, with one wake-up of each event loop that waits on some of them
-        (not one per output: each wake-up is a write to the loop's self-pipe)."""
+        """Outputs (a step's, or an abort's), with one wake-up of each event loop that waits on
+        some of them (not one per output: each wake-up is a write to the loop's self-pipe)."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         with self._streams_lock:
             for out in outputs:
@@ -297,12 +296,6 @@ class AsyncLLMEngine:
             # RuntimeError: the client's loop is closed, nobody is listening any more
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_put_all, batch)
-
-    def _deliver(self, out: RequestOutput) -> None:
-        with self._streams_lock:
-            stream = self._streams.get(out.request_id)
-        if stream is not None:
-            stream.put(out)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -159,15 +159,15 @@ class EngineCore:
         except EngineDeadError:
             raise
         except Exception:  # noqa: BLE001 - a bug outside the model: contained below
-            return self.fail_all("internal error in the engine step")
+            return self._fail_unfinished()
         return updates
 
-    def fail_all(self, message: str) -> list[RequestUpdate]:
+    def _fail_unfinished(self) -> list[RequestUpdate]:
         """Fail every unfinished request (which ones a failed step touched is unknown); the
         core goes on if it is still sound."""
         request_ids = sorted(self.scheduler.requests)
         logger.exception("engine step failed; failing every unfinished request: %s", request_ids)
-        failure = RequestFailure(message, FailureKind.INTERNAL)
+        failure = RequestFailure("internal error in the engine step", FailureKind.INTERNAL)
         try:
             self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
             self._record_stats()

@@ -70,7 +70,6 @@ class CoreClient:
         socket_dir: str,
         *,
         metrics: EngineMetrics,
-        max_model_len: int,
         eos_token_ids: tuple[int, ...],
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
@@ -81,7 +80,6 @@ class CoreClient:
         self._outputs = outputs
         self._socket_dir = socket_dir
         self.metrics = metrics
-        self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -149,7 +147,6 @@ class CoreClient:
             outputs,
             socket_dir,
             metrics=metrics,
-            max_model_len=shape.max_model_len,
             eos_token_ids=shape.eos_token_ids,
             scheduler_config=shape.scheduler_config,
             cache_config=cache_config,
@@ -174,7 +171,7 @@ class CoreClient:
             request_id,
             prompt,
             params,
-            max_model_len=self.max_model_len,
+            max_model_len=self.scheduler_config.max_model_len,
             eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
             with_payload=False,

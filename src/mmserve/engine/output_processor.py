@@ -13,14 +13,7 @@ from mmserve.errors import FailureKind, RequestFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.outputs import RequestUpdate
-from mmserve.scheduling.request import RequestStatus
-
-FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
-}
+from mmserve.scheduling.request import FINISH_REASONS
 
 logger = logging.getLogger(__name__)
 

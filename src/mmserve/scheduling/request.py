@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from mmserve.multimodal import MultiModalFeature
 
@@ -20,6 +22,17 @@ class RequestStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         return self.value.startswith("finished")
+
+
+# The OpenAI finish_reason of each finished status (what outputs and the wire carry).
+FINISH_REASONS: Mapping[RequestStatus, str] = MappingProxyType(
+    {
+        RequestStatus.FINISHED_STOPPED: "stop",
+        RequestStatus.FINISHED_LENGTH: "length",
+        RequestStatus.FINISHED_ABORTED: "abort",
+        RequestStatus.FINISHED_ERROR: "error",
+    }
+)
 
 
 @dataclass(slots=True)

@@ -230,8 +230,7 @@ class Scheduler:
                     request, num_computed, num_new, step
                 )
             except _PixelsGone as gone:
-                self.encoder_cache_manager.free(request)
-                self._fail_at_schedule(request, gone.identifier)
+                self._fail_at_schedule(request, gone.identifier)  # releases what it holds
                 continue
             if num_new == 0:
                 # Waiting requests hold no encoder references: drop hits taken by the lookup.

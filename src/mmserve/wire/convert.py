@@ -26,9 +26,8 @@ from mmserve.scheduling.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
-from mmserve.scheduling.request import RequestStatus
+from mmserve.scheduling.request import FINISH_REASONS
 from mmserve.wire.common import (
-    FinishReason,
     WireEncoderInput,
     WireMMFeature,
     WireRequestFailure,
@@ -43,14 +42,6 @@ from mmserve.wire.executor import (
     WireSchedulerOutput,
 )
 
-FINISH_REASONS: MappingProxyType[RequestStatus, FinishReason] = MappingProxyType(
-    {
-        RequestStatus.FINISHED_STOPPED: "stop",
-        RequestStatus.FINISHED_LENGTH: "length",
-        RequestStatus.FINISHED_ABORTED: "abort",
-        RequestStatus.FINISHED_ERROR: "error",
-    }
-)
 _STATUS_BY_REASON = MappingProxyType({reason: s for s, reason in FINISH_REASONS.items()})
 
 
