@@ -10,8 +10,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mmserve.engine.args import (
@@ -21,6 +20,7 @@ from mmserve.engine.args import (
     TOY_MODEL_NAME,
     EngineArgs,
     parse_json_object,
+    parse_mm_limits,
 )
 from mmserve.hashing import HASH_ALGORITHMS
 
@@ -32,30 +32,44 @@ ENGINE_SHUTDOWN_S = 5.0
 
 
 def _json_object(flag: str):
-    def parse(text: str) -> dict[str, Any]:
+    return _parsed(lambda text: parse_json_object(text, flag))
+
+
+def _parsed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse `type` whose ValueError message becomes the usage error as it is."""
+
+    def checked(text: str) -> Any:
         try:
-            return parse_json_object(text, flag)
+            return parse(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
-    return parse
+    return checked
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    a = p.add_argument
+    """`mmserve serve` flags, grouped as vLLM groups its own (model, device, scheduler, ...)."""
+    a = p.add_argument_group("Model").add_argument
     a(
         "model_tag",
         nargs="?",
         default=None,
         metavar="MODEL",
-        help="The checkpoint directory, as vLLM takes it (`mmserve serve DIR`); same as --model.",
+        help="The model, as vLLM takes it (`mmserve serve Qwen/Qwen2-VL-2B-Instruct`); same as "
+        "--model.",
     )
     a(
         "--model",
         default=None,
-        metavar="DIR",
-        help=f"Hugging Face checkpoint directory (Qwen2-VL / Qwen2.5-VL). Default: the bundled toy "
-        f"model, served as {TOY_MODEL_NAME!r}.",
+        metavar="DIR_OR_ID",
+        help=f"A Qwen2-VL / Qwen2.5-VL checkpoint: a directory in Hugging Face format, or a hub "
+        f"id (org/name, downloaded unless HF_HUB_OFFLINE=1). Default: the bundled toy model, "
+        f"served as {TOY_MODEL_NAME!r}.",
+    )
+    a(
+        "--revision",
+        default=None,
+        help="The hub revision (branch, tag or commit) of a model given as a Hugging Face id.",
     )
     a(
         "--served-model-name",
@@ -65,8 +79,83 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="Model name(s) clients may send; answers carry the first. Default: the model "
         "string as given (as vLLM does).",
     )
-    a("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1).")
-    a("--port", type=int, default=8000, help="Port to listen on (default 8000).")
+    a(
+        "--tokenizer",
+        default=None,
+        metavar="DIR_OR_ID",
+        help="Tokenizer (and chat template) from another directory or hub id; default: the "
+        "model's.",
+    )
+    a(
+        "--tokenizer-revision",
+        default=None,
+        help="The hub revision of --tokenizer.",
+    )
+    a(
+        "--download-dir",
+        default=None,
+        metavar="DIR",
+        help="Hub cache to look in and download to; default $HF_HUB_CACHE, else $HF_HOME/hub, "
+        "else ~/.cache/huggingface/hub. HF_HUB_OFFLINE=1: only what the cache holds.",
+    )
+    a(
+        "--trust-remote-code",
+        action="store_true",
+        help="Accepted for vLLM command lines; mmserve implements its models itself and never "
+        "runs code from a checkpoint (nor downloads any).",
+    )
+    a(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="Weight and activation dtype; auto: bfloat16 on GPU, float32 on CPU.",
+    )
+    a(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="Longest prompt + output in tokens; default: the checkpoint's maximum.",
+    )
+    a("--seed", type=int, default=0, help="Seed of the engine's random state.")
+    a = p.add_argument_group("Device and parallelism").add_argument
+    a("--device", choices=DEVICES, default="auto", help="Where to run; auto: cuda if present.")
+    a(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="Fraction of the GPU's memory mmserve may use (weights, activations, KV cache); "
+        "the KV cache gets what the weights leave, less a reserve. CUDA only (on the CPU "
+        "--kv-cache-memory-bytes sizes the cache). Default 0.9.",
+    )
+    a(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="Devices to split the model over; mmserve runs on one device (1), larger values "
+        "are refused at start-up.",
+    )
+    a(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="Pipeline stages; 1 (larger values are refused at start-up).",
+    )
+    a(
+        "--enforce-eager",
+        action="store_true",
+        help="Never run captured CUDA graphs. mmserve runs eagerly today on every device, "
+        "so this changes nothing yet; it keeps vLLM command lines working.",
+    )
+    a(
+        "--multiprocess",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Run the scheduler and the model in an engine process, apart from the HTTP server "
+        "and its media processing (default on for `serve`). --no-multiprocess keeps one process.",
+    )
+    a = p.add_argument_group("Scheduler").add_argument
     a(
         "--max-num-batched-tokens",
         type=int,
@@ -76,11 +165,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     a("--max-num-seqs", type=int, default=256, help="Most requests running at once.")
     a(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="Longest prompt + output in tokens; default: the checkpoint's maximum.",
+        "--disable-chunked-mm-input",
+        action="store_true",
+        help="Never split one image's placeholder span across engine steps; rejected at start "
+        "when the largest image needs more than --max-num-batched-tokens.",
     )
+    a = p.add_argument_group("Cache").add_argument
     a("--block-size", type=int, default=16, help="Tokens per KV-cache block.")
     a(
         "--enable-prefix-caching",
@@ -89,24 +179,32 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="Reuse KV blocks of identical prefixes (images keyed by identity). Default on.",
     )
     a(
-        "--multiprocess",
-        action=argparse.BooleanOptionalAction,
+        "--num-gpu-blocks-override",
+        type=int,
         default=None,
-        help="Run the scheduler and the model in an engine process, apart from the HTTP server "
-        "and its media processing (default on for `serve`). --no-multiprocess keeps one process.",
+        metavar="N",
+        help="KV pool size in blocks, instead of sizing it from free memory.",
     )
     a(
-        "--disable-chunked-mm-input",
-        action="store_true",
-        help="Never split one image's placeholder span across engine steps; rejected at start "
-        "when the largest image needs more than --max-num-batched-tokens.",
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="KV pool size in bytes, instead of sizing it from free memory.",
     )
     a(
-        "--limit-mm-per-prompt",
-        type=_json_object("--limit-mm-per-prompt"),
+        "--hash-algorithm",
+        choices=HASH_ALGORITHMS,
+        default="blake3",
+        help="Digest for item identity and prefix-cache keys (sha256 for FIPS).",
+    )
+    a(
+        "--encoder-cache-size",
+        type=int,
         default=None,
-        metavar="JSON",
-        help="""Most items per modality in one prompt, e.g. '{"image": 4}'.""",
+        metavar="SLOTS",
+        help="Encoder cache size in embedding slots; default --max-num-batched-tokens, floored "
+        "at the largest image.",
     )
     a(
         "--mm-processor-cache-gb",
@@ -121,6 +219,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="GiB of pixels the engine keeps of images a request's prefill has passed, to "
         "encode them again if the request is preempted; a preempted request whose image was "
         "evicted from it fails. Default 1.",
+    )
+    a = p.add_argument_group("Multimodal and media").add_argument
+    a(
+        "--limit-mm-per-prompt",
+        type=_parsed(parse_mm_limits),
+        default=None,
+        metavar="JSON",
+        help="""Most items per modality in one prompt, e.g. '{"image": 4}' (or image=4).""",
     )
     a(
         "--mm-processor-kwargs",
@@ -153,59 +259,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--media-fetch-timeout fails with 503. Inline (data:) images never wait for them.",
     )
     a(
-        "--trust-exif-image-id",
-        action="store_true",
-        help="Let an image's EXIF ImageUniqueID stand in for its pixels in the cache identity "
-        "(inside the caller's namespace). Off: images are identified by their pixels, since "
-        "EXIF comes with the file and two different pictures can carry the same id.",
-    )
-    a(
-        "--api-key",
-        nargs="+",
-        default=None,
-        metavar="KEY",
-        help=(
-            "Require 'Authorization: Bearer KEY' on /v1/* (several keys: one per tenant, each "
-            f"with its own media-UUID namespace); also read from ${API_KEY_ENV} (comma-separated)."
-        ),
-    )
-    a(
-        "--dtype",
-        choices=DTYPES,
-        default="auto",
-        help="Weight and activation dtype; auto: bfloat16 on GPU, float32 on CPU.",
-    )
-    a("--device", choices=DEVICES, default="auto", help="Where to run; auto: cuda if present.")
-    a("--seed", type=int, default=0, help="Seed of the engine's random state.")
-    a(
-        "--encoder-cache-size",
-        type=int,
-        default=None,
-        metavar="SLOTS",
-        help="Encoder cache size in embedding slots; default --max-num-batched-tokens, floored "
-        "at the largest image.",
-    )
-    a(
-        "--num-gpu-blocks-override",
-        type=int,
-        default=None,
-        metavar="N",
-        help="KV pool size in blocks, instead of sizing it from free memory.",
-    )
-    a(
-        "--kv-cache-memory-bytes",
-        type=int,
-        default=None,
-        metavar="BYTES",
-        help="KV pool size in bytes, instead of sizing it from free memory.",
-    )
-    a(
-        "--hash-algorithm",
-        choices=HASH_ALGORITHMS,
-        default="blake3",
-        help="Digest for item identity and prefix-cache keys (sha256 for FIPS).",
-    )
-    a(
         "--media-fetch-timeout",
         type=float,
         default=5.0,
@@ -217,6 +270,27 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=20 * 1024 * 1024,
         help="Largest media item to fetch or decode, in bytes.",
+    )
+    a(
+        "--trust-exif-image-id",
+        action="store_true",
+        help="Let an image's EXIF ImageUniqueID stand in for its pixels in the cache identity "
+        "(inside the caller's namespace). Off: images are identified by their pixels, since "
+        "EXIF comes with the file and two different pictures can carry the same id.",
+    )
+    _add_decode_args(a)
+    a = p.add_argument_group("Frontend (HTTP server)").add_argument
+    a("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1).")
+    a("--port", type=int, default=8000, help="Port to listen on (default 8000).")
+    a(
+        "--api-key",
+        nargs="+",
+        default=None,
+        metavar="KEY",
+        help=(
+            "Require 'Authorization: Bearer KEY' on /v1/* (several keys: one per tenant, each "
+            f"with its own media-UUID namespace); also read from ${API_KEY_ENV} (comma-separated)."
+        ),
     )
     a(
         "--max-request-body-bytes",
@@ -248,7 +322,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="An idle keep-alive connection is closed after this long without a new request.",
     )
-    _add_decode_args(p)
     a("--log-level", choices=LOG_LEVELS, default="info", help="mmserve's log level.")
     a(
         "--uvicorn-log-level",
@@ -258,9 +331,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_decode_args(p: argparse.ArgumentParser) -> None:
+def _add_decode_args(a: Callable[..., Any]) -> None:
     """Decode-memory caps: each is checked from the image header, before pixels are decoded."""
-    a = p.add_argument
     a(
         "--max-image-pixels",
         type=int,
@@ -335,13 +407,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine_args = EngineArgs.from_cli(args)
     except ValueError as exc:
         args.subparser.error(str(exc))
-    if not Path(engine_args.model).is_dir():
-        args.subparser.error(f"--model {engine_args.model}: no such directory")
     logging.basicConfig(
         level=engine_args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from mmserve.engine.model_source import ModelNotFoundError, with_local_sources
+
+    try:  # a hub id is looked up (and downloaded) before anything starts
+        engine_args = with_local_sources(engine_args)
+    except ModelNotFoundError as exc:
+        args.subparser.error(str(exc))
+    _log_vllm_flags(engine_args)
     return serve(engine_args)
+
+
+def _log_vllm_flags(args: EngineArgs) -> None:
+    """Flags a vLLM command line brings that change nothing here: said once, not ignored."""
+    if args.trust_remote_code:
+        logger.info(
+            "--trust-remote-code: accepted; mmserve implements Qwen2-VL and Qwen2.5-VL itself "
+            "and never runs code that comes with a checkpoint"
+        )
+    if args.enforce_eager:
+        logger.info("--enforce-eager: mmserve captures no CUDA graphs yet, so it runs eagerly")
 
 
 def serve(engine_args: EngineArgs) -> int:

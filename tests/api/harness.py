@@ -71,13 +71,23 @@ def wait_until_idle(url: str, timeout_s: float = 20.0) -> dict[str, float]:
 
 
 class Server:
-    def __init__(self, model_dir: Path, log_path: Path, *extra: str) -> None:
+    def __init__(
+        self,
+        model_dir: Path | str,
+        log_path: Path,
+        *extra: str,
+        positional: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`positional`: the model as vLLM's first argument instead of --model; `env`: the
+        server's whole environment (default: this process's)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
-        argv = ["serve", "--model", str(model_dir), "--port", str(self.port), *extra]
+        model = [str(model_dir)] if positional else ["--model", str(model_dir)]
+        argv = ["serve", *model, "--port", str(self.port), *extra]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mmserve", *argv], stdout=self.log, stderr=self.log
+            [sys.executable, "-m", "mmserve", *argv], stdout=self.log, stderr=self.log, env=env
         )
         self.log_path = log_path
         deadline = time.monotonic() + 180

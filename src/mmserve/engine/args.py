@@ -34,6 +34,22 @@ def parse_json_object(text: str, flag: str) -> dict[str, Any]:
     return value
 
 
+def parse_mm_limits(text: str, flag: str = "--limit-mm-per-prompt") -> dict[str, Any]:
+    """A JSON object (`'{"image": 4}'`), or the older vLLM form `image=4,video=1`."""
+    if text.lstrip().startswith("{"):
+        return parse_json_object(text, flag)
+    limits: dict[str, Any] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip() or not value.strip().isdigit():
+            raise ValueError(
+                f"{flag} must be a JSON object like '{{\"image\": 4}}' or image=4,video=1; "
+                f"got {text!r}"
+            )
+        limits[key.strip()] = int(value)
+    return limits
+
+
 def split_domains(values: list[str] | tuple[str, ...] | str | None) -> tuple[str, ...] | None:
     """`--allowed-media-domains a.com b.com` and `--allowed-media-domains a.com,b.com` agree."""
     if values is None:
@@ -97,6 +113,19 @@ class EngineArgs:
     # The scheduler and the model in an engine process of their own (issue #14). None: the
     # entry point's default (the server: yes; the offline LLM: no).
     multiprocess: bool | None = None
+    # Where the checkpoint comes from (issue #18): a hub id's revision, a separate tokenizer,
+    # the hub cache to download into.
+    revision: str | None = None
+    tokenizer: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    # vLLM flags a copied command line carries. trust_remote_code: accepted, never acted on (no
+    # checkpoint code is run); tensor/pipeline parallel sizes above 1 are refused (one device).
+    trust_remote_code: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -141,6 +170,7 @@ class EngineArgs:
                 f"got {self.mm_processor_cache_gb}"
             )
         self._check_decode_flags()
+        self._check_device_flags()
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, DEVICES)
         _check_choice("hash_algorithm", self.hash_algorithm, HASH_ALGORITHMS)
@@ -164,6 +194,33 @@ class EngineArgs:
             if not keys or not all(isinstance(k, str) and k.strip() for k in keys):
                 raise ValueError("--api-key must not be empty (omit it to disable authentication)")
             object.__setattr__(self, "api_key", keys)
+
+    def _check_device_flags(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            flag = "--" + name.replace("_", "-")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+            if value > 1:
+                raise ValueError(
+                    f"{flag} {value}: mmserve runs a model on one device and does not split it "
+                    f"across devices yet; use {flag} 1 (a Qwen2-VL-7B in bfloat16 needs ~17 GiB "
+                    "plus KV cache, one 24 GiB+ GPU)"
+                )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                "--gpu-memory-utilization is the fraction of the GPU's memory mmserve may use, "
+                f"in (0, 1]; got {self.gpu_memory_utilization}"
+            )
+        for name in ("revision", "tokenizer", "tokenizer_revision", "download_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"--{name.replace('_', '-')} must not be empty")
+        if self.tokenizer_revision is not None and self.tokenizer is None:
+            raise ValueError(
+                "--tokenizer-revision needs --tokenizer (the model's own tokenizer follows "
+                "--revision)"
+            )
 
     def _check_decode_flags(self) -> None:
         if self.max_image_pixels is not None:
@@ -217,9 +274,12 @@ class EngineArgs:
             values["model"] = positional
         if values.get("model") is None:
             values.pop("model", None)
-        for name in ("limit_mm_per_prompt", "mm_processor_kwargs"):
-            if isinstance(values.get(name), str):
-                values[name] = parse_json_object(values[name], "--" + name.replace("_", "-"))
+        if isinstance(values.get("limit_mm_per_prompt"), str):
+            values["limit_mm_per_prompt"] = parse_mm_limits(values["limit_mm_per_prompt"])
+        if isinstance(values.get("mm_processor_kwargs"), str):
+            values["mm_processor_kwargs"] = parse_json_object(
+                values["mm_processor_kwargs"], "--mm-processor-kwargs"
+            )
         if "allowed_media_domains" in values:
             values["allowed_media_domains"] = split_domains(values["allowed_media_domains"])
         return cls(**values)

@@ -15,6 +15,7 @@ from mmserve.engine.args import EngineArgs
 from mmserve.engine.core import CoreLike, EngineCore
 from mmserve.engine.host_allocator import limit_malloc_arenas, tune_host_allocator
 from mmserve.engine.llm_engine import LLMEngine
+from mmserve.engine.model_source import with_local_sources
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.execution.encoder_runner import EncoderRunner
 from mmserve.execution.executor import InProcessExecutor
@@ -33,8 +34,7 @@ from mmserve.scheduling.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 2 << 30  # default KV pool on the CPU when nothing sizes it
-GPU_KV_MEMORY_FRACTION = 0.8
-SERVER_DECODE_WORKERS = 2  # of the memory free after loading weights
+SERVER_DECODE_WORKERS = 2
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def resolve_shape(args: EngineArgs) -> EngineShape:
     image_config = ImageProcessorConfig.from_pretrained(model_dir).with_overrides(
         args.mm_processor_kwargs
     )
-    tokenizer = Tokenizer.from_pretrained(model_dir)
+    tokenizer = Tokenizer.from_pretrained(args.tokenizer or model_dir)
     eos_token_ids = tuple(dict.fromkeys([*tokenizer.stop_token_ids, *model_config.eos_token_ids]))
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len,
@@ -244,6 +244,7 @@ def build_core(
 
 def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngine, ResolvedConfig]:
     """An engine with its core in this process, or in an engine process if `args.multiprocess`."""
+    args = with_local_sources(args)  # a hub id becomes its snapshot directory, once, here
     shape = resolve_shape(args)
     metrics = EngineMetrics()
     if args.multiprocess:
@@ -274,10 +275,14 @@ def _num_kv_blocks(
     if args.kv_cache_memory_bytes is not None:
         budget = args.kv_cache_memory_bytes
     elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * GPU_KV_MEMORY_FRACTION)
+        budget = _gpu_kv_budget(args.gpu_memory_utilization, device)
     else:
         budget = CPU_KV_CACHE_BYTES
+        logger.info(
+            "KV cache on the CPU: %d MiB (--kv-cache-memory-bytes sizes it; "
+            "--gpu-memory-utilization applies to CUDA devices only)",
+            budget >> 20,
+        )
     # never more than every sequence at full length needs
     blocks_needed = sched.max_num_seqs * -(-sched.max_model_len // args.block_size)
     num_blocks = min(budget // bytes_per_block, blocks_needed)
@@ -287,6 +292,27 @@ def _num_kv_blocks(
             "raise --kv-cache-memory-bytes"
         )
     return int(num_blocks)
+
+
+def _gpu_kv_budget(utilization: float, device: torch.device) -> int:
+    """vLLM's rule, without its profile run yet: this process may use `utilization` of the
+    GPU's memory; what it already holds (the weights) is taken off, never more than is free now
+    (another process may hold some), and a tenth of the rest stays free for activations."""
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = torch.cuda.memory_reserved(device)
+    usable = max(0, min(int(utilization * total) - in_use, free))
+    budget = int(usable * 0.9)
+    logger.info(
+        "KV cache on %s: %d MiB = 90%% of min(%.2f x %d MiB total - %d MiB this process holds, "
+        "%d MiB free)",
+        device,
+        budget >> 20,
+        utilization,
+        total >> 20,
+        in_use >> 20,
+        free >> 20,
+    )
+    return budget
 
 
 def _describe(
