@@ -117,6 +117,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="Longest prompt + output in tokens; default: the checkpoint's maximum.",
     )
     a("--seed", type=int, default=0, help="Seed of the engine's random state.")
+    a(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="Default sampling values (temperature, top_p, top_k, repetition_penalty, "
+        "max_new_tokens) for fields a request leaves out: 'auto' reads the model's "
+        "generation_config.json, as vLLM does; 'vllm' keeps the engine's defaults; a directory "
+        "reads its generation_config.json.",
+    )
     a = p.add_argument_group("Device and parallelism").add_argument
     a("--device", choices=DEVICES, default="auto", help="Where to run; auto: cuda if present.")
     a(

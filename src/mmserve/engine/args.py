@@ -126,6 +126,8 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    # Request defaults from a generation_config.json: "auto" (the model's), "vllm" (none), a dir.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         for name in (
@@ -212,7 +214,13 @@ class EngineArgs:
                 "--gpu-memory-utilization is the fraction of the GPU's memory mmserve may use, "
                 f"in (0, 1]; got {self.gpu_memory_utilization}"
             )
-        for name in ("revision", "tokenizer", "tokenizer_revision", "download_dir"):
+        for name in (
+            "revision",
+            "tokenizer",
+            "tokenizer_revision",
+            "download_dir",
+            "generation_config",
+        ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"--{name.replace('_', '-')} must not be empty")

@@ -1,0 +1,89 @@
+"""Default sampling values from a checkpoint's generation_config.json (vLLM's --generation-config).
+
+`auto` (the default, as in vLLM) reads the model directory's file; `vllm` (or `mmserve`) keeps
+the engine's own defaults; any other value is a directory holding a generation_config.json.
+The values fill only the fields a request leaves out. vLLM's rule is kept: `do_sample` is not
+read (a request's temperature decides), and `max_new_tokens` becomes the default max_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ENGINE_DEFAULTS = ("vllm", "mmserve")
+# generation_config.json key -> SamplingParams field
+SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+# keys vLLM would apply that mmserve does not implement: said at start-up, never dropped quietly
+UNSUPPORTED_KEYS = ("min_p",)
+
+
+def load_sampling_defaults(spec: str, model_dir: str | Path) -> dict[str, Any]:
+    """The SamplingParams fields (by name) that `spec` sets, checked; {} for engine defaults."""
+    if spec in ENGINE_DEFAULTS:
+        return {}
+    directory = Path(model_dir) if spec == "auto" else Path(spec).expanduser()
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        if spec == "auto":
+            return {}
+        raise ValueError(
+            f"--generation-config {spec}: no generation_config.json there; give a directory "
+            f"that has one, 'auto' (the model's) or 'vllm' (the engine's defaults)"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--generation-config: {path} is not readable JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--generation-config: {path} must hold a JSON object")
+    defaults = {field: config[key] for key, field in SAMPLING_KEYS.items() if key in config}
+    for name, value in defaults.items():
+        _check(name, value, path)
+    for key in UNSUPPORTED_KEYS:
+        if config.get(key) not in (None, 0, 0.0):
+            logger.warning(
+                "%s sets %s=%s, which mmserve does not implement: it is not applied "
+                "(pass --generation-config vllm to silence this)",
+                path,
+                key,
+                config[key],
+            )
+    if defaults:
+        logger.info(
+            "default sampling values from %s (a request's own fields win; "
+            "--generation-config vllm turns this off): %s",
+            path,
+            defaults,
+        )
+    return defaults
+
+
+def _check(name: str, value: Any, path: Path) -> None:
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    ok = is_number and math.isfinite(value)
+    if name in ("top_k", "max_tokens"):
+        ok = ok and isinstance(value, int) and value >= (1 if name == "max_tokens" else -1)
+    elif name == "top_p":
+        ok = ok and 0 < value <= 1
+    elif name == "repetition_penalty":
+        ok = ok and value > 0
+    else:
+        ok = ok and value >= 0
+    if not ok:
+        key = next(k for k, f in SAMPLING_KEYS.items() if f == name)
+        raise ValueError(
+            f"--generation-config: {path} has {key}={value!r}, which is not a valid default; "
+            "fix the file or pass --generation-config vllm"
+        )

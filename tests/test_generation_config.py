@@ -1,0 +1,86 @@
+"""--generation-config: the checkpoint's recommended sampling values as request defaults."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mmserve.generation_config import load_sampling_defaults
+
+QWEN2_VL_7B_INSTRUCT = {  # the published file's sampling keys
+    "bos_token_id": 151643,
+    "do_sample": True,
+    "eos_token_id": [151645, 151643],
+    "pad_token_id": 151643,
+    "repetition_penalty": 1.05,
+    "temperature": 0.01,
+    "top_k": 1,
+    "top_p": 0.001,
+}
+
+
+def write(directory: Path, config: dict) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "generation_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_auto_reads_the_models_sampling_keys_only(tmp_path: Path) -> None:
+    model = write(tmp_path / "m", {**QWEN2_VL_7B_INSTRUCT, "max_new_tokens": 2048})
+    assert load_sampling_defaults("auto", model) == {
+        "repetition_penalty": 1.05,
+        "temperature": 0.01,
+        "top_k": 1,
+        "top_p": 0.001,
+        "max_tokens": 2048,
+    }
+
+
+def test_engine_defaults_and_missing_files(tmp_path: Path) -> None:
+    model = write(tmp_path / "m", QWEN2_VL_7B_INSTRUCT)
+    assert load_sampling_defaults("vllm", model) == {}
+    assert load_sampling_defaults("mmserve", model) == {}
+    assert load_sampling_defaults("auto", tmp_path / "no-file-here") == {}  # auto: optional
+    with pytest.raises(ValueError, match="no generation_config.json there"):
+        load_sampling_defaults(str(tmp_path / "elsewhere"), model)  # a named one must exist
+
+
+def test_another_directory_may_supply_them(tmp_path: Path) -> None:
+    model = write(tmp_path / "m", QWEN2_VL_7B_INSTRUCT)
+    other = write(tmp_path / "other", {"temperature": 0.7, "top_p": 0.8})
+    assert load_sampling_defaults(str(other), model) == {"temperature": 0.7, "top_p": 0.8}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"top_k": 2.5},
+        {"repetition_penalty": 0},
+        {"max_new_tokens": 0},
+        {"temperature": True},
+        {"temperature": "0.7"},
+    ],
+)
+def test_a_bad_value_stops_start_up_naming_the_key(tmp_path: Path, bad: dict) -> None:
+    model = write(tmp_path / "m", bad)
+    key = next(iter(bad))
+    with pytest.raises(ValueError, match=f"has {key}="):
+        load_sampling_defaults("auto", model)
+
+
+def test_unreadable_file_and_unsupported_keys(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not readable JSON"):
+        load_sampling_defaults("auto", broken)
+    model = write(tmp_path / "m", {"min_p": 0.1, "temperature": 0.5})
+    assert load_sampling_defaults("auto", model) == {"temperature": 0.5}
+    assert "min_p=0.1, which mmserve does not implement" in caplog.text
