@@ -245,7 +245,7 @@ def build_core(
 def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngine, ResolvedConfig]:
     """An engine with its core in this process, or in an engine process if `args.multiprocess`."""
     shape = resolve_shape(args)
-    metrics = EngineMetrics()
+    metrics = EngineMetrics(max_model_len=shape.max_model_len)
     if args.multiprocess:
         from mmserve.engine.core_client import CoreClient
 
