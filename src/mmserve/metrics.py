@@ -7,7 +7,8 @@ import threading
 from dataclasses import dataclass, field
 
 # Counters (monotonic) and gauges the engine keeps; names map 1:1 onto the Prometheus names
-# `mmserve_<name>` (counters get `_total` appended by the exporter).
+# `mmserve_<name>` (counters get `_total` appended by the exporter). docs/metrics.md lists
+# every series with its unit and its vLLM counterpart.
 COUNTER_NAMES = (
     "processor_cache_queries",
     "processor_cache_hits",
@@ -22,6 +23,7 @@ COUNTER_NAMES = (
     "generation_tokens",
     "requests_finished",
     "requests_failed",
+    "num_preemptions",
 )
 GAUGE_NAMES = (
     "kv_blocks_free",
@@ -32,29 +34,62 @@ GAUGE_NAMES = (
     "num_requests_running",
     "num_requests_waiting",
 )
+# The finish reasons a finished request is counted under (request_success{finished_reason}):
+# the OpenAI finish_reason values of scheduling.request.FINISH_REASONS.
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+# Every bound vLLM uses for the same series (so a query on any `le` works), plus mmserve's
+# finer low ones.
 TTFT_BUCKETS_S = (
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+    5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+# vLLM's buckets for its per-request phase histograms, so that dashboards bucket alike.
+REQUEST_LATENCY_BUCKETS_S = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+# Per-request token-count histograms bucket 1, 2, 5, 10, 20, 50, ... up to this many tokens
+# when the engine's max_model_len is not given.
+DEFAULT_MAX_TOKEN_BUCKET = 1_000_000
+
+# Histograms that time a finished request's phases (observed once per finished request).
+PHASE_HISTOGRAMS = (
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_inference_time_seconds",
 )
-ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 1.0, 2.5)
+TOKEN_HISTOGRAMS = ("request_prompt_tokens", "request_generation_tokens")
+HISTOGRAM_NAMES = (
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    *PHASE_HISTOGRAMS,
+    *TOKEN_HISTOGRAMS,
+)
+
+
+def token_buckets(max_num_tokens: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... while <= max_num_tokens (vLLM's 1-2-5 series)."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_num_tokens:
+                return tuple(buckets)
+            buckets.append(value)
+        exponent += 1
 
 
 @dataclass
 class Histogram:
-    """Cumulative-bucket histogram in seconds, exported as a Prometheus histogram."""
+    """A histogram in the unit of its name (seconds or tokens), exported as Prometheus's."""
 
     buckets: tuple[float, ...]
     counts: list[int] = field(default_factory=list)  # one per bucket, plus +Inf
@@ -65,29 +100,88 @@ class Histogram:
         if not self.counts:
             self.counts = [0] * (len(self.buckets) + 1)
 
-    def observe(self, value_s: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value_s)] += 1
-        self.total += value_s
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
         self.num += 1
+
+    def copy(self) -> Histogram:
+        return Histogram(self.buckets, list(self.counts), self.total, self.num)
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    """One finished request, as the per-request histograms see it.
+
+    A phase the request never reached is None and is not observed: a request aborted while
+    waiting has no queue time, one that ended before its first token has no prefill time.
+    """
+
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    e2e_latency_s: float
+    queue_time_s: float | None
+    prefill_time_s: float | None
+    decode_time_s: float | None
+    inference_time_s: float | None
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISHED_REASONS:
+            raise ValueError(f"finish_reason {self.finish_reason!r} is not in {FINISHED_REASONS}")
+
+    def phases_s(self) -> dict[str, float | None]:
+        """PHASE_HISTOGRAMS name -> value, in seconds."""
+        values = (
+            self.e2e_latency_s,
+            self.queue_time_s,
+            self.prefill_time_s,
+            self.decode_time_s,
+            self.inference_time_s,
+        )
+        return dict(zip(PHASE_HISTOGRAMS, values, strict=True))
 
 
 @dataclass(frozen=True)
 class MetricsSnapshot:
     counters: dict[str, int]
     gauges: dict[str, float]
-    ttft: Histogram
-    itl: Histogram
+    histograms: dict[str, Histogram]  # by HISTOGRAM_NAMES
+    request_success: dict[str, int]  # finished requests by FINISHED_REASONS
+
+    @property
+    def ttft(self) -> Histogram:
+        return self.histograms["time_to_first_token_seconds"]
+
+    @property
+    def itl(self) -> Histogram:
+        return self.histograms["inter_token_latency_seconds"]
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction (0..1) of KV blocks held by requests; cached free blocks count as free."""
+        total = self.gauges["kv_blocks_total"]
+        return 1.0 - self.gauges["kv_blocks_free"] / total if total else 0.0
 
 
 class EngineMetrics:
-    """Thread-safe counters, gauges and latency histograms of one engine."""
+    """Thread-safe counters, gauges and histograms of one engine.
 
-    def __init__(self) -> None:
+    `max_model_len` bounds the buckets of the per-request token histograms.
+    """
+
+    def __init__(self, *, max_model_len: int = DEFAULT_MAX_TOKEN_BUCKET) -> None:
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
         self._gauges: dict[str, float] = dict.fromkeys(GAUGE_NAMES, 0.0)
-        self._ttft = Histogram(TTFT_BUCKETS_S)
-        self._itl = Histogram(ITL_BUCKETS_S)
+        self._request_success = dict.fromkeys(FINISHED_REASONS, 0)
+        token_bounds = tuple(float(b) for b in token_buckets(max_model_len))
+        self._histograms = {
+            "time_to_first_token_seconds": Histogram(TTFT_BUCKETS_S),
+            "inter_token_latency_seconds": Histogram(ITL_BUCKETS_S),
+            **{name: Histogram(REQUEST_LATENCY_BUCKETS_S) for name in PHASE_HISTOGRAMS},
+            **{name: Histogram(token_bounds) for name in TOKEN_HISTOGRAMS},
+        }
 
     def inc(self, name: str, amount: int = 1) -> None:
         if name not in self._counters:
@@ -109,25 +203,33 @@ class EngineMetrics:
             self._gauges[name] = value
 
     def observe_ttft(self, seconds: float) -> None:
-        with self._lock:
-            self._ttft.observe(seconds)
+        self._observe("time_to_first_token_seconds", seconds)
 
     def observe_itl(self, seconds: float) -> None:
+        self._observe("inter_token_latency_seconds", seconds)
+
+    def record_finished(self, stats: FinishedRequestStats) -> None:
+        """Count one finished request and observe its phases and token counts."""
         with self._lock:
-            self._itl.observe(seconds)
+            self._request_success[stats.finish_reason] += 1
+            for name, value in stats.phases_s().items():
+                if value is not None:
+                    self._histograms[name].observe(value)
+            self._histograms["request_prompt_tokens"].observe(stats.num_prompt_tokens)
+            self._histograms["request_generation_tokens"].observe(stats.num_generation_tokens)
 
     def snapshot(self) -> MetricsSnapshot:
         with self._lock:
             return MetricsSnapshot(
                 counters=dict(self._counters),
                 gauges=dict(self._gauges),
-                ttft=_copy(self._ttft),
-                itl=_copy(self._itl),
+                histograms={name: h.copy() for name, h in self._histograms.items()},
+                request_success=dict(self._request_success),
             )
 
-
-def _copy(h: Histogram) -> Histogram:
-    return Histogram(h.buckets, list(h.counts), h.total, h.num)
+    def _observe(self, name: str, value: float) -> None:
+        with self._lock:
+            self._histograms[name].observe(value)
 
 
 # SchedulerStats field -> (kind, metric name): the one table both the engine and the API
@@ -158,5 +260,10 @@ def record_scheduler_stats(metrics: EngineMetrics, stats: object) -> None:
 # What the engine core counts itself (beyond SCHEDULER_METRICS): an engine process sends these
 # with its stats, and the API process mirrors them. Everything else (tokens, requests, latency,
 # the processor cache) is counted where the outputs are made.
-CORE_COUNTERS = ("encoder_items_encoded", "encoder_forward_calls", "embedding_transfer_bytes")
+CORE_COUNTERS = (
+    "encoder_items_encoded",
+    "encoder_forward_calls",
+    "embedding_transfer_bytes",
+    "num_preemptions",
+)
 CORE_GAUGES = ("kv_blocks_total", "encoder_cache_total_slots")

@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 import openai
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -43,14 +44,24 @@ def user(*parts: dict | str) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
-def read_metrics(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+def parse_samples(text: str, model_name: str | None = None) -> dict[str, float]:
+    """Every sample of a /metrics text by name and labels, `model_name` left out of the key
+    (`mmserve_kv_blocks_free`, `mmserve_ttft_bucket{le="+Inf"}`). Each sample must carry a
+    model_name, and the one given if one is."""
     samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            served = labels.pop("model_name", None)
+            assert served is not None, f"{sample.name} has no model_name label"
+            assert model_name is None or served == model_name, (sample.name, served)
+            rest = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            samples[sample.name + (f"{{{rest}}}" if rest else "")] = float(sample.value)
     return samples
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    return parse_samples(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
 def wait_until_idle(url: str, timeout_s: float = 20.0) -> dict[str, float]:

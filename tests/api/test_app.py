@@ -7,6 +7,7 @@ import pytest
 
 from tests.api.conftest import MODEL, make_app
 from tests.api.echo_engine import CRASH_MARKER, FAIL_MARKER, IMAGE_TOKENS, EchoEngine
+from tests.api.harness import parse_samples
 
 pytestmark = pytest.mark.anyio
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
@@ -166,11 +167,7 @@ async def test_metrics_exports_engine_counters(client: httpx.AsyncClient) -> Non
     await client.post("/v1/chat/completions", json=chat("abc", max_tokens=3))
     resp = await client.get("/metrics")
     assert resp.headers["content-type"].startswith("text/plain")
-    samples = {
-        line.split(" ")[0]: float(line.split(" ")[1])
-        for line in resp.text.splitlines()
-        if line and not line.startswith("#")
-    }
+    samples = parse_samples(resp.text, model_name=MODEL)
     for name in (
         "mmserve_encoder_items_encoded_total",
         "mmserve_prefix_cache_hits_total",

@@ -115,10 +115,14 @@ def test_status_line_only_when_something_changed() -> None:
     metrics.inc("encoder_cache_queries", 4)
     metrics.inc("encoder_cache_hits", 3)
     metrics.set_gauge("num_requests_running", 2)
+    metrics.set_gauge("kv_blocks_total", 40)
+    metrics.set_gauge("kv_blocks_free", 30)
+    metrics.inc("num_preemptions", 3)
     line = format_status(before, metrics.snapshot(), 5.0)
     assert line is not None
     assert "running: 2 reqs" in line and "generation: 10.0 tok/s" in line
     assert "encoder 75.0%" in line and "prefix -" in line
+    assert "KV blocks free: 30/40 (usage 25.0%)" in line and "preemptions: 3" in line
 
 
 def test_http_timeout_flags_reach_their_fields_and_refuse_nonsense() -> None:

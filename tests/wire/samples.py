@@ -134,7 +134,7 @@ def all_messages() -> list[tuple[str, Message]]:
     """(name, message) covering every message type, each full and empty where it can be."""
     failure = WireRequestFailure("4 embeddings for 5 placeholders", "request", "messages")
     outputs = [
-        EngineCoreOutput("r0", [5, 6], num_cached_tokens=32),
+        EngineCoreOutput("r0", [5, 6], num_cached_tokens=32, first_scheduled_time_s=12345.9),
         EngineCoreOutput("r1", [7], "stop", stop_reason=151645),
         EngineCoreOutput("r2", [], "length"),
         EngineCoreOutput("r3", [], "abort"),

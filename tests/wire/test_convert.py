@@ -4,6 +4,7 @@ the wire behaves exactly as one driven in process."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import zlib
 from dataclasses import dataclass
@@ -181,16 +182,17 @@ def test_sampling_values_the_engine_refuses_are_refused_on_arrival():
     ],
 )
 def test_updates_round_trip(update):
-    update = dataclasses.replace(update, num_cached_tokens=48)
+    update = dataclasses.replace(update, num_cached_tokens=48, first_scheduled_time_s=801.25)
     batch = _through_wire(EngineCoreOutputs([convert.update_to_wire(update)]))
     (out,) = batch.outputs
     assert out.num_cached_tokens == 48
+    assert out.first_scheduled_time_s == 801.25
     assert convert.update_from_wire(out) == update
 
 
 def test_stats_round_trip_and_reach_the_exported_metrics():
     stats = SchedulerStats(6, 2, 40, 12, 12 * 7168, 30, 1000, 400, 20, 5)
-    counters = {"encoder_items_encoded": 15, "encoder_forward_calls": 7}
+    counters = {"encoder_items_encoded": 15, "encoder_forward_calls": 7, "num_preemptions": 3}
     msg = _through_wire(convert.stats_to_wire(stats, counters, {"kv_blocks_total": 64.0}))
     assert convert.stats_from_wire(msg) == stats
     metrics = EngineMetrics()
@@ -208,6 +210,7 @@ def test_stats_round_trip_and_reach_the_exported_metrics():
     assert snap.counters["encoder_cache_hits"] == 5
     assert snap.counters["encoder_items_encoded"] == 15
     assert snap.counters["encoder_forward_calls"] == 7
+    assert snap.counters["num_preemptions"] == 3
 
 
 # ------------------------------------------------------------- scheduler <-> executor
@@ -335,7 +338,13 @@ def _run_workload(seed: int, through_wire: bool) -> tuple[list[tuple], int]:
     config = SchedulerConfig(
         max_model_len=96, max_num_batched_tokens=32, max_num_seqs=5, max_tokens_per_mm_item=20
     )
-    scheduler = Scheduler(config, CacheConfig(num_blocks=24, block_size=4), eos_token_ids=[EOS])
+    clock = itertools.count(1000.0, 0.5)  # a step clock: both runs stamp the same times
+    scheduler = Scheduler(
+        config,
+        CacheConfig(num_blocks=24, block_size=4),
+        eos_token_ids=[EOS],
+        clock=lambda: next(clock),
+    )
 
     def sample(rid: str, pos: int) -> int:
         r = random.Random(f"{seed}:{rid}:{pos}")

@@ -296,6 +296,9 @@ SEMANTIC = [
     ("finish reason unknown", lambda: _outputs(), _set((0, 0, 2), "done"), "Invalid enum value"),
     ("error without reason", lambda: _outputs(), _set((0, 0, 2), None), "an error comes exactly"),
     ("failure kind unknown", lambda: _outputs(), _set((0, 0, 4, 1), "user"), "Invalid enum value"),
+    ("scheduled before 0", lambda: _outputs(), _set((0, 0, 6), -1.0), "finite and >= 0"),
+    ("scheduled at NaN", lambda: _outputs(), _set((0, 0, 6), float("nan")), "finite and >= 0"),
+    ("scheduled at inf", lambda: _outputs(), _set((0, 0, 6), float("inf")), "finite and >= 0"),
     ("unknown counter", engine_stats, lambda t: t[10].__setitem__("made_up", 1), "unknown metrics"),
     ("negative gauge count", engine_stats, _set((0,), -1), ">= 0"),
     ("total tokens", scheduler_output, _set((3,), 1), "sums to"),
@@ -307,7 +310,15 @@ def _outputs():
     from mmserve.wire import EngineCoreOutputs, WireRequestFailure
 
     return EngineCoreOutputs(
-        [EngineCoreOutput("r", [], "error", error=WireRequestFailure("x", "request"))]
+        [
+            EngineCoreOutput(
+                "r",
+                [],
+                "error",
+                error=WireRequestFailure("x", "request"),
+                first_scheduled_time_s=1.5,
+            )
+        ]
     )
 
 
@@ -337,4 +348,6 @@ def test_constructing_a_message_that_breaks_its_rules_fails_at_the_sender():
         )
     with pytest.raises(WireError, match="an error comes exactly"):
         EngineCoreOutput("r", [1], "error")
+    with pytest.raises(WireError, match="first_scheduled_time_s"):
+        EngineCoreOutput("r", [1], first_scheduled_time_s=float("nan"))
     assert msg.mm_features

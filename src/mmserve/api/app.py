@@ -94,7 +94,7 @@ def create_app(
         body_timeout_s=http_body_timeout_s,
     )
     app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
-    registry = build_registry(engine.metrics)
+    registry = build_registry(engine.metrics, model_name=primary)
     v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")

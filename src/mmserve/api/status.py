@@ -1,4 +1,4 @@
-"""A periodic one-line server status (load, throughput, cache hit rates) while anything changes."""
+"""A periodic one-line server status (load, throughput, hit rates, KV usage) when it changed."""
 
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ def format_status(prev: MetricsSnapshot, cur: MetricsSnapshot, elapsed_s: float)
         f"waiting: {int(g['num_requests_waiting'])} reqs, "
         f"prompt: {prompt_tps:.1f} tok/s, generation: {gen_tps:.1f} tok/s, "
         f"hit rates: {', '.join(rates)}, "
-        f"KV blocks free: {int(g['kv_blocks_free'])}/{int(g['kv_blocks_total'])}, "
+        f"KV blocks free: {int(g['kv_blocks_free'])}/{int(g['kv_blocks_total'])} "
+        f"(usage {100.0 * cur.kv_cache_usage:.1f}%), "
+        f"preemptions: {c['num_preemptions'] - p['num_preemptions']}, "
         f"encoder cache: {int(g['encoder_cache_used_slots'])}/"
         f"{int(g['encoder_cache_total_slots'])} slots"
     )

@@ -211,3 +211,4 @@ class EngineCore:
 
     def _record_stats(self) -> None:
         record_scheduler_stats(self.metrics, self.scheduler.make_stats())
+        self.metrics.set_counter("num_preemptions", self.scheduler.num_preemptions)

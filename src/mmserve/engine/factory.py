@@ -246,7 +246,7 @@ def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngin
     """An engine with its core in this process, or in an engine process if `args.multiprocess`."""
     args = with_local_sources(args)  # a hub id becomes its snapshot directory, once, here
     shape = resolve_shape(args)
-    metrics = EngineMetrics()
+    metrics = EngineMetrics(max_model_len=shape.max_model_len)
     if args.multiprocess:
         from mmserve.engine.core_client import CoreClient
 

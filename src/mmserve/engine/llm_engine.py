@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 from mmserve.engine.core import CoreLike, EngineCore
@@ -67,10 +68,17 @@ class LLMEngine:
     ) -> None:
         """Queue a processed prompt. Raises a typed 4xx error if it can never run; whatever it
         raises, nothing of the request is left behind."""
+        # Before the core has it: an engine process may schedule it at once (queue time >= 0).
+        arrival_s = time.monotonic()
         self.core.add_request(request_id, prompt, params, cache_salt=cache_salt)
         try:
             self.output_processor.add_request(
-                request_id, prompt.prompt, prompt.prompt_token_ids, params, output_kind
+                request_id,
+                prompt.prompt,
+                prompt.prompt_token_ids,
+                params,
+                output_kind,
+                arrival_s=arrival_s,
             )
         except BaseException:
             self.core.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)

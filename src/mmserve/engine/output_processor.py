@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from mmserve.engine.detokenizer import DecodeFn, IncrementalDetokenizer
 from mmserve.engine.outputs import CompletionOutput, OutputKind, RequestOutput
+from mmserve.engine.request_timing import RequestTimes
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.sampling_params import SamplingParams
@@ -31,10 +32,9 @@ class _Tracked:
     prompt: str | None
     prompt_token_ids: list[int]
     detokenizer: IncrementalDetokenizer
-    arrival_s: float
+    times: RequestTimes
     kind: OutputKind
     token_ids: list[int] = field(default_factory=list)
-    last_token_s: float | None = None
     num_cached_tokens: int = 0
 
 
@@ -53,16 +53,19 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
+        *,
+        arrival_s: float | None = None,
     ) -> None:
+        """`arrival_s` (`time.monotonic()`, default now) is when the engine took the request:
+        taken before the core could schedule it, so no queue time comes out negative."""
         detok = IncrementalDetokenizer(
             self._decode,
             params.stop,
             skip_special_tokens=params.skip_special_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
-        self._requests[request_id] = _Tracked(
-            prompt, prompt_token_ids, detok, time.monotonic(), output_kind
-        )
+        times = RequestTimes(time.monotonic() if arrival_s is None else arrival_s)
+        self._requests[request_id] = _Tracked(prompt, prompt_token_ids, detok, times, output_kind)
         self._metrics.inc("prompt_tokens", len(prompt_token_ids))
 
     def __contains__(self, request_id: str) -> bool:
@@ -80,6 +83,8 @@ class OutputProcessor:
             tracked = self._requests.get(update.request_id)
             if tracked is None:
                 continue
+            if update.first_scheduled_time_s is not None:
+                tracked.times.on_scheduled(update.first_scheduled_time_s)
             if update.new_token_ids:
                 self._observe_latency(tracked, now, len(update.new_token_ids))
             tracked.token_ids.extend(update.new_token_ids)
@@ -113,7 +118,7 @@ class OutputProcessor:
                 )
             )
             if finish_reason is not None:
-                self._finish(update.request_id, finish_reason)
+                self._finish(update.request_id, finish_reason, now)
         return step
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -130,7 +135,7 @@ class OutputProcessor:
         tracked = self._requests.get(request_id)
         if tracked is None:
             return None
-        self._finish(request_id, reason)
+        self._finish(request_id, reason, time.monotonic())
         return self._output(request_id, tracked, "", [], reason, None, failure)
 
     def _output(
@@ -170,13 +175,18 @@ class OutputProcessor:
         )
 
     def _observe_latency(self, tracked: _Tracked, now: float, num_new: int) -> None:
-        if tracked.last_token_s is None:
-            self._metrics.observe_ttft(now - tracked.arrival_s)
+        times = tracked.times
+        if times.last_token_s is None:
+            self._metrics.observe_ttft(now - times.arrival_s)
         else:
-            self._metrics.observe_itl((now - tracked.last_token_s) / num_new)
-        tracked.last_token_s = now
+            self._metrics.observe_itl((now - times.last_token_s) / num_new)
+        times.on_tokens(now)
         self._metrics.inc("generation_tokens", num_new)
 
-    def _finish(self, request_id: str, reason: str) -> None:
-        del self._requests[request_id]
+    def _finish(self, request_id: str, reason: str, now: float) -> None:
+        tracked = self._requests.pop(request_id)
         self._metrics.inc("requests_failed" if reason == "error" else "requests_finished")
+        num_prompt, num_generated = len(tracked.prompt_token_ids), len(tracked.token_ids)
+        self._metrics.record_finished(
+            tracked.times.finished(now, reason, num_prompt, num_generated)
+        )

@@ -75,6 +75,9 @@ class RequestUpdate:
     stop_reason: int | None = None
     error: RequestFailure | None = None
     num_cached_tokens: int = 0  # the prefix-cache hit of its first schedule, in tokens
+    # When the core first scheduled it (`time.monotonic()`): on the request's first update
+    # only, None on every other (a preemption does not move it).
+    first_scheduled_time_s: float | None = None
 
     @property
     def finished(self) -> bool:

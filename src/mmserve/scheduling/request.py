@@ -64,6 +64,10 @@ class Request:
     # The prefix-cache hit of its first schedule, in tokens (usage's cached_tokens); None
     # until then. A recompute after preemption does not change it.
     num_cached_tokens: int | None = None
+    # When it was first scheduled (the scheduler's clock), for the queue-time metric; None
+    # until then. Reported on its first update, then `is_schedule_time_reported`.
+    first_scheduled_time_s: float | None = None
+    is_schedule_time_reported: bool = False
     # identifiers whose pixels moved to the scheduler's PixelStore once the prefill passed them
     stashed_pixels: set[str] = field(default_factory=set)
 

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from mmserve.config import CacheConfig, SchedulerConfig
@@ -62,6 +63,7 @@ class _Step:
 
     token_budget: int
     encoder_budget: int
+    now_s: float  # the scheduler's clock when the step was planned
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -82,10 +84,12 @@ class Scheduler:
         bytes_per_encoder_slot: int = 0,
         eos_token_ids: Iterable[int] = (),
         pixel_store_bytes: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`pixel_store_bytes`: None keeps each item's pixels with its request until the
         request finishes; a number moves them, once the prefill has passed the item, into a
-        `PixelStore` of that many bytes (see pixel_store.py)."""
+        `PixelStore` of that many bytes (see pixel_store.py). `clock` stamps each request's
+        first schedule (the queue-time metric): the front end's clock, `time.monotonic`."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.eos_token_ids = tuple(eos_token_ids)
@@ -99,6 +103,8 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self.pixel_store = PixelStore(pixel_store_bytes) if pixel_store_bytes is not None else None
         self._failed_at_schedule: list[RequestUpdate] = []
+        self._clock = clock
+        self.num_preemptions = 0  # since start, over all requests
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -161,7 +167,9 @@ class Scheduler:
         """Plan one step: running requests first (decodes and unfinished prefills, in arrival
         order), then waiting ones while token budget, `max_num_seqs` and KV blocks last."""
         config = self.scheduler_config
-        step = _Step(config.max_num_batched_tokens, config.effective_encoder_compute_budget)
+        step = _Step(
+            config.max_num_batched_tokens, config.effective_encoder_compute_budget, self._clock()
+        )
         self._schedule_running(step)
         # NOTE: a step that had to preempt admits nobody: the pool is known to be short.
         if not step.preempted:
@@ -247,6 +255,8 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
+            if request.first_scheduled_time_s is None:
+                request.first_scheduled_time_s = step.now_s
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.new_reqs.append(
@@ -336,7 +346,13 @@ class Scheduler:
             FailureKind.INTERNAL,
         )
         self._failed_at_schedule.append(
-            RequestUpdate(request.request_id, [], request.status, error=failure)
+            RequestUpdate(
+                request.request_id,
+                [],
+                request.status,
+                error=failure,
+                first_scheduled_time_s=self._take_schedule_time(request),
+            )
         )
 
     def _next_block_in_flight(self, request: Request, num_computed: int, step: _Step) -> bool:
@@ -375,6 +391,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # ------------------------------------------------------------------------------ update
@@ -402,6 +419,7 @@ class Scheduler:
                         request.status,
                         error=error,
                         num_cached_tokens=request.num_cached_tokens or 0,
+                        first_scheduled_time_s=self._take_schedule_time(request),
                     )
                 )
                 continue
@@ -419,6 +437,7 @@ class Scheduler:
                         request.status if request.is_finished else None,
                         stop_reason=request.stop_reason,
                         num_cached_tokens=request.num_cached_tokens or 0,
+                        first_scheduled_time_s=self._take_schedule_time(request),
                     )
                 )
         if finished:
@@ -427,6 +446,13 @@ class Scheduler:
             for request in finished:
                 self._release(request)
         return updates
+
+    def _take_schedule_time(self, request: Request) -> float | None:
+        """The first-scheduled time on the request's first update, None on every later one."""
+        if request.is_schedule_time_reported:
+            return None
+        request.is_schedule_time_reported = True
+        return request.first_scheduled_time_s
 
     def _append_sampled(self, request: Request, runner_output: ModelRunnerOutput) -> list[int]:
         if request.num_computed_tokens < request.num_tokens:

@@ -177,6 +177,7 @@ def update_to_wire(update: RequestUpdate) -> EngineCoreOutput:
         stop_reason=update.stop_reason,
         error=failure_to_wire(update.error) if update.error is not None else None,
         num_cached_tokens=update.num_cached_tokens,
+        first_scheduled_time_s=update.first_scheduled_time_s,
     )
 
 
@@ -189,6 +190,7 @@ def update_from_wire(out: EngineCoreOutput) -> RequestUpdate:
         stop_reason=out.stop_reason,
         error=failure_from_wire(out.error) if out.error is not None else None,
         num_cached_tokens=out.num_cached_tokens,
+        first_scheduled_time_s=out.first_scheduled_time_s,
     )
 
 

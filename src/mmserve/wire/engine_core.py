@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from mmserve.metrics import COUNTER_NAMES, GAUGE_NAMES
@@ -78,6 +80,8 @@ class EngineCoreOutput(WireStruct):
     `finish_reason` None: still running. `stop_reason` is the stop token id that ended it, if
     one did. `num_cached_tokens` is the prefix-cache hit of the request's first schedule (the
     value of usage.prompt_tokens_details.cached_tokens), repeated on every output.
+    `first_scheduled_time_s` is when the core first scheduled the request (`time.monotonic()`,
+    the API process's clock too: one host), on the request's first output only (queue time).
     """
 
     request_id: RequestId
@@ -86,8 +90,15 @@ class EngineCoreOutput(WireStruct):
     stop_reason: TokenId | None = None
     error: WireRequestFailure | None = None
     num_cached_tokens: NonNegInt = 0
+    first_scheduled_time_s: float | None = None
 
     def __post_init__(self) -> None:
+        t = self.first_scheduled_time_s
+        if t is not None and not (math.isfinite(t) and t >= 0.0):
+            raise WireError(
+                f"output of request {self.request_id}: first_scheduled_time_s {t!r}; "
+                "a time.monotonic() value is finite and >= 0"
+            )
         if (self.error is None) != (self.finish_reason != "error"):
             raise WireError(
                 f"output of request {self.request_id}: finish_reason {self.finish_reason!r} "
