@@ -24,40 +24,42 @@ _SPEC_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 def structured_output_from_fields(fields: Any) -> StructuredOutputParams | None:
     """The structured output a request body asks for (None for free text), compiled once to
     check it; raises InvalidRequestError naming the field at fault."""
-    found: list[tuple[str, StructuredOutputParams]] = []
+    # (the field, the path of its spec for error messages, what it asks for)
+    found: list[tuple[str, str, StructuredOutputParams]] = []
     if fields.response_format is not None:
-        params = _from_response_format(fields.response_format)
-        if params is not None:
-            found.append(("response_format", params))
+        asked = _from_response_format(fields.response_format)
+        if asked is not None:
+            found.append(("response_format", *asked))
     if fields.structured_outputs is not None:
-        found.append(("structured_outputs", _from_structured_outputs(fields.structured_outputs)))
-    if fields.guided_json is not None:
-        found.append(("guided_json", _json_schema(fields.guided_json, "guided_json")))
-    if fields.guided_regex is not None:
-        found.append(("guided_regex", _spec("regex", fields.guided_regex, "guided_regex")))
-    if fields.guided_choice is not None:
-        found.append(("guided_choice", _spec("choice", fields.guided_choice, "guided_choice")))
-    if fields.guided_grammar is not None:
-        found.append(("guided_grammar", _spec("grammar", fields.guided_grammar, "guided_grammar")))
+        found.append(("structured_outputs", *_from_structured_outputs(fields.structured_outputs)))
+    for name, kind in (
+        ("guided_json", "json_schema"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
+        value = getattr(fields, name)
+        if value is not None:
+            found.append((name, name, _spec(kind, value, name)))
     if not found:
         return None
     if len(found) > 1:
-        names = " and ".join(name for name, _ in found)
+        names = " and ".join(name for name, _, _ in found)
         raise InvalidRequestError(
             f"{names} each ask for structured output; send only one of them",
             param=found[1][0],
         )
-    field, params = found[0]
-    check_structured_output(params, param=field)
+    _, param, params = found[0]
+    check_structured_output(params, param=param)
     return params
 
 
-def _from_response_format(value: dict[str, Any]) -> StructuredOutputParams | None:
+def _from_response_format(value: dict[str, Any]) -> tuple[str, StructuredOutputParams] | None:
     kind = value.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
-        return StructuredOutputParams.json_object()
+        return "response_format", StructuredOutputParams.json_object()
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict):
@@ -70,14 +72,15 @@ def _from_response_format(value: dict[str, Any]) -> StructuredOutputParams | Non
                 "response_format.json_schema.schema is required: the JSON schema to follow",
                 param="response_format.json_schema.schema",
             )
-        return _json_schema(spec["schema"], "response_format.json_schema.schema")
+        param = "response_format.json_schema.schema"
+        return param, _json_schema(spec["schema"], param)
     raise InvalidRequestError(
         f"response_format.type must be text, json_object or json_schema, got {_short(kind)}",
         param="response_format.type",
     )
 
 
-def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutputParams:
+def _from_structured_outputs(value: dict[str, Any]) -> tuple[str, StructuredOutputParams]:
     for key, item in value.items():
         if item is not None and key not in _SPEC_KEYS and key not in _NO_OP_KEYS:
             raise InvalidRequestError(
@@ -95,13 +98,11 @@ def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutputParams:
     key = keys[0]
     param = f"structured_outputs.{key}"
     item = value[key]
-    if key == "json":
-        return _json_schema(item, param)
     if key == "json_object":
         if item is not True:
             raise InvalidRequestError("structured_outputs.json_object must be true", param=param)
-        return StructuredOutputParams.json_object()
-    return _spec(key, item, param)
+        return param, StructuredOutputParams.json_object()
+    return param, _spec("json_schema" if key == "json" else key, item, param)
 
 
 def _json_schema(schema: Any, param: str) -> StructuredOutputParams:
@@ -118,6 +119,8 @@ def _json_schema(schema: Any, param: str) -> StructuredOutputParams:
 
 
 def _spec(kind: str, value: Any, param: str) -> StructuredOutputParams:
+    if kind == "json_schema":
+        return _json_schema(value, param)
     if kind == "choice":
         if not isinstance(value, list):
             raise InvalidRequestError(f"{param} must be a list of strings", param=param)
