@@ -83,3 +83,17 @@ def test_sampling_rows_take_their_grammar_row_and_others_all_ones():
     assert rows.tolist() == [[-1, -1], [3, 4], [1, 2], [-1, -1]]
     assert sampling_bitmask(grammar, ["a", "c"]) is None
     assert sampling_bitmask(None, ["a"]) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_mask_is_applied_on_the_device_as_on_the_cpu():
+    rng = np.random.default_rng(1)
+    vocab = 151_936  # Qwen2-VL's padded logits width
+    bitmask = random_bitmask(rng, 8, (vocab + 31) // 32)
+    logits = torch.from_numpy(rng.standard_normal((8, vocab)).astype(np.float32))
+    on_device = logits.to("cuda", torch.bfloat16)
+    apply_token_bitmask_(on_device, torch.from_numpy(bitmask))  # the mask comes from the host
+    apply_token_bitmask_(logits, torch.from_numpy(bitmask))
+    assert on_device.device.type == "cuda"
+    assert torch.equal(torch.isinf(on_device.cpu()), torch.isinf(logits))

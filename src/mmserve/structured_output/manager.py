@@ -67,9 +67,6 @@ class StructuredOutputManager:
     def num_matchers(self) -> int:
         return len(self._matchers)
 
-    def has_grammar(self, request_id: str) -> bool:
-        return request_id in self._matchers
-
     def make_matcher(self, params: StructuredOutputParams) -> llguidance.LLMatcher:
         """Compile (or take from the cache); raises InvalidRequestError for a bad spec."""
         return self.compiler.make_matcher(params)
