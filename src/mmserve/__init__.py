@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputParams", "__version__"]
 
 if TYPE_CHECKING:
     from mmserve.engine.llm import LLM
     from mmserve.sampling_params import SamplingParams
+    from mmserve.structured_output.params import StructuredOutputParams
 
 
 def __getattr__(name: str) -> Any:
@@ -22,4 +23,8 @@ def __getattr__(name: str) -> Any:
         from mmserve.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputParams":
+        from mmserve.structured_output.params import StructuredOutputParams
+
+        return StructuredOutputParams
     raise AttributeError(f"module 'mmserve' has no attribute {name!r}")

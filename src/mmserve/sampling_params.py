@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from mmserve.errors import InvalidRequestError
+from mmserve.structured_output.params import StructuredOutputParams
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # a grammar the output must match (JSON schema, regex, choice, Lark); None: free text
+    structured_outputs: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -70,6 +73,14 @@ class SamplingParams:
                     f"{name} must be true or false, got {_preview(getattr(self, name))}",
                     param=name,
                 )
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputParams
+        ):
+            raise InvalidRequestError(
+                "structured_outputs must be a StructuredOutputParams, got "
+                f"{_preview(self.structured_outputs)}",
+                param="structured_outputs",
+            )
 
     def _check_temperature(self) -> None:
         _check_float("temperature", self.temperature)

@@ -191,7 +191,7 @@ def test_a_tiny_temperature_is_clamped_not_a_failure(open_server):
         ("top_logprobs", 2),
         ("tool_choice", "required"),
         ("parallel_tool_calls", False),  # True is the OpenAI default (a no-op)
-        ("response_format", {"type": "json_object"}),
+        ("structural_tag", "{}"),
     ],
 )
 def test_fields_we_would_silently_ignore_are_refused(open_server, field, value):

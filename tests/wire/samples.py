@@ -18,6 +18,7 @@ from mmserve.wire import (
     Message,
     WireCachedRequestData,
     WireEncoderInput,
+    WireGrammarBitmask,
     WireMMFeature,
     WireModelRunnerOutput,
     WireNewRequestData,
@@ -25,6 +26,7 @@ from mmserve.wire import (
     WireRunnerPayload,
     WireSamplingParams,
     WireSchedulerOutput,
+    WireStructuredOutputs,
 )
 
 PATCH_DIM = 1176  # C * T * P * P of Qwen2-VL: 3 * 2 * 14 * 14
@@ -72,6 +74,9 @@ def engine_core_request(num_images: int = 2, *, with_pixels: bool = True) -> Eng
             stop=("\n\n", "END"),
             stop_token_ids=(151645,),
             include_stop_str_in_output=True,
+            structured_outputs=WireStructuredOutputs(
+                "json_schema", '{"type": "object", "properties": {"ok": {"type": "boolean"}}}'
+            ),
         ),
         mrope_positions=positions(num_tokens, delta=-3),
         mrope_position_delta=-3,
@@ -109,6 +114,11 @@ def scheduler_output() -> WireSchedulerOutput:
         free_encoder_identifiers=[identifier(1)],
         finished_req_ids=frozenset({"done-0", "done-1"}),
         preempted_req_ids=frozenset({"pre-0"}),
+        # two structured decodes: [2, ceil(151_936 / 32)] words, one all ones, one sparse
+        grammar_bitmask=WireGrammarBitmask(
+            ["dec-3", "dec-7"],
+            np.stack([np.full(4748, -1, np.int32), np.arange(4748, dtype=np.int32) % 5 - 2]),
+        ),
     )
 
 

@@ -28,16 +28,22 @@ from mmserve.scheduling import (
     SchedulerOutput,
     SchedulerStats,
 )
+from mmserve.scheduling.outputs import GrammarBitmask
 from mmserve.scheduling.request import RequestStatus
+from mmserve.structured_output.params import StructuredOutputParams
 from mmserve.wire import (
     EngineCoreOutputs,
+    EngineCoreRequest,
     EngineStats,
     WireCachedRequestData,
+    WireError,
+    WireGrammarBitmask,
     WireModelRunnerOutput,
     WireNewRequestData,
     WireRunnerPayload,
     WireSamplingParams,
     WireSchedulerOutput,
+    WireStructuredOutputs,
     convert,
     decode,
     encode,
@@ -399,3 +405,51 @@ def test_a_scheduler_driven_through_the_wire_takes_exactly_the_same_steps(seed):
         rid for step in direct for rid in step[1] if rid not in {r for r, _ in step[5]}
     ]
     assert cached_encodes, "no item of an already running request was encoded"
+
+
+# ------------------------------------------------------------------ structured output
+
+
+@pytest.mark.parametrize(
+    "so",
+    [
+        StructuredOutputParams.json({"type": "object", "properties": {"a": {"enum": [1, 2]}}}),
+        StructuredOutputParams.json_object(),
+        StructuredOutputParams.regex(r"[0-9]{3}"),
+        StructuredOutputParams.choice(["yes", "no"]),
+        StructuredOutputParams.grammar('start: "a" | "b"'),
+    ],
+)
+def test_structured_outputs_cross_the_wire(so):
+    params = SamplingParams(temperature=0.0, structured_outputs=so)
+    wire = _through_wire(
+        EngineCoreRequest("r", [1], [], [], convert.sampling_params_to_wire(params), None, 0,
+                          (), None, 0.0)
+    )  # fmt: skip
+    assert convert.sampling_params_from_wire(wire.sampling_params) == params
+
+
+def test_a_forged_structured_output_kind_is_refused_on_arrival():
+    wire = convert.sampling_params_to_wire(
+        SamplingParams(structured_outputs=StructuredOutputParams.choice(["a"]))
+    )
+    frames = encode(EngineCoreRequest("r", [1], [], [], wire, None, 0, (), None, 0.0))
+    forged = bytes(frames[0]).replace(b"choice", b"cheese")
+    with pytest.raises(WireError, match="cheese|choice|Invalid enum"):
+        decode([forged])
+    empty = msgspec.structs.replace(wire, structured_outputs=WireStructuredOutputs("regex", ""))
+    with pytest.raises(InvalidRequestError, match="must not be empty"):
+        convert.sampling_params_from_wire(empty)
+
+
+def test_the_grammar_bitmask_crosses_the_executor_wire():
+    bitmask = np.array([[-1, 5], [0, 2**31 - 1]], dtype=np.int32)
+    so = SchedulerOutput([], [], {"a": 1, "b": 1}, 2, {}, [], frozenset(), frozenset(),
+                         GrammarBitmask(("a", "b"), bitmask))  # fmt: skip
+    back = convert.scheduler_output_from_wire(
+        _through_wire(convert.scheduler_output_to_wire(so, lambda r: [])), lambda p: p
+    ).scheduler_output
+    assert back.grammar_bitmask.request_ids == ("a", "b")
+    np.testing.assert_array_equal(back.grammar_bitmask.bitmask, bitmask)
+    with pytest.raises(WireError, match="int32"):
+        WireGrammarBitmask(["a"], np.zeros((1, 2), np.int64))

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mmserve.api.structured_output import structured_output_from_fields
 from mmserve.errors import InvalidRequestError
 from mmserve.sampling_params import SamplingParams
 
@@ -86,6 +87,13 @@ class SamplingFields(_Body):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # Structured output (api/structured_output.py reads them; at most one may be set).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -112,6 +120,7 @@ class SamplingFields(_Body):
                 ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=structured_output_from_fields(self),
             )
         except InvalidRequestError as exc:
             field = self.max_tokens_field

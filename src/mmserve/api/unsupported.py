@@ -1,6 +1,6 @@
 """Request fields that would change the answer but that mmserve does not implement.
 
-A client that sends `response_format: {"type": "json_object"}` or `min_p: 0.1` and gets an
+A client that sends `min_p: 0.1` or `tools` and gets an
 answer that silently ignored it has been misled; so each such field is a 400 naming it, unless
 it holds its no-op value. Purely informational fields (`user`, `metadata`, `store`,
 `service_tier`, ...) are not listed: ignoring them changes nothing.
@@ -28,7 +28,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (True,),
     "functions": ([],),
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
     "audio": (),
     "modalities": (["text"],),
     "echo": (False,),
@@ -41,14 +40,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (),
     "allowed_token_ids": (),
     "bad_words": ([],),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": ([],),
-    "guided_grammar": (),
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
     "structural_tag": (),
-    "structured_outputs": (),
     "logits_processors": ([],),
     "truncate_prompt_tokens": (),
     "continue_final_message": (False,),

@@ -6,11 +6,12 @@ front end (`LLMEngine` over an `OutputProcessor`), which may live in another pro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import NoReturn, Protocol
 
-from mmserve.errors import EngineDeadError, FailureKind, RequestFailure
+from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError, RequestFailure
 from mmserve.execution.executor import Executor
 from mmserve.execution.request_state import RunnerPayload
 from mmserve.execution.sampler import make_generator
@@ -21,6 +22,7 @@ from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.outputs import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from mmserve.scheduling.request import Request, RequestStatus
 from mmserve.scheduling.scheduler import Scheduler
+from mmserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +111,14 @@ class EngineCore:
         metrics: EngineMetrics,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.metrics = metrics
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.structured_output = structured_output  # grammar matchers; None: refused
         self.dead_reason: str | None = None  # set once, when the core can no longer run
 
     def add_request(
@@ -127,6 +131,13 @@ class EngineCore:
     ) -> None:
         """Queue a processed prompt; raises a typed 4xx error if it can never run."""
         self._raise_if_dead()
+        matcher = None
+        if params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise InvalidRequestError(
+                    "structured output is not available in this engine", param="structured_outputs"
+                )
+            matcher = self.structured_output.make_matcher(params.structured_outputs)
         request = make_request(
             request_id,
             prompt,
@@ -136,10 +147,16 @@ class EngineCore:
             cache_salt=cache_salt,
         )
         self.scheduler.add_request(request)
+        if matcher is not None:
+            assert self.structured_output is not None
+            self.structured_output.register(request_id, matcher)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish from outside a step (abort, stop string); unknown ids are ignored."""
-        self.scheduler.finish_requests(list(request_ids), status)
+        ids = list(request_ids)
+        self.scheduler.finish_requests(ids, status)
+        if self.structured_output is not None:
+            self.structured_output.free(ids)
         self._record_stats()  # the core may go idle now: gauges must not stay stale
 
     def has_unfinished_requests(self) -> bool:
@@ -153,14 +170,40 @@ class EngineCore:
         self._raise_if_dead()
         try:
             scheduler_output = self.scheduler.schedule()
-            runner_output = self._execute(scheduler_output)
-            updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+            grammar = self.structured_output
+            if grammar is None:
+                runner_output = self._execute(scheduler_output)
+                updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+            else:
+                scheduler_output, failures = grammar.mask_step(
+                    scheduler_output, self.scheduler.requests
+                )
+                runner_output = self._execute(scheduler_output)
+                runner_output, completed = grammar.accept_step(runner_output, failures)
+                updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+                updates = self._stop_completed(updates, completed)
+                grammar.retain(self.scheduler.requests)
             self._record_stats()
         except EngineDeadError:
             raise
         except Exception:  # noqa: BLE001 - a bug outside the model: contained below
             return self._fail_unfinished()
         return updates
+
+    def _stop_completed(
+        self, updates: list[RequestUpdate], completed: set[str]
+    ) -> list[RequestUpdate]:
+        """A request whose grammar is complete (nothing more may follow) finishes "stop" now,
+        without waiting for the model to choose EOS."""
+        stop = {r for r in completed if r in self.scheduler.requests}
+        if not stop:
+            return updates
+        status = RequestStatus.FINISHED_STOPPED
+        self.scheduler.finish_requests(stop, status)
+        return [
+            dataclasses.replace(u, finish_status=status) if u.request_id in stop else u
+            for u in updates
+        ]
 
     def _fail_unfinished(self) -> list[RequestUpdate]:
         """Fail every unfinished request (which ones a failed step touched is unknown); the
@@ -170,6 +213,8 @@ class EngineCore:
         failure = RequestFailure("internal error in the engine step", FailureKind.INTERNAL)
         try:
             self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+            if self.structured_output is not None:
+                self.structured_output.free(request_ids)
             self._record_stats()
         except Exception as exc:  # noqa: BLE001 - the books cannot even be closed
             self._declare_dead(exc)

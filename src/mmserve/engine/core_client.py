@@ -35,6 +35,7 @@ from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.admission import validate_request
 from mmserve.scheduling.outputs import RequestUpdate
 from mmserve.scheduling.request import RequestStatus
+from mmserve.structured_output.compiler import check_structured_output
 from mmserve.wire import codec
 from mmserve.wire.common import WireError
 from mmserve.wire.convert import apply_stats, request_to_wire, update_from_wire
@@ -177,6 +178,8 @@ class CoreClient:
             with_payload=False,
         )
         validate_request(request, self.scheduler_config, self.cache_config)
+        if params.structured_outputs is not None:  # refused here, as in-process, not later
+            check_structured_output(params.structured_outputs)
         msg = request_to_wire(
             request_id, prompt, params, arrival_time_s=time.monotonic(), cache_salt=cache_salt
         )

@@ -30,6 +30,8 @@ from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.media import MediaConfig, MediaLoader
 from mmserve.processing.tokenizer import Tokenizer
 from mmserve.scheduling.scheduler import Scheduler
+from mmserve.structured_output.compiler import GrammarCompiler
+from mmserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +229,13 @@ def build_core(
         metrics=metrics,
         max_model_len=shape.max_model_len,
         eos_token_ids=shape.eos_token_ids,
+        structured_output=StructuredOutputManager(
+            lambda: GrammarCompiler.from_tokenizer_file(
+                shape.model_dir / "tokenizer.json",
+                vocab_size=model_config.vocab_size,
+                eos_token_ids=shape.eos_token_ids,
+            )
+        ),
     )
     resolved = _describe(
         args,

@@ -15,6 +15,7 @@ from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.encoder_runner import EncoderRunner
 from mmserve.execution.request_state import RequestState, RunnerPayload
 from mmserve.execution.sampler import SamplingRow, make_generator, sample
+from mmserve.execution.token_bitmask import sampling_bitmask
 from mmserve.layers.attention import build_attention_metadata
 from mmserve.multimodal import MultiModalFeature, ProcessedImage
 from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
@@ -88,7 +89,8 @@ class ModelRunner:
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_samples, vocab]
             rows = [self._sampling_row(self.states[r]) for r in batch.sample_request_ids]
-            tokens = sample(logits, rows, self._generator)
+            bitmask = sampling_bitmask(so.grammar_bitmask, batch.sample_request_ids)
+            tokens = sample(logits, rows, self._generator, token_bitmask=bitmask)
             for request_id, token in zip(batch.sample_request_ids, tokens, strict=True):
                 if isinstance(token, RequestFailure):
                     errors[request_id] = token

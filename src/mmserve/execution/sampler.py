@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.errors import FailureKind, InvalidRequestError, RequestFailure
+from mmserve.execution.token_bitmask import apply_token_bitmask_
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -35,18 +36,25 @@ class SamplingRow:
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    default_generator: torch.Generator,
+    *,
+    token_bitmask: torch.Tensor | None = None,
 ) -> list[int | RequestFailure]:
     """Pick one token per row of `logits` ([num_rows, vocab], any float dtype).
 
     Greedy rows take one batched argmax; unseeded random rows of equal parameters one batched
     draw. A seeded row is sampled alone with its own generator, so a seeded request draws the
-    same tokens whatever else shares its batch.
+    same tokens whatever else shares its batch. `token_bitmask` ([num_rows, ceil(vocab / 32)]
+    int32, structured output) disallows tokens per row; -1 words allow everything.
     """
     assert logits.shape[0] == len(rows)
     num_rows = len(rows)
     logits = logits.float()
     failures = _apply_min_tokens(logits, rows)
+    if token_bitmask is not None:
+        apply_token_bitmask_(logits, token_bitmask)
     # One pass over the logits gives the greedy picks and, since max propagates NaN and +inf,
     # which rows are broken (-inf alone is fine: that token just cannot be drawn).
     best = logits.max(dim=-1)  # values, indices: [num_rows] each

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mmserve.errors import RequestFailure
 from mmserve.multimodal import MultiModalFeature
 from mmserve.scheduling.request import RequestStatus
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,28 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True)
+class GrammarBitmask:
+    """The allowed next tokens of the step's structured requests (the engine core fills it).
+
+    Row i of `bitmask` belongs to `request_ids[i]`: bit j of word w allows token 32 * w + j.
+    Requests not listed sample from their whole vocabulary.
+    """
+
+    request_ids: tuple[str, ...]
+    bitmask: np.ndarray  # [len(request_ids), ceil(vocab / 32)] int32
+
+    def __post_init__(self) -> None:
+        shape = self.bitmask.shape
+        if self.bitmask.dtype.str != "<i4" or len(shape) != 2 or shape[0] != len(self.request_ids):
+            raise ValueError(
+                f"grammar bitmask is {self.bitmask.dtype} {shape}, expected int32 "
+                f"[{len(self.request_ids)}, num_words]"
+            )
+        if len(set(self.request_ids)) != len(self.request_ids):
+            raise ValueError("grammar bitmask: a request id appears twice")
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """One engine step, as diffs against what the runner already has.
 
@@ -54,6 +80,8 @@ class SchedulerOutput:
     free_encoder_identifiers: list[str]
     finished_req_ids: frozenset[str]
     preempted_req_ids: frozenset[str]
+    # set by the engine core after scheduling, when a sampling request has a grammar
+    grammar_bitmask: GrammarBitmask | None = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from mmserve.wire.common import (
     WireMMFeature,
     WireRequestFailure,
     WireSamplingParams,
+    WireStructuredOutputs,
 )
 from mmserve.wire.engine_core import (
     EngineCoreAbort,
@@ -23,6 +24,7 @@ from mmserve.wire.engine_core import (
 )
 from mmserve.wire.executor import (
     WireCachedRequestData,
+    WireGrammarBitmask,
     WireModelRunnerOutput,
     WireNewRequestData,
     WireRunnerPayload,
@@ -43,6 +45,7 @@ __all__ = [
     "Message",
     "WireCachedRequestData",
     "WireEncoderInput",
+    "WireGrammarBitmask",
     "WireError",
     "WireMMFeature",
     "WireModelRunnerOutput",
@@ -51,6 +54,7 @@ __all__ = [
     "WireRunnerPayload",
     "WireSamplingParams",
     "WireSchedulerOutput",
+    "WireStructuredOutputs",
     "decode",
     "encode",
 ]

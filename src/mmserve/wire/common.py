@@ -82,6 +82,13 @@ class WireEncoderInput(WireStruct):
             )
 
 
+class WireStructuredOutputs(WireStruct):
+    """`StructuredOutputParams`: the grammar's kind and its text (compiled on each side)."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    spec: str = ""
+
+
 class WireSamplingParams(WireStruct):
     """`SamplingParams` as plain fields: a seed travels, a random generator never does."""
 
@@ -97,6 +104,7 @@ class WireSamplingParams(WireStruct):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: WireStructuredOutputs | None = None
 
 
 class WireRequestFailure(WireStruct):

@@ -20,6 +20,7 @@ from mmserve.multimodal import MultiModalFeature, PlaceholderRange, ProcessedIma
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.outputs import (
     CachedRequestData,
+    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     RequestUpdate,
@@ -27,15 +28,18 @@ from mmserve.scheduling.outputs import (
     SchedulerStats,
 )
 from mmserve.scheduling.request import FINISH_REASONS
+from mmserve.structured_output.params import StructuredOutputParams
 from mmserve.wire.common import (
     WireEncoderInput,
     WireMMFeature,
     WireRequestFailure,
     WireSamplingParams,
+    WireStructuredOutputs,
 )
 from mmserve.wire.engine_core import EngineCoreOutput, EngineCoreRequest, EngineStats
 from mmserve.wire.executor import (
     WireCachedRequestData,
+    WireGrammarBitmask,
     WireModelRunnerOutput,
     WireNewRequestData,
     WireRunnerPayload,
@@ -97,12 +101,18 @@ def feature_from_wire(f: WireMMFeature, data: ProcessedImage | None) -> MultiMod
 
 
 def sampling_params_to_wire(p: SamplingParams) -> WireSamplingParams:
-    return WireSamplingParams(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)})
+    fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+    so = p.structured_outputs
+    fields["structured_outputs"] = None if so is None else WireStructuredOutputs(so.kind, so.spec)
+    return WireSamplingParams(**fields)
 
 
 def sampling_params_from_wire(w: WireSamplingParams) -> SamplingParams:
     """Raises InvalidRequestError where the values break SamplingParams' own rules."""
-    return SamplingParams(**msgspec.structs.asdict(w))
+    fields = msgspec.structs.asdict(w)
+    so = w.structured_outputs
+    fields["structured_outputs"] = None if so is None else StructuredOutputParams(so.kind, so.spec)
+    return SamplingParams(**fields)
 
 
 def failure_to_wire(failure: RequestFailure) -> WireRequestFailure:
@@ -267,6 +277,9 @@ def scheduler_output_to_wire(
         free_encoder_identifiers=so.free_encoder_identifiers,
         finished_req_ids=so.finished_req_ids,
         preempted_req_ids=so.preempted_req_ids,
+        grammar_bitmask=None
+        if (g := so.grammar_bitmask) is None
+        else WireGrammarBitmask(list(g.request_ids), g.bitmask),
     )
 
 
@@ -298,6 +311,9 @@ def scheduler_output_from_wire(
         free_encoder_identifiers=msg.free_encoder_identifiers,
         finished_req_ids=msg.finished_req_ids,
         preempted_req_ids=msg.preempted_req_ids,
+        grammar_bitmask=None
+        if (g := msg.grammar_bitmask) is None
+        else GrammarBitmask(tuple(g.request_ids), g.bitmask),
     )
     return StepInputs(so, pixels)
 

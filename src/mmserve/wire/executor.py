@@ -74,6 +74,26 @@ class WireCachedRequestData(WireStruct):
     num_computed_tokens: NonNegInt
 
 
+class WireGrammarBitmask(WireStruct):
+    """The allowed next tokens of the step's structured requests (`GrammarBitmask`).
+
+    bitmask: [len(request_ids), ceil(vocab / 32)] int32, row i for request_ids[i].
+    """
+
+    request_ids: list[RequestId]
+    bitmask: np.ndarray
+
+    def __post_init__(self) -> None:
+        shape = self.bitmask.shape
+        if self.bitmask.dtype != np.int32 or len(shape) != 2 or shape[0] != len(self.request_ids):
+            raise WireError(
+                f"grammar bitmask is {self.bitmask.dtype} {shape}, expected int32 "
+                f"[{len(self.request_ids)}, num_words]"
+            )
+        if len(set(self.request_ids)) != len(self.request_ids):
+            raise WireError("grammar bitmask: a request id appears twice")
+
+
 class WireSchedulerOutput(WireStruct):
     """One engine step as diffs against what the runner holds (see `SchedulerOutput`).
 
@@ -92,6 +112,7 @@ class WireSchedulerOutput(WireStruct):
     free_encoder_identifiers: list[Identifier]
     finished_req_ids: frozenset[RequestId]
     preempted_req_ids: frozenset[RequestId]
+    grammar_bitmask: WireGrammarBitmask | None = None
 
     def __post_init__(self) -> None:
         total = sum(self.num_scheduled_tokens.values())
