@@ -81,6 +81,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="Longest prompt + output in tokens; default: the checkpoint's maximum.",
     )
+    a(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="Most top logprobs a request may ask for (chat top_logprobs, completions "
+        "logprobs, offline SamplingParams.logprobs). Default 20, as vLLM.",
+    )
     a("--block-size", type=int, default=16, help="Tokens per KV-cache block.")
     a(
         "--enable-prefix-caching",

@@ -412,6 +412,7 @@ class Scheduler:
             if request.is_finished:
                 finished.append(request)
             if new_token_ids or request.is_finished:
+                logprobs = runner_output.logprobs.get(request_id) if new_token_ids else None
                 updates.append(
                     RequestUpdate(
                         request_id,
@@ -419,6 +420,7 @@ class Scheduler:
                         request.status if request.is_finished else None,
                         stop_reason=request.stop_reason,
                         num_cached_tokens=request.num_cached_tokens or 0,
+                        logprobs=None if logprobs is None else logprobs.head(len(new_token_ids)),
                     )
                 )
         if finished:

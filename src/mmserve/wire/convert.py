@@ -20,6 +20,7 @@ from mmserve.multimodal import MultiModalFeature, PlaceholderRange, ProcessedIma
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.outputs import (
     CachedRequestData,
+    Logprobs,
     ModelRunnerOutput,
     NewRequestData,
     RequestUpdate,
@@ -29,6 +30,7 @@ from mmserve.scheduling.outputs import (
 from mmserve.scheduling.request import FINISH_REASONS
 from mmserve.wire.common import (
     WireEncoderInput,
+    WireLogprobs,
     WireMMFeature,
     WireRequestFailure,
     WireSamplingParams,
@@ -97,12 +99,23 @@ def feature_from_wire(f: WireMMFeature, data: ProcessedImage | None) -> MultiMod
 
 
 def sampling_params_to_wire(p: SamplingParams) -> WireSamplingParams:
-    return WireSamplingParams(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)})
+    fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+    if fields["logit_bias"] is not None:
+        fields["logit_bias"] = dict(fields["logit_bias"])
+    return WireSamplingParams(**fields)
 
 
 def sampling_params_from_wire(w: WireSamplingParams) -> SamplingParams:
     """Raises InvalidRequestError where the values break SamplingParams' own rules."""
     return SamplingParams(**msgspec.structs.asdict(w))
+
+
+def logprobs_to_wire(lp: Logprobs | None) -> WireLogprobs | None:
+    return None if lp is None else WireLogprobs(lp.token_ids, lp.logprobs, lp.ranks)
+
+
+def logprobs_from_wire(w: WireLogprobs | None) -> Logprobs | None:
+    return None if w is None else Logprobs(w.token_ids, w.logprobs, w.ranks)
 
 
 def failure_to_wire(failure: RequestFailure) -> WireRequestFailure:
@@ -177,6 +190,7 @@ def update_to_wire(update: RequestUpdate) -> EngineCoreOutput:
         stop_reason=update.stop_reason,
         error=failure_to_wire(update.error) if update.error is not None else None,
         num_cached_tokens=update.num_cached_tokens,
+        logprobs=logprobs_to_wire(update.logprobs),
     )
 
 
@@ -189,6 +203,7 @@ def update_from_wire(out: EngineCoreOutput) -> RequestUpdate:
         stop_reason=out.stop_reason,
         error=failure_from_wire(out.error) if out.error is not None else None,
         num_cached_tokens=out.num_cached_tokens,
+        logprobs=logprobs_from_wire(out.logprobs),
     )
 
 
@@ -302,9 +317,15 @@ def scheduler_output_from_wire(
 
 def runner_output_to_wire(o: ModelRunnerOutput) -> WireModelRunnerOutput:
     errors = {rid: failure_to_wire(e) for rid, e in o.errors.items()}
-    return WireModelRunnerOutput(o.sampled_token_ids, errors)
+    logprobs = {
+        rid: WireLogprobs(lp.token_ids, lp.logprobs, lp.ranks) for rid, lp in o.logprobs.items()
+    }
+    return WireModelRunnerOutput(o.sampled_token_ids, errors, logprobs)
 
 
 def runner_output_from_wire(w: WireModelRunnerOutput) -> ModelRunnerOutput:
     errors = {rid: failure_from_wire(e) for rid, e in w.errors.items()}
-    return ModelRunnerOutput(w.sampled_token_ids, errors)
+    logprobs = {
+        rid: Logprobs(lp.token_ids, lp.logprobs, lp.ranks) for rid, lp in w.logprobs.items()
+    }
+    return ModelRunnerOutput(w.sampled_token_ids, errors, logprobs)
