@@ -239,6 +239,8 @@ class OutputProcessor:
                 completions.get(s.index) or self._completion(s, request.kind, "", [], None)
                 for s in seqs
             ]
+        for c in outputs:  # a sibling's failure later in the step ended this one too
+            c.finish_reason = seqs[c.index].finish_reason
         output = RequestOutput(
             request_id=request_id,
             prompt=request.prompt,

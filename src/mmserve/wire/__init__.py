@@ -7,6 +7,7 @@ from mmserve.wire.codec import ALLOWED_DTYPES, MESSAGE_TAGS, Message, decode, en
 from mmserve.wire.common import (
     WireEncoderInput,
     WireError,
+    WireLogprobs,
     WireMMFeature,
     WireRequestFailure,
     WireSamplingParams,
@@ -43,6 +44,7 @@ __all__ = [
     "Message",
     "WireCachedRequestData",
     "WireEncoderInput",
+    "WireLogprobs",
     "WireError",
     "WireMMFeature",
     "WireModelRunnerOutput",
