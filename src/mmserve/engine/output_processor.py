@@ -155,7 +155,9 @@ class OutputProcessor:
         if new_ids:
             self._observe_latency(seq, request, now, len(new_ids))
         seq.token_ids.extend(new_ids)
-        request.num_cached_tokens = max(request.num_cached_tokens, update.num_cached_tokens)
+        if seq.index == 0:
+            # the first sample's hit is the prompt's (its siblings then hit what it computed)
+            request.num_cached_tokens = update.num_cached_tokens
         finish_reason = FINISH_REASONS.get(update.finish_status) if update.finished else None
         seq.stop_reason = update.stop_reason
         failure = update.error
