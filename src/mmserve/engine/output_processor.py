@@ -46,6 +46,7 @@ class _Sequence:
     last_token_s: float | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    is_finish_shown: bool = False  # an output has carried its finish_reason
 
 
 @dataclass
@@ -231,9 +232,9 @@ class OutputProcessor:
         if not finished and request.kind is OutputKind.FINAL_ONLY:
             return None
         if request.kind is OutputKind.DELTA:
-            # every sequence this step ended is shown, even one that added nothing
+            # a sequence a sibling's failure ended shows its finish_reason once, like the rest
             for seq in seqs:
-                if seq.finish_reason and seq.index not in completions and finished:
+                if seq.finish_reason and not seq.is_finish_shown and seq.index not in completions:
                     completions[seq.index] = self._completion(seq, request.kind, "", [], [])
             outputs = [completions[i] for i in sorted(completions)]
         else:
@@ -243,6 +244,7 @@ class OutputProcessor:
             ]
         for c in outputs:  # a sibling's failure later in the step ended this one too
             c.finish_reason = seqs[c.index].finish_reason
+            seqs[c.index].is_finish_shown = c.finish_reason is not None
         output = RequestOutput(
             request_id=request_id,
             prompt=request.prompt,

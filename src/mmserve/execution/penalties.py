@@ -84,8 +84,8 @@ def _penalized(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     output_counts = token_counts(outputs, vocab_size, device)  # [num_rows, vocab]
     repetition = [row.params.repetition_penalty for row in rows]
     if any(r != 1.0 for r in repetition):
-        prompts = [_prompt_ids(row) for row in rows]
-        seen = (token_counts(prompts, vocab_size, device) > 0) | (output_counts > 0)
+        # prompt and output alike: every token the row holds
+        seen = token_counts([row.token_ids for row in rows], vocab_size, device) > 0
         scale = torch.tensor(repetition, device=device)[:, None]  # [num_rows, 1]
         logits = torch.where(seen, torch.where(logits > 0, logits / scale, logits * scale), logits)
     frequency = torch.tensor([row.params.frequency_penalty for row in rows], device=device)
@@ -115,7 +115,3 @@ def token_counts(
 def _output_ids(row: SamplingRow) -> Sequence[int]:
     num_prompt = len(row.token_ids) - row.num_output_tokens
     return row.token_ids[num_prompt:]
-
-
-def _prompt_ids(row: SamplingRow) -> Sequence[int]:
-    return row.token_ids[: len(row.token_ids) - row.num_output_tokens]
