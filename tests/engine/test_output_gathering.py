@@ -83,3 +83,22 @@ def test_logprob_arrays_become_token_dicts_and_add_up() -> None:
     assert list(seq.logprobs[1]) == [9, 1, 2] and seq.logprobs[1][9].rank == 3
     assert seq.cumulative_logprob == np.float32(-0.1).item() + -3.0
     assert out.outputs[0].logprobs == [] and out.outputs[0].cumulative_logprob == 0.0
+
+
+def test_several_steps_delivered_at_once_add_up() -> None:
+    # an engine process may hand over two of its steps in one batch of updates
+    for kind in (OutputKind.DELTA, OutputKind.CUMULATIVE):
+        op = _processor(kind, SamplingParams(n=2, logprobs=0))
+        lp = Logprobs(
+            np.array([[5]], dtype=np.int32), np.array([[-1.0]], dtype=np.float32), np.ones(1, "i4")
+        )
+        updates = [RequestUpdate("p#0", [0], logprobs=lp), RequestUpdate("p#0", [1], logprobs=lp)]
+        (out,) = op.process(updates).outputs
+        seq = out.outputs[0]
+        assert (seq.text, seq.token_ids, seq.delta_text, seq.delta_token_ids) == (
+            "ab",
+            [0, 1],
+            "ab",
+            [0, 1],
+        )
+        assert len(seq.logprobs) == 2 and seq.cumulative_logprob == -2.0

@@ -91,3 +91,12 @@ def test_rows_without_penalties_are_left_alone() -> None:
     rows = [_row(SamplingParams(), [1, 2], [3]), _row(SamplingParams(temperature=0), [], [])]
     assert apply_penalties(logits, rows) == {}
     assert torch.equal(logits, before)
+
+
+def test_extreme_repetition_penalties_keep_the_row_sampleable() -> None:
+    logits = torch.tensor([[1.0, -1.0, 3.0, 0.0, 2.0, 0.5, -2.0, 1.5]])
+    for penalty in (5e-324, 1e-300, 1e300):
+        rows = [_row(SamplingParams(temperature=0, repetition_penalty=penalty), [2, 1], [])]
+        (token,) = sample(logits.clone(), rows, make_generator(0))
+        # a tiny penalty makes seen token 2 the (finite) best; a huge one buries it
+        assert token == (2 if penalty < 1 else 4)

@@ -124,7 +124,13 @@ class OutputProcessor:
             if seq is None or request is None or request.failure is not None:
                 continue
             completion = self._advance(seq, request, update, now, step)
-            changed.setdefault(seq.parent_id, {})[seq.index] = completion
+            completions = changed.setdefault(seq.parent_id, {})
+            # NOTE: a core in another process may deliver several of its steps at once, so a
+            # sequence can have more than one update here: their deltas add up.
+            earlier = completions.get(seq.index)
+            completions[seq.index] = (
+                completion if earlier is None else _merged(earlier, completion, request.kind)
+            )
         for request_id, completions in changed.items():
             output = self._output(request_id, completions)
             if output is not None:
@@ -291,3 +297,17 @@ class OutputProcessor:
             self._sequences.pop(core_id, None)
         failed = request.failure is not None
         self._metrics.inc("requests_failed" if failed else "requests_finished")
+
+
+def _merged(
+    earlier: CompletionOutput, later: CompletionOutput, kind: OutputKind
+) -> CompletionOutput:
+    """`later` extended by what `earlier` (the same sequence, earlier in this step) added."""
+    later.delta_text = earlier.delta_text + later.delta_text
+    later.delta_token_ids = (earlier.delta_token_ids or []) + (later.delta_token_ids or [])
+    if kind is OutputKind.DELTA:
+        later.text = earlier.text + later.text
+        later.token_ids = earlier.token_ids + later.token_ids
+        if later.logprobs is not None:
+            later.logprobs = (earlier.logprobs or []) + later.logprobs
+    return later

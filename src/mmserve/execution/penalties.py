@@ -86,8 +86,14 @@ def _penalized(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     if any(r != 1.0 for r in repetition):
         # prompt and output alike: every token the row holds
         seen = token_counts([row.token_ids for row in rows], vocab_size, device) > 0
-        scale = torch.tensor(repetition, device=device)[:, None]  # [num_rows, 1]
-        logits = torch.where(seen, torch.where(logits > 0, logits / scale, logits * scale), logits)
+        # NOTE: any penalty > 0 is valid, but float32 holds neither 1e-300 nor 1e300: the
+        # factor is kept inside float32's range and a logit it sends past the largest float
+        # is held there (+inf would make the row unsampleable: a client's value, not a bug).
+        finfo = torch.finfo(logits.dtype)
+        factors = [min(max(r, finfo.tiny), finfo.max) for r in repetition]
+        scale = torch.tensor(factors, device=device)[:, None]  # [num_rows, 1]
+        penalized = torch.where(logits > 0, logits / scale, logits * scale)
+        logits = torch.where(seen, penalized.clamp(max=finfo.max), logits)
     frequency = torch.tensor([row.params.frequency_penalty for row in rows], device=device)
     presence = torch.tensor([row.params.presence_penalty for row in rows], device=device)
     return (
