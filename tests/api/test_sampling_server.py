@@ -104,7 +104,15 @@ def test_chat_logprobs_shape_and_stream(server, model):
 
 def test_n_three_choices_reproducible_with_a_seed(server, model):
     messages = [{"role": "user", "content": "Tell me a story."}]
-    kwargs = dict(model=model, messages=messages, max_tokens=6, temperature=1.5, seed=42, n=3)
+    kwargs = dict(
+        model=model,
+        messages=messages,
+        max_tokens=6,
+        temperature=1.5,
+        seed=42,
+        n=3,
+        extra_body={"ignore_eos": True},
+    )
     first = server.client.chat.completions.create(**kwargs)
     assert [c.index for c in first.choices] == [0, 1, 2]
     texts = [c.message.content for c in first.choices]
@@ -113,7 +121,8 @@ def test_n_three_choices_reproducible_with_a_seed(server, model):
     assert [c.message.content for c in again.choices] == texts
     single = server.client.chat.completions.create(**{**kwargs, "n": 1, "seed": 43})
     assert single.choices[0].message.content == texts[1]  # sample i uses seed + i
-    assert first.usage.completion_tokens <= 18 and first.usage.completion_tokens >= 3
+    assert first.usage.completion_tokens == 3 * 6  # summed over the choices
+    assert [c.finish_reason for c in first.choices] == ["length"] * 3
 
     stream = server.client.chat.completions.create(
         stream=True, stream_options={"include_usage": True}, **kwargs
