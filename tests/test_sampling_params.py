@@ -40,7 +40,25 @@ from mmserve.sampling_params import (
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 2**63, "max_tokens": None}, "min_tokens"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
+        ({"n": True}, "n"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 1.0}, "logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": [(5, 1.0)]}, "logit_bias"),
+        ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias"),
         ({"stop": [""]}, "stop"),
         ({"stop": ["x" * 1025]}, "stop"),
         ({"stop": [str(i) for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
@@ -93,6 +111,17 @@ def test_zero_temperature_is_greedy_and_tiny_ones_are_clamped(
 
 def test_unknown_vllm_options_are_not_silently_accepted() -> None:
     # The offline API must not take an option it would ignore (vLLM has these).
-    for name in ("min_p", "repetition_penalty", "logprobs", "best_of"):
+    for name in ("min_p", "prompt_logprobs", "best_of"):
         with pytest.raises(TypeError):
             SamplingParams(**{name: 0.5})
+
+
+def test_penalty_limits_are_accepted_and_no_op_values_mean_no_penalty() -> None:
+    p = SamplingParams(
+        n=128, logprobs=0, presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.01
+    )
+    assert p.n == 128 and p.has_penalties and isinstance(p.presence_penalty, float)
+    assert SamplingParams(logit_bias={0: -100, 2**31 - 1: 100}).has_penalties
+    assert not SamplingParams(
+        logit_bias={}, repetition_penalty=1, frequency_penalty=0
+    ).has_penalties

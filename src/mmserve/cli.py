@@ -126,6 +126,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "generation_config.json, as vLLM does; 'vllm' keeps the engine's defaults; a directory "
         "reads its generation_config.json.",
     )
+    a(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="Most top logprobs a request may ask for (chat top_logprobs, completions "
+        "logprobs, offline SamplingParams.logprobs). Default 20, as vLLM.",
+    )
     a = p.add_argument_group("Device and parallelism").add_argument
     a("--device", choices=DEVICES, default="auto", help="Where to run; auto: cuda if present.")
     a(

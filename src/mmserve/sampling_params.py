@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from mmserve.errors import InvalidRequestError
@@ -19,6 +20,10 @@ MIN_SAMPLING_TEMPERATURE = 0.01
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
+MAX_N = 128  # parallel samples of one request
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_ABS_PENALTY = 2.0  # presence_penalty and frequency_penalty, as OpenAI bounds them
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -45,12 +50,19 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # a grammar the output must match (JSON schema, regex, choice, Lark); None: free text
     structured_outputs: StructuredOutputParams | None = None
+    # None: no logprobs; K >= 0: the sampled token's logprob and the K most likely tokens'
+    # (the engine bounds K by --max-logprobs).
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None  # token id -> bias added to its logit
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        _check_int("n", self.n, 1, 1, "only n=1 is supported; send one request per sample")
+        _check_int("n", self.n, 1, MAX_N, "the number of samples to return")
         self._check_temperature()
         _check_float("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
@@ -67,6 +79,7 @@ class SamplingParams:
                 param="min_tokens",
             )
         self._check_stops()
+        self._check_logprobs_and_penalties()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(
@@ -120,6 +133,37 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, 0, INT32_MAX, "each a token id in [0, 2^31)")
 
+    def _check_logprobs_and_penalties(self) -> None:
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, INT32_MAX, "the number of top logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value)
+            if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+                raise InvalidRequestError(
+                    f"{name} must be in [-2, 2] (0 disables it), got {value}", param=name
+                )
+            object.__setattr__(self, name, float(value))
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}",
+                param="repetition_penalty",
+            )
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the logits need penalties or a bias before sampling (most requests: no)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
@@ -127,6 +171,31 @@ class SamplingParams:
     @property
     def effective_top_k(self) -> int:
         return 0 if self.top_k in (0, -1) else self.top_k
+
+
+def _checked_logit_bias(bias: object) -> dict[int, float]:
+    """{token id: bias in [-100, 100]}; the ids are checked against the vocabulary by the
+    engine, which knows it."""
+    if not isinstance(bias, Mapping):
+        raise InvalidRequestError(
+            f"logit_bias must map token ids to biases, got {_preview(bias)}", param="logit_bias"
+        )
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(
+            f"logit_bias has {len(bias)} entries, at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
+            param="logit_bias",
+        )
+    out: dict[int, float] = {}
+    for token_id, value in bias.items():
+        _check_int("logit_bias", token_id, 0, INT32_MAX, "keys are token ids")
+        _check_float("logit_bias", value)
+        if not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS:
+            raise InvalidRequestError(
+                f"logit_bias values must be in [-100, 100], got {value} for token {token_id}",
+                param="logit_bias",
+            )
+        out[token_id] = float(value)
+    return out
 
 
 def _check_int(name: str, value: object, lo: int, hi: int, hint: str) -> None:

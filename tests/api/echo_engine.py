@@ -34,6 +34,7 @@ class EchoEngine:
     def __init__(self, *, max_model_len: int = 64, token_delay_s: float = 0.0) -> None:
         self.model_name = "echo"
         self.max_model_len = max_model_len
+        self.max_logprobs = 20
         self.metrics = EngineMetrics()
         self.token_delay_s = token_delay_s
         self.namespaces: list[str] = []

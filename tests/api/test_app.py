@@ -86,13 +86,13 @@ async def test_completions_with_text_and_token_ids(client: httpx.AsyncClient) ->
     [
         ({"model": MODEL}, "messages"),
         (chat("hi", temperature="hot"), "temperature"),
-        (chat("hi", n=2), "n"),
+        (chat("hi", n=129), "n"),
         (chat("hi", top_p=0), "top_p"),
         (chat("hi", min_tokens=5, max_tokens=2), "min_tokens"),
         (chat([{"type": "video", "video": "x"}]), None),
         (chat([{"type": "image_url", "image_url": {"url": "ftp://x"}}]), "messages"),
         (chat("hi", mm_processor_kwargs={"max_pixelz": 1}), "mm_processor_kwargs"),
-        (chat("hi", logprobs=True), "logprobs"),
+        (chat("hi", logprobs=2), "logprobs"),
     ],
 )
 async def test_user_mistakes_are_openai_400s(

@@ -82,7 +82,8 @@ async def test_hostile_json_is_a_400_naming_the_path(
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"max_completion_tokens": 3, "min_tokens": 5}, "min_tokens"),
         ({"min_tokens": -1}, "min_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
         ({"stop": [str(i) for i in range(17)]}, "stop"),
         ({"stop": ""}, "stop"),
         ({"stop": ["x" * 1025]}, "stop"),
@@ -95,6 +96,14 @@ async def test_hostile_json_is_a_400_naming_the_path(
         ({"presence_penalty": -3}, "presence_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": -1}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # over --max-logprobs
+        ({"logprobs": 1}, "logprobs"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"1.5": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"repetition_penalty": -1}, "repetition_penalty"),
         ({"best_of": 0}, "best_of"),
         ({"logit_bias": {"5": 101}}, "logit_bias.5"),
     ],
@@ -147,12 +156,11 @@ async def test_edge_values_are_accepted_and_reach_the_engine_as_sent(
 
 # A value that matters, per unsupported field (each listed field must have one here).
 MEANINGFUL = {
-    "logprobs": True, "top_logprobs": 2, "logit_bias": {"5": 10}, "frequency_penalty": 0.5,
-    "presence_penalty": -0.5, "best_of": 2, "tools": [{"type": "function"}],
+    "best_of": 2, "tools": [{"type": "function"}],
     "tool_choice": "required", "parallel_tool_calls": False, "functions": [{"name": "f"}],
     "function_call": {"name": "f"},
     "audio": {"voice": "x"}, "modalities": ["text", "audio"], "echo": True, "suffix": "x",
-    "stream_options.continuous_usage_stats": True, "min_p": 0.1, "repetition_penalty": 1.2,
+    "stream_options.continuous_usage_stats": True, "min_p": 0.1,
     "length_penalty": 2.0, "use_beam_search": True, "prompt_logprobs": 0,
     "allowed_token_ids": [1, 2], "bad_words": ["x"],
     "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
@@ -213,7 +221,7 @@ async def test_informational_fields_stay_ignored(client: httpx.AsyncClient) -> N
 
 @pytest.mark.parametrize(
     ("extra", "param"),
-    [({"logprobs": 3}, "logprobs"), ({"logprobs": 21}, "logprobs"), ({"echo": True}, "echo"),
+    [({"logprobs": True}, "logprobs"), ({"logprobs": 21}, "logprobs"), ({"echo": True}, "echo"),
      ({"suffix": "x"}, "suffix"), ({"max_tokens": 0}, "max_tokens"), ({"seed": 2**64}, "seed")],
 )  # fmt: skip
 async def test_completions_share_the_rules(

@@ -19,6 +19,7 @@ from mmserve.wire import (
     WireCachedRequestData,
     WireEncoderInput,
     WireGrammarBitmask,
+    WireLogprobs,
     WireMMFeature,
     WireModelRunnerOutput,
     WireNewRequestData,
@@ -77,6 +78,11 @@ def engine_core_request(num_images: int = 2, *, with_pixels: bool = True) -> Eng
             structured_outputs=WireStructuredOutputs(
                 "json_schema", '{"type": "object", "properties": {"ok": {"type": "boolean"}}}'
             ),
+            logprobs=5,
+            presence_penalty=0.5,
+            frequency_penalty=-1.0,
+            repetition_penalty=1.3,
+            logit_bias={151645: -100.0, 7: 2.5},
         ),
         mrope_positions=positions(num_tokens, delta=-3),
         mrope_position_delta=-3,
@@ -140,6 +146,13 @@ def engine_stats(**overrides) -> EngineStats:
     return EngineStats(**{**fields, **overrides})
 
 
+def logprobs(num_tokens: int, num_top: int) -> WireLogprobs:
+    rng = np.random.default_rng(num_tokens * 31 + num_top)
+    ids = rng.integers(0, 151_000, (num_tokens, 1 + num_top)).astype(np.int32)
+    values = -rng.random((num_tokens, 1 + num_top)).astype(np.float32)
+    return WireLogprobs(ids, values, np.arange(1, num_tokens + 1, dtype=np.int32))
+
+
 def all_messages() -> list[tuple[str, Message]]:
     """(name, message) covering every message type, each full and empty where it can be."""
     failure = WireRequestFailure("4 embeddings for 5 placeholders", "request", "messages")
@@ -150,6 +163,8 @@ def all_messages() -> list[tuple[str, Message]]:
         EngineCoreOutput("r3", [], "abort"),
         EngineCoreOutput("r4", [], "error", error=failure),
         EngineCoreOutput("r5", [], "error", error=WireRequestFailure("boom", "internal")),
+        EngineCoreOutput("r6#0", [8, 9], logprobs=logprobs(2, 5)),
+        EngineCoreOutput("r6#1", [10], "length", logprobs=logprobs(1, 0)),
     ]
     empty_step = WireSchedulerOutput([], [], {}, 0, {}, [], [], frozenset(), frozenset())
     messages: list[tuple[str, Message]] = [
@@ -180,6 +195,10 @@ def all_messages() -> list[tuple[str, Message]]:
             WireModelRunnerOutput({"a": [1], "b": [2, 3]}, {"c": failure}),
         ),
         ("runner_output_empty", WireModelRunnerOutput({})),
+        (
+            "runner_output_logprobs",
+            WireModelRunnerOutput({"a": [1], "b": [2]}, {}, {"a": logprobs(1, 20)}),
+        ),
     ]
     assert {type(m) for _, m in messages} == set(MESSAGE_TAGS), "a message type has no sample"
     return messages

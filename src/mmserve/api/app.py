@@ -28,7 +28,7 @@ from mmserve.api.generation import (
     SSEResponse,
     close_outputs,
     collect_final,
-    finish_reason_or_error,
+    raise_if_failed,
     sampling_params_for,
     stream_events,
     until_disconnect,
@@ -40,7 +40,7 @@ from mmserve.api.status import report_status
 from mmserve.api.unsupported import refuse_unsupported_fields
 from mmserve.engine.outputs import OutputKind
 from mmserve.engine.protocol import EngineClient
-from mmserve.errors import EngineDeadError
+from mmserve.errors import EngineDeadError, InvalidRequestError
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.sampling_params import SamplingParams
 
@@ -128,7 +128,9 @@ def create_app(
                     chat_template_kwargs=body.chat_template_kwargs,
                 ),
             )
-            fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", primary)
+            fmt = ChatFormat(
+                f"chatcmpl-{uuid.uuid4().hex}", primary, num_top_logprobs=params.logprobs or 0
+            )
             return await _generate(request, body, params, prompt, fmt)
 
         return await _answer(run)
@@ -142,7 +144,9 @@ def create_app(
             prompt = await until_disconnect(
                 request, engine.process_prompt(prompt_in, namespace=namespace)
             )
-            fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", primary)
+            fmt = CompletionFormat(
+                f"cmpl-{uuid.uuid4().hex}", primary, num_top_logprobs=params.logprobs or 0
+            )
             return await _generate(request, body, params, prompt, fmt)
 
         return await _answer(run)
@@ -159,7 +163,16 @@ def create_app(
                 param="model",
             )
         # Every sampling range is checked here; the bound by the prompt's length comes later.
-        return body.to_sampling_params(body.requested_max_tokens)
+        params = body.to_sampling_params(body.requested_max_tokens)
+        if params.logprobs is not None and params.logprobs > engine.max_logprobs:
+            field = body.logprobs_field
+            raise InvalidRequestError(
+                f"{field} is {params.logprobs} but this server returns at most "
+                f"{engine.max_logprobs} top logprobs (--max-logprobs); ask for fewer, or "
+                "start the server with a larger --max-logprobs",
+                param=field,
+            )
+        return params
 
     async def _generate(
         request: Request,
@@ -178,7 +191,8 @@ def create_app(
         )
         if not body.stream:
             final = await until_disconnect(request, collect_final(outputs))
-            return JSONResponse(fmt.response(final, finish_reason_or_error(final)))
+            raise_if_failed(final)
+            return JSONResponse(fmt.response(final))
         try:
             # The first output is awaited here so a refusal still gets a proper status code.
             first = await until_disconnect(request, anext(outputs))
@@ -188,12 +202,12 @@ def create_app(
         if first.finished:
             # Finished before anything was sent: failures still get their own status code.
             try:
-                finish_reason_or_error(first)
+                raise_if_failed(first)
             except APIError:
                 await close_outputs(outputs)
                 raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(stream_events(outputs, first, fmt, include_usage))
+        return SSEResponse(stream_events(outputs, first, fmt, include_usage, params.n))
 
     @app.get("/health")
     async def health() -> Response:

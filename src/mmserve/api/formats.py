@@ -1,17 +1,25 @@
-"""The JSON shapes of chat and text completions: whole responses, stream chunks and usage."""
+"""The JSON shapes of chat and text completions: whole responses, stream chunks and usage.
+
+One choice per sample (`index` 0..n-1); a stream chunk carries one choice. Logprobs take
+vLLM's (and OpenAI's) shapes: chat `logprobs.content = [{token, logprob, bytes,
+top_logprobs}]`, completions `logprobs = {tokens, token_logprobs, top_logprobs, text_offset}`.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
-from mmserve.engine.outputs import RequestOutput
+from mmserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 
 
-def usage_of(output: RequestOutput) -> dict[str, Any]:
-    """Exact token counts: the prompt as the model saw it (placeholders expanded) and the output."""
+def usage_of(output: RequestOutput, completion_tokens: int | None = None) -> dict[str, Any]:
+    """Exact token counts: the prompt as the model saw it (placeholders expanded) and the
+    outputs, summed over the choices (`completion_tokens` when the caller counted them)."""
     prompt_tokens = len(output.prompt_token_ids)
-    completion_tokens = output.outputs[0].num_tokens if output.outputs else 0
+    if completion_tokens is None:
+        completion_tokens = sum(c.num_tokens for c in output.outputs)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -20,13 +28,21 @@ def usage_of(output: RequestOutput) -> dict[str, Any]:
     }
 
 
-class ChatFormat:
-    """`chat.completion` and `chat.completion.chunk` objects for one request."""
+def _sorted(output: RequestOutput) -> list[CompletionOutput]:
+    return sorted(output.outputs, key=lambda c: c.index)
 
-    def __init__(self, request_id: str, model: str) -> None:
+
+class _Format:
+    """What both endpoints share: the envelope and the usage chunk."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, request_id: str, model: str, *, num_top_logprobs: int = 0) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
+        self.num_top_logprobs = num_top_logprobs
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -37,64 +53,138 @@ class ChatFormat:
             "choices": choices,
         }
 
-    def response(self, output: RequestOutput, finish_reason: str) -> dict[str, Any]:
-        message = {"role": "assistant", "content": output.outputs[0].text}
-        choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
-        body = self._envelope("chat.completion", [choice])
-        body["usage"] = usage_of(output)
-        return body
-
-    def start_chunk(self) -> dict[str, Any] | None:
-        delta = {"role": "assistant", "content": ""}
-        choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
-        return self._envelope("chat.completion.chunk", [choice])
-
-    def chunk(self, delta_text: str, finish_reason: str | None) -> dict[str, Any]:
-        delta = {"content": delta_text} if delta_text or finish_reason is None else {}
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-        return self._envelope("chat.completion.chunk", [choice])
-
-    def usage_chunk(self, output: RequestOutput) -> dict[str, Any]:
-        body = self._envelope("chat.completion.chunk", [])
-        body["usage"] = usage_of(output)
+    def usage_chunk(self, output: RequestOutput, completion_tokens: int) -> dict[str, Any]:
+        body = self._envelope(self.chunk_object_name, [])
+        body["usage"] = usage_of(output, completion_tokens)
         return body
 
 
-class CompletionFormat:
+class ChatFormat(_Format):
+    """`chat.completion` and `chat.completion.chunk` objects for one request."""
+
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def response(self, output: RequestOutput) -> dict[str, Any]:
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "finish_reason": c.finish_reason,
+                "logprobs": self._logprobs(c),
+            }
+            for c in _sorted(output)
+        ]
+        body = self._envelope(self.object_name, choices)
+        body["usage"] = usage_of(output)
+        return body
+
+    def start_chunks(self, n: int) -> list[dict[str, Any]]:
+        return [
+            self._envelope(
+                self.chunk_object_name,
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "finish_reason": None,
+                        "logprobs": None,
+                    }
+                ],
+            )
+            for i in range(n)
+        ]
+
+    def chunk(self, c: CompletionOutput, finish_reason: str | None) -> dict[str, Any]:
+        text = c.delta_text
+        delta = {"content": text} if text or finish_reason is None else {}
+        choice = {
+            "index": c.index,
+            "delta": delta,
+            "finish_reason": finish_reason,
+            "logprobs": self._logprobs(c),
+        }
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def _logprobs(self, c: CompletionOutput) -> dict[str, Any] | None:
+        if c.logprobs is None:
+            return None
+        content = []
+        for token_id, entry in zip(c.token_ids, c.logprobs, strict=True):
+            chosen = entry[token_id]
+            top = sorted(entry.values(), key=lambda lp: lp.rank)[: self.num_top_logprobs]
+            item = _chat_token(chosen.decoded_token, chosen.logprob)
+            item["top_logprobs"] = [_chat_token(lp.decoded_token, lp.logprob) for lp in top]
+            content.append(item)
+        return {"content": content}
+
+
+def _chat_token(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+class CompletionFormat(_Format):
     """`text_completion` objects (whole and streamed) for one request."""
 
-    def __init__(self, request_id: str, model: str) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.created = int(time.time())
+    object_name = chunk_object_name = "text_completion"
 
-    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def __init__(self, request_id: str, model: str, *, num_top_logprobs: int = 0) -> None:
+        super().__init__(request_id, model, num_top_logprobs=num_top_logprobs)
+        self._text_offsets: dict[int, int] = {}  # per choice: characters streamed so far
+
+    def response(self, output: RequestOutput) -> dict[str, Any]:
+        choices = [
+            {
+                "index": c.index,
+                "text": c.text,
+                "finish_reason": c.finish_reason,
+                "logprobs": self._logprobs(c),
+            }
+            for c in _sorted(output)
+        ]
+        body = self._envelope(self.object_name, choices)
+        body["usage"] = usage_of(output)
+        return body
+
+    def start_chunks(self, n: int) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, c: CompletionOutput, finish_reason: str | None) -> dict[str, Any]:
+        choice = {
+            "index": c.index,
+            "text": c.delta_text,
+            "finish_reason": finish_reason,
+            "logprobs": self._logprobs(c),
+        }
+        return self._envelope(self.object_name, [choice])
+
+    def _logprobs(self, c: CompletionOutput) -> dict[str, Any] | None:
+        if c.logprobs is None:
+            return None
+        offset = self._text_offsets.get(c.index, 0)
+        tokens: list[str] = []
+        token_logprobs: list[float] = []
+        top_logprobs: list[dict[str, float]] = []
+        text_offset: list[int] = []
+        for token_id, entry in zip(c.token_ids, c.logprobs, strict=True):
+            chosen = entry[token_id]
+            tokens.append(chosen.decoded_token)
+            token_logprobs.append(chosen.logprob)
+            top_logprobs.append(_top_by_text(entry))
+            text_offset.append(offset)
+            offset += len(chosen.decoded_token)
+        self._text_offsets[c.index] = offset
         return {
-            "id": self.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": text_offset,
         }
 
-    def response(self, output: RequestOutput, finish_reason: str) -> dict[str, Any]:
-        text = output.outputs[0].text
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-        body = self._envelope([choice])
-        body["usage"] = usage_of(output)
-        return body
 
-    def start_chunk(self) -> dict[str, Any] | None:
-        return None
-
-    def chunk(self, delta_text: str, finish_reason: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "text": delta_text, "finish_reason": finish_reason, "logprobs": None}
-        return self._envelope([choice])
-
-    def usage_chunk(self, output: RequestOutput) -> dict[str, Any]:
-        body = self._envelope([])
-        body["usage"] = usage_of(output)
-        return body
+def _top_by_text(entry: TokenLogprobs) -> Mapping[str, float]:
+    """{token text: logprob} of the sampled token and the top K, most likely first."""
+    return {lp.decoded_token: lp.logprob for lp in sorted(entry.values(), key=lambda v: v.rank)}
 
 
 ResponseFormat = ChatFormat | CompletionFormat

@@ -92,17 +92,20 @@ async def collect_final(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     return last
 
 
-def finish_reason_or_error(output: RequestOutput) -> str:
-    """The OpenAI finish_reason, or APIError when the engine failed or dropped the request.
+def raise_if_failed(output: RequestOutput) -> None:
+    """Raise APIError when the engine failed, aborted or dropped the request (any of its
+    samples: one failing sample fails the request).
 
     A failure of the request's own making is a 400 that says what was wrong; any other is a
     500 that names the request id and nothing more (the engine logged the traceback).
     """
-    reason = output.outputs[0].finish_reason if output.outputs else "error"
-    if reason in ("stop", "length"):
-        return reason
-    if reason == "abort":
-        raise APIError(503, "the request was aborted (the server is shutting down)", code="aborted")
+    reasons = {c.finish_reason for c in output.outputs} if output.outputs else {"error"}
+    if output.error_kind is None and "error" not in reasons:
+        if "abort" in reasons:
+            raise APIError(
+                503, "the request was aborted (the server is shutting down)", code="aborted"
+            )
+        return
     if output.error_kind is FailureKind.REQUEST:
         message = output.error or "the request failed inside the engine"
         raise APIError(400, message, code="request_failed", param=output.error_param)
@@ -114,27 +117,33 @@ async def stream_events(
     first: RequestOutput,
     fmt: ResponseFormat,
     include_usage: bool,
+    n: int = 1,
 ) -> AsyncIterator[str]:
     """SSE `data:` events for a started request, ending with `data: [DONE]`.
 
+    One choice per chunk, `index` naming the sample; each sample's last chunk carries its
+    finish_reason, and the usage chunk (summed over the samples) comes after all of them.
     `first` is the already-awaited first output, so that errors before any token became an
     HTTP status instead of an event.
     """
+    num_tokens: dict[int, int] = {}
     try:
-        start = fmt.start_chunk()
-        if start is not None:
+        for start in fmt.start_chunks(n):
             yield _event(start)
         output = first
         while True:
-            delta = output.outputs[0].delta_text if output.outputs else ""
+            if output.finished or any(c.finish_reason for c in output.outputs):
+                raise_if_failed(output)
+            for c in sorted(output.outputs, key=lambda c: c.index):
+                num_tokens[c.index] = c.num_tokens
+                if c.finish_reason is not None:
+                    yield _event(fmt.chunk(c, c.finish_reason))
+                elif c.delta_text or c.logprobs:
+                    yield _event(fmt.chunk(c, None))
             if output.finished:
-                reason = finish_reason_or_error(output)
-                yield _event(fmt.chunk(delta, reason))
                 if include_usage:
-                    yield _event(fmt.usage_chunk(output))
+                    yield _event(fmt.usage_chunk(output, sum(num_tokens.values())))
                 break
-            if delta:
-                yield _event(fmt.chunk(delta, None))
             output = await anext(outputs)
     except Exception as exc:  # reported in-band: the 200 status is already on the wire
         err = as_api_error(exc)

@@ -77,16 +77,15 @@ class SamplingFields(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
-    # Declared for their ranges only; any value other than the no-op one is refused as
-    # unsupported (api/unsupported.py), after the range check.
-    logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    # {token id as a string: bias}; the ids are checked by SamplingParams and the engine
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # Declared for their ranges only; any value other than the no-op one is refused as
+    # unsupported (api/unsupported.py), after the range check.
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     # Structured output (api/structured_output.py reads them; at most one may be set).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -103,6 +102,30 @@ class SamplingFields(_Body):
     def max_tokens_field(self) -> str:
         """The field the client bounded the output with (chat also has max_completion_tokens)."""
         return "max_tokens"
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        """How many top logprobs per token (None: no logprobs); each endpoint spells it."""
+        return None
+
+    @property
+    def logprobs_field(self) -> str:
+        return "logprobs"
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """logit_bias with its keys as token ids; a key that is not an integer is a 400."""
+        if self.logit_bias is None:
+            return None
+        out: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            if not re.fullmatch(r"-?[0-9]{1,10}", key):
+                raise InvalidRequestError(
+                    f'logit_bias keys must be token ids (integers as strings, e.g. "1234"), '
+                    f"got {key[:40]!r}",
+                    param="logit_bias",
+                )
+            out[int(key)] = bias
+        return out
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """The engine's SamplingParams; range errors name the field this request used."""
@@ -121,8 +144,20 @@ class SamplingFields(_Body):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 structured_outputs=structured_output_from_fields(self),
+                logprobs=self.requested_logprobs,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=(
+                    1.0 if self.repetition_penalty is None else self.repetition_penalty
+                ),
+                logit_bias=self.token_logit_bias(),
             )
         except InvalidRequestError as exc:
+            if exc.param == "logprobs" and self.logprobs_field != "logprobs":
+                raise InvalidRequestError(
+                    exc.message.replace("logprobs", self.logprobs_field, 1),
+                    param=self.logprobs_field,
+                ) from None
             field = self.max_tokens_field
             if field == "max_tokens":
                 raise
@@ -138,6 +173,23 @@ class ChatCompletionRequest(SamplingFields):
     mm_processor_kwargs: dict[str, Any] | None = None
     multi_modal_uuids: dict[str, list[str | None]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise InvalidRequestError(
+                    "top_logprobs needs logprobs: true; send both, or omit top_logprobs",
+                    param="top_logprobs",
+                )
+            return None
+        return self.top_logprobs or 0
+
+    @property
+    def logprobs_field(self) -> str:
+        return "top_logprobs"
 
     @property
     def max_tokens_field(self) -> str:
@@ -152,6 +204,11 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0)] | None = None
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (batched prompts are refused)."""

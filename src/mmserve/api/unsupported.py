@@ -17,11 +17,6 @@ from mmserve.errors import InvalidRequestError
 # The first value is the one the error message suggests. OpenAI fields first, then the vLLM
 # extensions a vLLM client sends.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
-    "logit_bias": ({},),
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
     "best_of": (1,),
     "tools": ([],),
     "tool_choice": ("none", "auto"),  # "auto" with no tools (tools are refused) picks none
@@ -34,7 +29,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     "stream_options.continuous_usage_stats": (False,),
     "min_p": (0,),
-    "repetition_penalty": (1,),
     "length_penalty": (1,),
     "use_beam_search": (False,),
     "prompt_logprobs": (),
@@ -65,6 +59,8 @@ def refuse_unsupported_fields(body: dict[str, Any]) -> None:
         value = _lookup(body, field)
         if value is None or any(_same_json_value(value, n) for n in neutral):
             continue
+        if field == "best_of" and _same_json_value(value, body.get("n", 1)):
+            continue  # best_of == n returns every sample drawn: what n alone does
         hint = f"omit it or send {json.dumps(neutral[0])}" if neutral else "omit it"
         raise InvalidRequestError(
             f"{field} is not supported by this server, and ignoring it would change the "

@@ -76,6 +76,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     max_model_len: int | None = None
+    # Most top logprobs a request may ask for (vLLM's --max-logprobs).
+    max_logprobs: int = 20
     block_size: int = 16
     enable_prefix_caching: bool = True
     disable_chunked_mm_input: bool = False
@@ -151,6 +153,8 @@ class EngineArgs:
         ):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"--max-logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.num_gpu_blocks_override is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError(
                 "--num-gpu-blocks-override and --kv-cache-memory-bytes both size the KV pool; "

@@ -87,6 +87,7 @@ class AsyncLLMEngine:
         self.resolved = resolved
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
+        self.max_logprobs = engine.max_logprobs
         self.metrics = engine.metrics
         self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}

@@ -272,6 +272,7 @@ def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngin
         ),
         metrics=metrics,
         max_model_len=shape.max_model_len,
+        max_logprobs=args.max_logprobs,
     )
     return engine, resolved
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -9,14 +10,19 @@ from collections.abc import Iterable
 from mmserve.engine.core import CoreLike, EngineCore
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.engine.outputs import OutputKind, RequestOutput
-from mmserve.errors import EngineDeadError, FailureKind, RequestFailure
+from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError, RequestFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.input_processor import InputProcessor
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import INT64_MIN, SamplingParams
 from mmserve.scheduling.request import RequestStatus
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+# The n core requests of a client request with n > 1 are "<request id>#<index>"; a client id
+# may not contain the separator, so a child id can never equal another request's id.
+CHILD_ID_SEPARATOR = "#"
 
 
 class LLMEngine:
@@ -36,12 +42,14 @@ class LLMEngine:
         output_processor: OutputProcessor,
         metrics: EngineMetrics,
         max_model_len: int,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ) -> None:
         self.input_processor = input_processor
         self.core = core
         self.output_processor = output_processor
         self.metrics = metrics
         self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
 
     # In-process conveniences (tests, tools): the scheduler and executor of a local core.
     @property
@@ -67,26 +75,44 @@ class LLMEngine:
         output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
         """Queue a processed prompt. Raises a typed 4xx error if it can never run; whatever it
-        raises, nothing of the request is left behind."""
+        raises, nothing of the request is left behind.
+
+        With `params.n > 1` the request runs as n core requests (children) of one prompt: the
+        first computes the prompt's KV blocks and the others take them from the prefix cache
+        (the scheduler defers a request whose next block is in flight); with a seed, child i
+        samples with seed + i.
+        """
+        if CHILD_ID_SEPARATOR in request_id:
+            raise ValueError(
+                f"request id {request_id!r} contains {CHILD_ID_SEPARATOR!r}, which is reserved "
+                "for the ids of parallel samples"
+            )
+        check_engine_limits(params, self.max_logprobs, self.input_processor.tokenizer.vocab_size)
+        core_ids = child_ids(request_id, params.n)
+        added: list[str] = []
         # Before the core has it: an engine process may schedule it at once (queue time >= 0).
         arrival_s = time.monotonic()
-        self.core.add_request(request_id, prompt, params, cache_salt=cache_salt)
         try:
+            for core_id, child in zip(core_ids, child_params(params), strict=True):
+                self.core.add_request(core_id, prompt, child, cache_salt=cache_salt)
+                added.append(core_id)
             self.output_processor.add_request(
                 request_id,
                 prompt.prompt,
                 prompt.prompt_token_ids,
                 params,
                 output_kind,
+                core_ids,
                 arrival_s=arrival_s,
             )
         except BaseException:
-            self.core.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+            self.core.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         ids = list(request_ids)
-        self.core.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        core_ids = [c for i in ids for c in self.output_processor.core_ids(i)]
+        self.core.finish_requests(core_ids, RequestStatus.FINISHED_ABORTED)
         return [out for i in ids if (out := self.output_processor.abort(i)) is not None]
 
     def has_unfinished_requests(self) -> bool:
@@ -137,3 +163,41 @@ class LLMEngine:
         cache_stats = self.input_processor.cache.stats
         self.metrics.set_counter("processor_cache_queries", cache_stats.queries)
         self.metrics.set_counter("processor_cache_hits", cache_stats.hits)
+
+
+def child_ids(request_id: str, n: int) -> list[str]:
+    """The core request ids of a client request: itself for n = 1."""
+    if n == 1:
+        return [request_id]
+    return [f"{request_id}{CHILD_ID_SEPARATOR}{i}" for i in range(n)]
+
+
+def child_params(params: SamplingParams) -> list[SamplingParams]:
+    """One SamplingParams per sample; child i of a seeded request uses seed + i (wrapped into
+    the 64-bit range), so the samples differ and the whole request is reproducible."""
+    if params.n == 1:
+        return [params]
+    out = []
+    for i in range(params.n):
+        seed = params.seed
+        if seed is not None:
+            seed = (seed + i - INT64_MIN) % 2**64 + INT64_MIN
+        out.append(dataclasses.replace(params, n=1, seed=seed))
+    return out
+
+
+def check_engine_limits(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+    """What SamplingParams cannot check alone: logprobs against --max-logprobs, logit_bias
+    against the vocabulary."""
+    if params.logprobs is not None and params.logprobs > max_logprobs:
+        raise InvalidRequestError(
+            f"logprobs asks for {params.logprobs} top logprobs but this server allows at most "
+            f"{max_logprobs} (--max-logprobs); ask for fewer",
+            param="logprobs",
+        )
+    for token_id in params.logit_bias or ():
+        if token_id >= vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias names token id {token_id}, outside the vocabulary [0, {vocab_size})",
+                param="logit_bias",
+            )

@@ -34,6 +34,7 @@ class EngineClient(Protocol):
 
     model_name: str
     max_model_len: int
+    max_logprobs: int  # --max-logprobs: the most top logprobs a request may ask for
     metrics: EngineMetrics
 
     async def process_chat(

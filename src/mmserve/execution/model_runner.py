@@ -13,12 +13,13 @@ from torch import nn
 
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.encoder_runner import EncoderRunner
+from mmserve.execution.logprobs import gather_logprobs, raw_logprobs
 from mmserve.execution.request_state import RequestState, RunnerPayload
 from mmserve.execution.sampler import SamplingRow, make_generator, sample
 from mmserve.execution.token_bitmask import sampling_bitmask
 from mmserve.layers.attention import build_attention_metadata
 from mmserve.multimodal import MultiModalFeature, ProcessedImage
-from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
+from mmserve.scheduling.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +87,17 @@ class ModelRunner:
             None, batch.positions, attn_metadata, self.kv_caches, inputs_embeds=embeds
         )
         sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, Logprobs] = {}
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_samples, vocab]
             rows = [self._sampling_row(self.states[r]) for r in batch.sample_request_ids]
+            raw = raw_logprobs(logits, rows)  # before sample() touches the logits
             bitmask = sampling_bitmask(so.grammar_bitmask, batch.sample_request_ids)
             tokens = sample(logits, rows, self._generator, token_bitmask=bitmask)
-            for request_id, token in zip(batch.sample_request_ids, tokens, strict=True):
+            by_row = gather_logprobs(raw, tokens) if raw is not None else {}
+            for i, (request_id, token) in enumerate(
+                zip(batch.sample_request_ids, tokens, strict=True)
+            ):
                 if isinstance(token, RequestFailure):
                     errors[request_id] = token
                     if token.kind is FailureKind.INTERNAL:  # its KV may hold NaN
@@ -99,7 +105,9 @@ class ModelRunner:
                     continue
                 self.states[request_id].token_ids.append(token)
                 sampled[request_id] = [token]
-        return ModelRunnerOutput(sampled, errors)
+                if i in by_row:
+                    logprobs[request_id] = by_row[i]
+        return ModelRunnerOutput(sampled, errors, logprobs)
 
     def _scrub_kv(self, state: RequestState) -> None:
         """Zero the KV blocks a failed request wrote itself.
@@ -153,6 +161,7 @@ class ModelRunner:
             p.generator,
             state.num_output_tokens,
             p.eos_token_ids,
+            state.token_ids,
         )
 
     # -------------------------------------------------------------------------- encoder

@@ -1,4 +1,4 @@
-"""Token sampling for one step: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling for one step: penalties and bias, greedy, temperature, top-k, top-p, seeds.
 
 A row that cannot be sampled (parameters that slipped past validation, NaN or +inf logits, a
 failing draw) gets a `RequestFailure` instead of a token; the other rows are unaffected.
@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from mmserve.errors import FailureKind, InvalidRequestError, RequestFailure
+from mmserve.execution.penalties import apply_penalties
 from mmserve.execution.token_bitmask import apply_token_bitmask_
 from mmserve.sampling_params import SamplingParams
 
@@ -33,6 +35,8 @@ class SamplingRow:
     generator: torch.Generator | None  # a per-request generator when params.seed is set
     num_output_tokens: int  # tokens generated before this step (for min_tokens)
     eos_token_ids: tuple[int, ...]
+    # prompt + tokens generated so far: read only by the penalties of a row that has them
+    token_ids: Sequence[int] = ()
 
 
 def sample(
@@ -53,6 +57,7 @@ def sample(
     num_rows = len(rows)
     logits = logits.float()
     failures = _apply_min_tokens(logits, rows)
+    failures.update(apply_penalties(logits, rows))  # nothing to do unless a row has some
     if token_bitmask is not None:
         apply_token_bitmask_(logits, token_bitmask)
     # One pass over the logits gives the greedy picks and, since max propagates NaN and +inf,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from mmserve.errors import RequestFailure
 from mmserve.multimodal import MultiModalFeature
 from mmserve.scheduling.request import RequestStatus
@@ -85,12 +87,39 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class Logprobs:
+    """Log-probabilities of a request's sampled tokens, one row per token (vLLM's layout).
+
+    Column 0 is the sampled token, columns 1..K the K most likely tokens in rank order; the
+    values are the log-softmax of the model's raw logits (before penalties or temperature).
+    """
+
+    token_ids: np.ndarray  # [num_tokens, 1 + K] int32
+    logprobs: np.ndarray  # [num_tokens, 1 + K] float32
+    ranks: np.ndarray  # [num_tokens] int32: the sampled token's rank (1 = most likely)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ranks.shape[0])
+
+    def head(self, num_tokens: int) -> Logprobs:
+        """The rows of the first `num_tokens` tokens (a stop may cut a step's tokens short)."""
+        if num_tokens >= self.num_tokens:
+            return self
+        return Logprobs(
+            self.token_ids[:num_tokens], self.logprobs[:num_tokens], self.ranks[:num_tokens]
+        )
+
+
+@dataclass(frozen=True)
 class ModelRunnerOutput:
-    """The runner's answer: sampled tokens per request, and requests that failed inside it
-    (e.g. a placeholder/embedding count mismatch) with why and whose fault it is."""
+    """The runner's answer: sampled tokens per request, their logprobs for requests that asked,
+    and requests that failed inside it (e.g. a placeholder/embedding count mismatch) with why
+    and whose fault it is."""
 
     sampled_token_ids: dict[str, list[int]]
     errors: dict[str, RequestFailure] = field(default_factory=dict)
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -106,6 +135,7 @@ class RequestUpdate:
     # When the core first scheduled it (`time.monotonic()`): on the request's first update
     # only, None on every other (a preemption does not move it).
     first_scheduled_time_s: float | None = None
+    logprobs: Logprobs | None = None  # one row per new token, when the request asked
 
     @property
     def finished(self) -> bool:

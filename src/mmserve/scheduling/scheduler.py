@@ -430,6 +430,7 @@ class Scheduler:
             if request.is_finished:
                 finished.append(request)
             if new_token_ids or request.is_finished:
+                logprobs = runner_output.logprobs.get(request_id) if new_token_ids else None
                 updates.append(
                     RequestUpdate(
                         request_id,
@@ -438,6 +439,7 @@ class Scheduler:
                         stop_reason=request.stop_reason,
                         num_cached_tokens=request.num_cached_tokens or 0,
                         first_scheduled_time_s=self._take_schedule_time(request),
+                        logprobs=None if logprobs is None else logprobs.head(len(new_token_ids)),
                     )
                 )
         if finished:

@@ -7,6 +7,7 @@ from mmserve.wire.codec import ALLOWED_DTYPES, MESSAGE_TAGS, Message, decode, en
 from mmserve.wire.common import (
     WireEncoderInput,
     WireError,
+    WireLogprobs,
     WireMMFeature,
     WireRequestFailure,
     WireSamplingParams,
@@ -46,6 +47,7 @@ __all__ = [
     "WireCachedRequestData",
     "WireEncoderInput",
     "WireGrammarBitmask",
+    "WireLogprobs",
     "WireError",
     "WireMMFeature",
     "WireModelRunnerOutput",

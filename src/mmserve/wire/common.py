@@ -105,6 +105,40 @@ class WireSamplingParams(WireStruct):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: WireStructuredOutputs | None = None
+    logprobs: NonNegInt | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[TokenId, float] | None = None
+
+
+class WireLogprobs(WireStruct):
+    """`scheduling.outputs.Logprobs` as arrays: one row per token, column 0 the sampled one.
+
+    token_ids int32 [num_tokens, 1 + K], logprobs float32 [num_tokens, 1 + K], ranks int32
+    [num_tokens].
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    ranks: np.ndarray
+
+    def __post_init__(self) -> None:
+        ids, values, ranks = self.token_ids, self.logprobs, self.ranks
+        if ids.dtype != np.int32 or values.dtype != np.float32 or ranks.dtype != np.int32:
+            raise WireError(
+                f"logprobs: dtypes {ids.dtype}, {values.dtype}, {ranks.dtype}; expected "
+                "int32 token_ids, float32 logprobs, int32 ranks"
+            )
+        if ids.ndim != 2 or ids.shape[1] < 1 or values.shape != ids.shape:
+            raise WireError(
+                f"logprobs: token_ids {ids.shape} and logprobs {values.shape} must be the same "
+                "[num_tokens, 1 + K]"
+            )
+        if ranks.shape != (ids.shape[0],):
+            raise WireError(f"logprobs: ranks {ranks.shape}, expected ({ids.shape[0]},)")
+        if ids.size and (int(ids.min()) < 0 or int(ranks.min()) < 1):
+            raise WireError("logprobs: token ids must be >= 0 and ranks >= 1")
 
 
 class WireRequestFailure(WireStruct):

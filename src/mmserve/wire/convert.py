@@ -21,6 +21,7 @@ from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.outputs import (
     CachedRequestData,
     GrammarBitmask,
+    Logprobs,
     ModelRunnerOutput,
     NewRequestData,
     RequestUpdate,
@@ -31,6 +32,7 @@ from mmserve.scheduling.request import FINISH_REASONS
 from mmserve.structured_output.params import StructuredOutputParams
 from mmserve.wire.common import (
     WireEncoderInput,
+    WireLogprobs,
     WireMMFeature,
     WireRequestFailure,
     WireSamplingParams,
@@ -104,6 +106,8 @@ def sampling_params_to_wire(p: SamplingParams) -> WireSamplingParams:
     fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
     so = p.structured_outputs
     fields["structured_outputs"] = None if so is None else WireStructuredOutputs(so.kind, so.spec)
+    if fields["logit_bias"] is not None:
+        fields["logit_bias"] = dict(fields["logit_bias"])
     return WireSamplingParams(**fields)
 
 
@@ -113,6 +117,14 @@ def sampling_params_from_wire(w: WireSamplingParams) -> SamplingParams:
     so = w.structured_outputs
     fields["structured_outputs"] = None if so is None else StructuredOutputParams(so.kind, so.spec)
     return SamplingParams(**fields)
+
+
+def logprobs_to_wire(lp: Logprobs | None) -> WireLogprobs | None:
+    return None if lp is None else WireLogprobs(lp.token_ids, lp.logprobs, lp.ranks)
+
+
+def logprobs_from_wire(w: WireLogprobs | None) -> Logprobs | None:
+    return None if w is None else Logprobs(w.token_ids, w.logprobs, w.ranks)
 
 
 def failure_to_wire(failure: RequestFailure) -> WireRequestFailure:
@@ -188,6 +200,7 @@ def update_to_wire(update: RequestUpdate) -> EngineCoreOutput:
         error=failure_to_wire(update.error) if update.error is not None else None,
         num_cached_tokens=update.num_cached_tokens,
         first_scheduled_time_s=update.first_scheduled_time_s,
+        logprobs=logprobs_to_wire(update.logprobs),
     )
 
 
@@ -201,6 +214,7 @@ def update_from_wire(out: EngineCoreOutput) -> RequestUpdate:
         error=failure_from_wire(out.error) if out.error is not None else None,
         num_cached_tokens=out.num_cached_tokens,
         first_scheduled_time_s=out.first_scheduled_time_s,
+        logprobs=logprobs_from_wire(out.logprobs),
     )
 
 
@@ -320,9 +334,15 @@ def scheduler_output_from_wire(
 
 def runner_output_to_wire(o: ModelRunnerOutput) -> WireModelRunnerOutput:
     errors = {rid: failure_to_wire(e) for rid, e in o.errors.items()}
-    return WireModelRunnerOutput(o.sampled_token_ids, errors)
+    logprobs = {
+        rid: WireLogprobs(lp.token_ids, lp.logprobs, lp.ranks) for rid, lp in o.logprobs.items()
+    }
+    return WireModelRunnerOutput(o.sampled_token_ids, errors, logprobs)
 
 
 def runner_output_from_wire(w: WireModelRunnerOutput) -> ModelRunnerOutput:
     errors = {rid: failure_from_wire(e) for rid, e in w.errors.items()}
-    return ModelRunnerOutput(w.sampled_token_ids, errors)
+    logprobs = {
+        rid: Logprobs(lp.token_ids, lp.logprobs, lp.ranks) for rid, lp in w.logprobs.items()
+    }
+    return ModelRunnerOutput(w.sampled_token_ids, errors, logprobs)

@@ -14,6 +14,7 @@ from mmserve.wire.common import (
     TokenId,
     WireEncoderInput,
     WireError,
+    WireLogprobs,
     WireMMFeature,
     WireRequestFailure,
     WireSamplingParams,
@@ -75,7 +76,8 @@ class EngineCoreShutdown(WireStruct):
 
 
 class EngineCoreOutput(WireStruct):
-    """What one step did to one request. `new_token_ids` is a delta, never the whole output.
+    """What one step did to one request. `new_token_ids` is a delta, never the whole output
+    (and `logprobs`, when the request asked for them, has one row per new token).
 
     `finish_reason` None: still running. `stop_reason` is the stop token id that ended it, if
     one did. `num_cached_tokens` is the prefix-cache hit of the request's first schedule (the
@@ -91,6 +93,7 @@ class EngineCoreOutput(WireStruct):
     error: WireRequestFailure | None = None
     num_cached_tokens: NonNegInt = 0
     first_scheduled_time_s: float | None = None
+    logprobs: WireLogprobs | None = None  # one row per new token, when the request asked
 
     def __post_init__(self) -> None:
         t = self.first_scheduled_time_s
@@ -103,6 +106,11 @@ class EngineCoreOutput(WireStruct):
             raise WireError(
                 f"output of request {self.request_id}: finish_reason {self.finish_reason!r} "
                 f"with error {self.error!r}; an error comes exactly with finish_reason 'error'"
+            )
+        if self.logprobs is not None and self.logprobs.ranks.shape[0] != len(self.new_token_ids):
+            raise WireError(
+                f"output of request {self.request_id}: logprobs for "
+                f"{self.logprobs.ranks.shape[0]} tokens but {len(self.new_token_ids)} new tokens"
             )
 
 

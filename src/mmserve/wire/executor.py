@@ -11,6 +11,7 @@ from mmserve.wire.common import (
     TokenId,
     WireEncoderInput,
     WireError,
+    WireLogprobs,
     WireMMFeature,
     WireRequestFailure,
     WireSamplingParams,
@@ -127,7 +128,18 @@ class WireSchedulerOutput(WireStruct):
 
 
 class WireModelRunnerOutput(WireStruct):
-    """The runner's answer: sampled token ids per request, and the requests that failed."""
+    """The runner's answer: sampled token ids per request, the requests that failed, and the
+    sampled tokens' logprobs of requests that asked (one row per sampled token)."""
 
     sampled_token_ids: dict[RequestId, list[TokenId]]
     errors: dict[RequestId, WireRequestFailure] = {}
+    logprobs: dict[RequestId, WireLogprobs] = {}
+
+    def __post_init__(self) -> None:
+        for request_id, logprobs in self.logprobs.items():
+            num_tokens = len(self.sampled_token_ids.get(request_id, ()))
+            if logprobs.ranks.shape[0] != num_tokens:
+                raise WireError(
+                    f"runner output: logprobs of request {request_id} cover "
+                    f"{logprobs.ranks.shape[0]} tokens but it sampled {num_tokens}"
+                )
