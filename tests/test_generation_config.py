@@ -84,3 +84,37 @@ def test_unreadable_file_and_unsupported_keys(
     model = write(tmp_path / "m", {"min_p": 0.1, "temperature": 0.5})
     assert load_sampling_defaults("auto", model) == {"temperature": 0.5}
     assert "min_p=0.1, which mmserve does not implement" in caplog.text
+
+
+def test_the_offline_api_starts_from_the_checkpoints_values(tmp_path: Path) -> None:
+    import shutil
+
+    from mmserve import LLM, SamplingParams
+    from mmserve.engine.args import bundled_toy_model_dir
+
+    model = Path(shutil.copytree(bundled_toy_model_dir(), tmp_path / "toy"))
+    config = json.loads((model / "generation_config.json").read_text())
+    write(model, {**config, "temperature": 0.0, "max_new_tokens": 2, "repetition_penalty": 1.3})
+    with LLM(model=str(model)) as llm:
+        defaults = llm.get_default_sampling_params()
+        assert (defaults.temperature, defaults.max_tokens) == (0.0, 2)
+        assert defaults.repetition_penalty == 1.3
+        text = llm.generate(["a red"])[0].outputs[0]
+        explicit = SamplingParams(temperature=0, max_tokens=2, repetition_penalty=1.3)
+        assert text.token_ids == llm.generate(["a red"], explicit)[0].outputs[0].token_ids
+        assert len(text.token_ids) == 2
+    with LLM(model=str(model), generation_config="vllm") as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+
+
+def test_request_fields_win_over_the_defaults() -> None:
+    from mmserve.api.protocol import CompletionRequest
+
+    defaults = {"temperature": 0.01, "top_p": 0.001, "top_k": 1, "repetition_penalty": 1.05}
+    left_out = CompletionRequest(prompt="x").to_sampling_params(None, defaults)
+    assert (left_out.temperature, left_out.top_p, left_out.top_k) == (0.01, 0.001, 1)
+    assert left_out.repetition_penalty == 1.05
+    given = CompletionRequest(prompt="x", temperature=0.7, top_k=0, repetition_penalty=1.0)
+    params = given.to_sampling_params(None, defaults)
+    assert (params.temperature, params.top_k, params.repetition_penalty) == (0.7, 0, 1.0)
+    assert params.top_p == 0.001  # the one field it left out

@@ -427,11 +427,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=engine_args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from mmserve.engine.model_source import ModelNotFoundError, with_local_sources
+    from mmserve.engine.model_source import with_local_sources
+    from mmserve.generation_config import load_sampling_defaults
 
     try:  # a hub id is looked up (and downloaded) before anything starts
         engine_args = with_local_sources(engine_args)
-    except ModelNotFoundError as exc:
+        load_sampling_defaults(engine_args.generation_config, engine_args.model, log=False)
+    except ValueError as exc:  # ModelNotFoundError included
         args.subparser.error(str(exc))
     _log_vllm_flags(engine_args)
     return serve(engine_args)

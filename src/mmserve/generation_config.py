@@ -29,8 +29,9 @@ SAMPLING_KEYS = {
 UNSUPPORTED_KEYS = ("min_p",)
 
 
-def load_sampling_defaults(spec: str, model_dir: str | Path) -> dict[str, Any]:
-    """The SamplingParams fields (by name) that `spec` sets, checked; {} for engine defaults."""
+def load_sampling_defaults(spec: str, model_dir: str | Path, *, log: bool = True) -> dict[str, Any]:
+    """The SamplingParams fields (by name) that `spec` sets, checked; {} for engine defaults.
+    `log=False` only checks (the CLI does, before start-up, to refuse a bad file early)."""
     if spec in ENGINE_DEFAULTS:
         return {}
     directory = Path(model_dir) if spec == "auto" else Path(spec).expanduser()
@@ -51,6 +52,8 @@ def load_sampling_defaults(spec: str, model_dir: str | Path) -> dict[str, Any]:
     defaults = {field: config[key] for key, field in SAMPLING_KEYS.items() if key in config}
     for name, value in defaults.items():
         _check(name, value, path)
+    if not log:
+        return defaults
     for key in UNSUPPORTED_KEYS:
         if config.get(key) not in (None, 0, 0.0):
             logger.warning(

@@ -35,6 +35,7 @@ class EchoEngine:
         self.model_name = "echo"
         self.max_model_len = max_model_len
         self.max_logprobs = 20
+        self.sampling_defaults: dict = {}
         self.metrics = EngineMetrics()
         self.token_delay_s = token_delay_s
         self.namespaces: list[str] = []

@@ -8,11 +8,13 @@ The flags a vLLM user brings either work (positional model, --max-model-len,
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,6 +85,8 @@ def test_start_up_refusals_exit_2_with_the_reason(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "does not split it across devices yet" in proc.stderr
     env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
+    proc = run_cli(bundled_toy_model_dir(), "--generation-config", str(tmp_path / "nothing"))
+    assert proc.returncode == 2 and "no generation_config.json there" in proc.stderr
     proc = run_cli("acme/not-cached", env=env)
     assert proc.returncode == 2
     assert "acme/not-cached: no such directory, and not found in the local hub cache" in (
@@ -90,7 +94,11 @@ def test_start_up_refusals_exit_2_with_the_reason(tmp_path: Path) -> None:
     )
 
 
-def ask_about_red_circle(server: Server, model: str) -> str:
+def ask_about_red_circle(
+    server: Server, model: str, *, temperature: float | None = 0, max_tokens: int | None = 8
+) -> Any:
+    """The reply's text with the defaults given; the whole reply when a field is left out."""
+    fields = {"temperature": temperature, "max_tokens": max_tokens}
     png = base64.b64encode((EXAMPLES / "red_circle.png").read_bytes()).decode()
     reply = server.client.chat.completions.create(
         model=model,
@@ -103,10 +111,11 @@ def ask_about_red_circle(server: Server, model: str) -> str:
                 ],
             }
         ],
-        max_tokens=8,
-        temperature=0,
+        **{name: value for name, value in fields.items() if value is not None},
     )
     assert reply.model == model
+    if None in fields.values():
+        return reply
     return reply.choices[0].message.content or ""
 
 
@@ -115,6 +124,11 @@ def test_a_vllm_docs_command_line_serves_a_local_checkpoint(tmp_path: Path) -> N
     #  --limit-mm-per-prompt '{"image": 2}' --served-model-name qwen2-vl --trust-remote-code`,
     # with the bundled checkpoint copied to a directory of the user's.
     model_dir = Path(shutil.copytree(bundled_toy_model_dir(), tmp_path / "Qwen2-VL-toy"))
+    # a checkpoint's recommended sampling values, as Qwen's carry them (greedy, short here)
+    config_path = model_dir / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    config.update(temperature=0.0, top_k=1, max_new_tokens=2, repetition_penalty=1.0)
+    config_path.write_text(json.dumps(config))
     server = Server(
         model_dir,
         tmp_path / "server.log",
@@ -125,7 +139,12 @@ def test_a_vllm_docs_command_line_serves_a_local_checkpoint(tmp_path: Path) -> N
     )  # fmt: skip
     try:
         assert [m.id for m in server.client.models.list().data] == ["qwen2-vl"]
-        assert ask_about_red_circle(server, "qwen2-vl") == "a red circle"
+        assert ask_about_red_circle(server, "qwen2-vl") == "a red circle"  # its own fields win
+        # fields left out take the generation config's values (vLLM's --generation-config auto)
+        for _ in range(2):
+            reply = ask_about_red_circle(server, "qwen2-vl", temperature=None, max_tokens=None)
+            assert (reply.choices[0].finish_reason, reply.usage.completion_tokens) == ("length", 2)
+            assert "a red circle".startswith(reply.choices[0].message.content or "")
         wait_until_idle(server.url)
     finally:
         server.stop()

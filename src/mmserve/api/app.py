@@ -163,7 +163,7 @@ def create_app(
                 param="model",
             )
         # Every sampling range is checked here; the bound by the prompt's length comes later.
-        params = body.to_sampling_params(body.requested_max_tokens)
+        params = body.to_sampling_params(body.requested_max_tokens, engine.sampling_defaults)
         if params.logprobs is not None and params.logprobs > engine.max_logprobs:
             field = body.logprobs_field
             raise InvalidRequestError(
@@ -182,7 +182,11 @@ def create_app(
         fmt: ResponseFormat,
     ) -> Response:
         params = sampling_params_for(
-            body, requested, len(prompt.prompt_token_ids), engine.max_model_len
+            body,
+            requested,
+            len(prompt.prompt_token_ids),
+            engine.max_model_len,
+            default_max_tokens=engine.sampling_defaults.get("max_tokens"),
         )
         # A stream sends what each step added; a whole answer needs only the last update.
         kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY

@@ -35,10 +35,16 @@ class ClientGoneError(Exception):
 
 
 def sampling_params_for(
-    body: SamplingFields, requested: SamplingParams, prompt_len: int, max_model_len: int
+    body: SamplingFields,
+    requested: SamplingParams,
+    prompt_len: int,
+    max_model_len: int,
+    *,
+    default_max_tokens: int | None = None,
 ) -> SamplingParams:
     """`requested` (already range-checked) with max_tokens bounded by what is left of the
-    model length; None becomes "up to the model length"."""
+    model length; None becomes "up to the model length", or `default_max_tokens` (the
+    checkpoint's max_new_tokens) when that is less, as in vLLM."""
     max_tokens = requested.max_tokens
     room = max_model_len - prompt_len
     if room <= 0:
@@ -54,7 +60,9 @@ def sampling_params_for(
             f"lower max_tokens to {room} or less",
             param="max_tokens",
         )
-    return dataclasses.replace(requested, max_tokens=room if max_tokens is None else max_tokens)
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(room, default_max_tokens)
+    return dataclasses.replace(requested, max_tokens=max_tokens)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

@@ -8,6 +8,7 @@ fields we do not implement are refused by `api/unsupported.py`.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -127,14 +128,25 @@ class SamplingFields(_Body):
             out[int(key)] = bias
         return out
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """The engine's SamplingParams; range errors name the field this request used."""
+    def to_sampling_params(
+        self, max_tokens: int | None, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
+        """The engine's SamplingParams; range errors name the field this request used.
+
+        `defaults` (the checkpoint's generation_config.json, by SamplingParams field name)
+        fill temperature, top_p, top_k and repetition_penalty where the request has none.
+        """
+        defaults = defaults or {}
+
+        def pick(value: Any, name: str, fallback: Any) -> Any:
+            return defaults.get(name, fallback) if value is None else value
+
         try:
             return SamplingParams(
                 n=self.n,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=self.top_k or 0,
+                temperature=pick(self.temperature, "temperature", 1.0),
+                top_p=pick(self.top_p, "top_p", 1.0),
+                top_k=pick(self.top_k, "top_k", 0),
                 seed=self.seed,
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
@@ -147,9 +159,7 @@ class SamplingFields(_Body):
                 logprobs=self.requested_logprobs,
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=(
-                    1.0 if self.repetition_penalty is None else self.repetition_penalty
-                ),
+                repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
                 logit_bias=self.token_logit_bias(),
             )
         except InvalidRequestError as exc:

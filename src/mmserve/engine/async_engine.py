@@ -88,6 +88,7 @@ class AsyncLLMEngine:
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
         self.max_logprobs = engine.max_logprobs
+        self.sampling_defaults = engine.sampling_defaults
         self.metrics = engine.metrics
         self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}

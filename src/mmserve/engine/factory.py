@@ -20,6 +20,7 @@ from mmserve.engine.output_processor import OutputProcessor
 from mmserve.execution.encoder_runner import EncoderRunner
 from mmserve.execution.executor import InProcessExecutor
 from mmserve.execution.model_runner import ModelRunner
+from mmserve.generation_config import load_sampling_defaults
 from mmserve.layers.attention import allocate_kv_caches, kv_cache_bytes_per_block
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import ModelConfig, load_model_config
@@ -273,6 +274,7 @@ def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngin
         metrics=metrics,
         max_model_len=shape.max_model_len,
         max_logprobs=args.max_logprobs,
+        sampling_defaults=load_sampling_defaults(args.generation_config, shape.model_dir),
     )
     return engine, resolved
 

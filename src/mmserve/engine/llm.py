@@ -50,6 +50,12 @@ class LLM:
     def config(self) -> ResolvedConfig:
         return self.resolved_config
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate`/`chat` use when given no SamplingParams: the engine's defaults with
+        the checkpoint's generation_config.json values over them (`generation_config="vllm"`
+        keeps the engine's own), as vLLM's LLM does."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.input_processor.tokenizer
 
@@ -102,7 +108,7 @@ class LLM:
         cache_salt: str | None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from mmserve.engine.core import CoreLike, EngineCore
 from mmserve.engine.output_processor import OutputProcessor
@@ -43,13 +44,17 @@ class LLMEngine:
         metrics: EngineMetrics,
         max_model_len: int,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        sampling_defaults: Mapping[str, Any] | None = None,
     ) -> None:
+        """`sampling_defaults`: SamplingParams fields (by name) for those a client request
+        leaves out, from the checkpoint's generation_config.json (`--generation-config`)."""
         self.input_processor = input_processor
         self.core = core
         self.output_processor = output_processor
         self.metrics = metrics
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
+        self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
 
     # In-process conveniences (tests, tools): the scheduler and executor of a local core.
     @property

@@ -35,6 +35,8 @@ class EngineClient(Protocol):
     model_name: str
     max_model_len: int
     max_logprobs: int  # --max-logprobs: the most top logprobs a request may ask for
+    # SamplingParams fields for those a request leaves out (--generation-config)
+    sampling_defaults: dict[str, Any]
     metrics: EngineMetrics
 
     async def process_chat(
