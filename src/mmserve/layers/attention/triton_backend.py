@@ -94,6 +94,10 @@ class TritonAttentionBackend:
             return out
         assert query.stride(2) == 1 and kv_cache.is_contiguous()
         group = num_heads // num_kv_heads
+        group_pad = _next_power_of_two(group)
+        head_pad = max(16, _next_power_of_two(head_dim))
+        # A tile's float32 accumulator is rows x head_pad: more warps keep it in registers.
+        num_warps = 8 if plan.tokens_per_tile * group_pad * head_pad > 8192 else 4
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         self.kernels.paged_attention[(plan.num_tiles, num_kv_heads)](
             out,
@@ -115,13 +119,14 @@ class TritonAttentionBackend:
             key_cache.stride(2),
             metadata.block_tables.stride(0),
             GROUP=group,
-            GROUP_PAD=_next_power_of_two(group),
+            GROUP_PAD=group_pad,
             BLOCK_Q=plan.tokens_per_tile,
             BLOCK_SIZE=block_size,
             HEAD_DIM=head_dim,
-            HEAD_PAD=max(16, _next_power_of_two(head_dim)),
+            HEAD_PAD=head_pad,
             DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
             DOT_IN_FP32=self.kernels.is_interpreted and kv_cache.dtype == torch.bfloat16,
+            num_warps=num_warps,
         )
         return out
 
@@ -138,6 +143,10 @@ def store_kv(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    # Rounded by torch (a no-op when the model's dtype is the cache's): the stored bits then
+    # equal write_kv_cache's, and Triton's interpreter, which truncates float32 to bfloat16,
+    # agrees too.
+    key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
     assert key.stride(2) == 1 and value.stride(2) == 1 and kv_cache.is_contiguous()
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     backend.kernels.store_kv[(num_tokens,)](
