@@ -7,8 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.layers.attention import AttentionBackend, TorchAttentionBackend, write_kv_cache
-from mmserve.layers.attention.metadata import build_layout
+from mmserve.layers.attention import (
+    AttentionBackend,
+    TorchAttentionBackend,
+    build_attention_metadata,
+    write_kv_cache,
+)
 
 # (cached tokens, new tokens) per sequence: odd lengths, decodes at and across block edges,
 # fresh prefills, prefill chunks that start mid-block, and chunks longer than one query tile.
@@ -60,7 +64,7 @@ def make_batch(
     kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     for (cached, _), table in zip(shapes, tables, strict=True):
         if cached:  # an earlier step wrote the context
-            layout = build_layout([cached], [cached], [table], block_size, "cpu", None)  # type: ignore[arg-type]
+            layout = build_attention_metadata([cached], [cached], [table], block_size)
             k, v = torch.randn(2, cached, num_kv_heads, head_dim, generator=gen).to(dtype)
             write_kv_cache(kv_cache, k, v, layout.slot_mapping)
     num_tokens = sum(n for _, n in shapes)
