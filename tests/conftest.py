@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.factory import write_tiny_checkpoint
+
+# Triton decides once, when it is first imported, whether its kernels run compiled or in its
+# interpreter; without CUDA the Triton attention tests need the interpreter, so it is chosen
+# here, before any test imports triton (tests/layers/test_triton_attention.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

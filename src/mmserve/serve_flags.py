@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mmserve.engine.args import (
+    ATTENTION_BACKENDS,
     DEVICES,
     DTYPES,
     LOG_LEVELS,
@@ -151,6 +152,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Never run captured CUDA graphs. mmserve runs eagerly today on every device, "
         "so this changes nothing yet; it keeps vLLM command lines working.",
+    )
+    a(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="Language-model attention: triton (Triton kernels, CUDA; on the CPU only with "
+        "TRITON_INTERPRET=1) or torch (SDPA, any device). auto: triton on CUDA, else torch.",
     )
     a(
         "--multiprocess",

@@ -187,7 +187,17 @@ def all_messages() -> list[tuple[str, Message]]:
         ("stats", engine_stats()),
         ("stats_zero", engine_stats(counters={}, gauges={}, num_running=0, num_waiting=0)),
         ("dead", EngineDead("the engine core exited with signal 9")),
-        ("ready", EngineCoreReady({"model": "/m", "num_kv_blocks": 128, "chunked_mm_input": True})),
+        (
+            "ready",
+            EngineCoreReady(
+                {
+                    "model": "/m",
+                    "num_kv_blocks": 128,
+                    "chunked_mm_input": True,
+                    "attention_backend": "triton",
+                }
+            ),
+        ),
         ("scheduler_output", scheduler_output()),
         ("scheduler_output_empty", empty_step),
         (

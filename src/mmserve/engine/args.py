@@ -15,6 +15,7 @@ from mmserve.processing.url_guard import parse_allowlist
 TOY_MODEL_NAME = "mmserve-toy"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -128,6 +129,8 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    # Language-model attention (issue #15): auto is triton on CUDA, torch (SDPA) elsewhere.
+    attention_backend: str = "auto"
     # Request defaults from a generation_config.json: "auto" (the model's), "vllm" (none), a dir.
     generation_config: str = "auto"
 
@@ -179,6 +182,7 @@ class EngineArgs:
         self._check_device_flags()
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, DEVICES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("hash_algorithm", self.hash_algorithm, HASH_ALGORITHMS)
         _check_choice("log_level", self.log_level, LOG_LEVELS)
         _check_choice("uvicorn_log_level", self.uvicorn_log_level, LOG_LEVELS)

@@ -21,7 +21,11 @@ from mmserve.execution.encoder_runner import EncoderRunner
 from mmserve.execution.executor import InProcessExecutor
 from mmserve.execution.model_runner import ModelRunner
 from mmserve.generation_config import load_sampling_defaults
-from mmserve.layers.attention import allocate_kv_caches, kv_cache_bytes_per_block
+from mmserve.layers.attention import (
+    allocate_kv_caches,
+    kv_cache_bytes_per_block,
+    select_backend,
+)
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import ModelConfig, load_model_config
 from mmserve.models.loader import load_model
@@ -60,6 +64,7 @@ class ResolvedConfig:
     encoder_cache_bytes: int
     encoder_compute_budget: int
     chunked_mm_input: bool
+    attention_backend: str
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -184,6 +189,13 @@ def build_core(
     device, dtype = shape.device, shape.dtype
     if device.type == "cpu":
         tune_host_allocator()  # activations live in host memory: reuse it, do not re-fault it
+    attention_backend = select_backend(args.attention_backend, device, block_size=args.block_size)
+    logger.info(
+        "attention backend: %s (--attention-backend %s, device %s)",
+        attention_backend.name,
+        args.attention_backend,
+        device,
+    )
     model, model_config = load_model(shape.model_dir, device=device, dtype=dtype)
     scheduler_config = shape.scheduler_config
     bytes_per_block = kv_cache_bytes_per_block(model_config, args.block_size, dtype)
@@ -220,6 +232,7 @@ def build_core(
         placeholder_token_ids=(model_config.image_token_id, model_config.video_token_id),
         device=device,
         seed=args.seed,
+        attention_backend=attention_backend,
     )
     metrics.set_gauge("kv_blocks_total", num_blocks)
     metrics.set_gauge("kv_blocks_free", num_blocks)
@@ -248,6 +261,7 @@ def build_core(
         bytes_per_block,
         bytes_per_slot,
         shape.max_model_len,
+        attention_backend.name,
     )
     return core, resolved
 
@@ -337,6 +351,7 @@ def _describe(
     bytes_per_block: int,
     bytes_per_slot: int,
     max_model_len: int,
+    attention_backend: str,
 ) -> ResolvedConfig:
     return ResolvedConfig(
         model=str(args.model),
@@ -355,6 +370,7 @@ def _describe(
         encoder_cache_bytes=sched.effective_encoder_cache_size * bytes_per_slot,
         encoder_compute_budget=sched.effective_encoder_compute_budget,
         chunked_mm_input=not sched.disable_chunked_mm_input,
+        attention_backend=attention_backend,
     )
 
 

@@ -17,7 +17,7 @@ from mmserve.execution.logprobs import gather_logprobs, raw_logprobs
 from mmserve.execution.request_state import RequestState, RunnerPayload
 from mmserve.execution.sampler import SamplingRow, make_generator, sample
 from mmserve.execution.token_bitmask import sampling_bitmask
-from mmserve.layers.attention import build_attention_metadata
+from mmserve.layers.attention import AttentionBackend, TorchAttentionBackend
 from mmserve.multimodal import MultiModalFeature, ProcessedImage
 from mmserve.scheduling.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 
@@ -53,6 +53,7 @@ class ModelRunner:
         placeholder_token_ids: tuple[int, ...],
         device: torch.device,
         seed: int = 0,
+        attention_backend: AttentionBackend | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -60,6 +61,7 @@ class ModelRunner:
         self.block_size = block_size
         self.placeholder_token_ids = placeholder_token_ids
         self.device = device
+        self.attention_backend = attention_backend or TorchAttentionBackend()
         self.states: dict[str, RequestState] = {}
         self._generator = make_generator(seed)
 
@@ -77,7 +79,8 @@ class ModelRunner:
         batch = self._prepare_batch(so, errors)
         if not batch.request_ids:
             return ModelRunnerOutput({}, errors)
-        attn_metadata = build_attention_metadata(
+        # Once per step, before the forward: every layer reads this one metadata.
+        attn_metadata = self.attention_backend.build_metadata(
             batch.query_lens, batch.seq_lens, batch.block_tables, self.block_size, self.device
         )
         embeds = self.model.embed_input_ids(batch.input_ids)  # [num_tokens, hidden]

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from mmserve.layers.activation import get_activation
-from mmserve.layers.attention import AttentionMetadata, paged_attention
+from mmserve.layers.attention import AttentionMetadata
 from mmserve.layers.norm import RMSNorm
 from mmserve.layers.rotary import MRotaryEmbedding, apply_rotary
 from mmserve.models.config import TextConfig
@@ -39,7 +39,8 @@ class Qwen2Attention(nn.Module):
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, attn_metadata, self.head_dim**-0.5)
+        # The step's metadata names the backend that built it (chosen once at start-up).
+        out = attn_metadata.backend.forward(q, k, v, kv_cache, attn_metadata, self.head_dim**-0.5)
         return self.o_proj(out.to(x.dtype).reshape(n, -1))
 
 

@@ -1,0 +1,54 @@
+"""The attention backend seam: what the model runner and the decoder layers ask of a backend."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from mmserve.layers.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    """Paged causal attention over a flat batch of prefill chunks and decodes.
+
+    Contract:
+
+    - `build_metadata` runs once per step on the host, before the forward and outside it. It
+      validates the batch and returns an `AttentionMetadata` holding *everything* `forward`
+      needs (device tensors, host copies, the backend's own plan: decode groups, query tiles),
+      with `metadata.backend is self`. Every decoder layer shares it; `forward` builds no index
+      tensor and reads no host value that would sync the device.
+    - `forward(query, key, value, kv_cache, metadata, scale)` first stores the new tokens' K/V
+      at `metadata.slot_mapping` in `kv_cache` (in place, cast to the cache's dtype), then
+      returns the attention of every new token over its sequence's cached tokens and its own
+      earlier new tokens: query [num_tokens, num_heads, head_dim], key/value
+      [num_tokens, num_kv_heads, head_dim] (already rotated), kv_cache
+      [2, num_blocks, block_size, num_kv_heads, head_dim]; the result is
+      [num_tokens, num_heads, head_dim] in the cache's dtype. It changes no cache slot other
+      than those of `slot_mapping`.
+    - Backends agree with `TorchAttentionBackend` (the reference) to rounding.
+    """
+
+    name: str
+
+    def build_metadata(
+        self,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata: ...
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...

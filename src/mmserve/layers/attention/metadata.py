@@ -1,0 +1,125 @@
+"""AttentionMetadata: the flat batch's layout in the paged KV cache, built once per step.
+
+KV cache layout, one tensor per decoder layer:
+
+    kv_cache[layer]: [2, num_blocks, block_size, num_kv_heads, head_dim]
+                      ^ 0 = keys, 1 = values
+
+A token's K/V lives at one *slot*: `slot = block_id * block_size + offset_in_block`. A sequence
+owns the blocks listed in its row of `block_tables`, in order, so its token at position p is
+at slot `block_tables[i][p // block_size] * block_size + p % block_size`.
+
+The batch is flat: the new tokens of sequence 0, then those of sequence 1, ... Sequence i's new
+tokens are `query[query_start_loc[i]:query_start_loc[i+1]]` and they are its *last*
+`q_len_i` tokens, so they sit at positions `seq_lens[i] - q_len_i ... seq_lens[i] - 1`:
+
+    sequence i:  | cached context (seq_len - q_len) | new tokens (q_len) |
+    new token j attends to keys at positions 0 ... (seq_len - q_len + j)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from mmserve.layers.attention.backend import AttentionBackend
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each new token's K/V goes, which cached tokens each sequence reads, and the
+    backend that attends (with its own precomputed `plan`). Tensors live on the model's
+    device; `query_start_loc_cpu` / `seq_lens_cpu` are host copies, so nothing syncs."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32: block ids per sequence
+    seq_lens: torch.Tensor  # [num_seqs] int32: tokens of each sequence after this step
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative new-token counts
+    query_start_loc_cpu: tuple[int, ...]
+    seq_lens_cpu: tuple[int, ...]
+    block_size: int
+    backend: AttentionBackend
+    plan: Any  # the backend's own per-step data (decode groups, query tiles), or None
+
+    def __post_init__(self) -> None:
+        num_seqs = len(self.seq_lens_cpu)
+        assert len(self.query_start_loc_cpu) == num_seqs + 1, "query_start_loc needs num_seqs + 1"
+        assert self.block_tables.shape[0] == num_seqs, "one block table row per sequence"
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+    @property
+    def query_lens(self) -> list[int]:
+        loc = self.query_start_loc_cpu
+        return [loc[i + 1] - loc[i] for i in range(self.num_seqs)]
+
+    def with_plan(self, plan: Any) -> AttentionMetadata:
+        return dataclasses.replace(self, plan=plan)
+
+
+def build_layout(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device | str,
+    backend: AttentionBackend,
+) -> AttentionMetadata:
+    """The backend-independent part, from python lists: per sequence, its new-token count, its
+    total length after this step, and its block ids (which must cover `seq_len` tokens).
+    `plan` is None; the backend's `build_metadata` adds its own."""
+    if not len(query_lens) == len(seq_lens) == len(block_tables):
+        raise ValueError("query_lens, seq_lens and block_tables need one entry per sequence")
+    slots: list[int] = []
+    starts = [0]
+    for q_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+        if not 0 < q_len <= seq_len:
+            raise ValueError(f"need 0 < query_len <= seq_len, got {q_len} and {seq_len}")
+        if len(table) * block_size < seq_len:
+            raise ValueError(
+                f"block table of {len(table)} blocks holds {len(table) * block_size} tokens, "
+                f"fewer than seq_len={seq_len}"
+            )
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        starts.append(starts[-1] + q_len)
+    max_blocks = max((len(t) for t in block_tables), default=0)
+    padded = [list(t) + [0] * (max_blocks - len(t)) for t in block_tables]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device).view(-1, max_blocks),
+        seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        query_start_loc_cpu=tuple(starts),
+        seq_lens_cpu=tuple(int(s) for s in seq_lens),
+        block_size=block_size,
+        backend=backend,
+        plan=None,
+    )
+
+
+def build_attention_metadata(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    backend: AttentionBackend | None = None,
+) -> AttentionMetadata:
+    """`backend.build_metadata(...)`; without a backend, the torch reference's."""
+    if backend is None:
+        from mmserve.layers.attention.torch_backend import TorchAttentionBackend
+
+        backend = TorchAttentionBackend()
+    return backend.build_metadata(query_lens, seq_lens, block_tables, block_size, device)

@@ -1,0 +1,174 @@
+"""The Triton attention backend: the KV store and paged attention as one launch each.
+
+CUDA is its home; on the CPU it runs under Triton's interpreter (TRITON_INTERPRET=1), which is
+how the tests check it against the torch reference. Kernels: `triton_kernels.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mmserve.layers.attention.metadata import AttentionMetadata, build_layout
+from mmserve.layers.attention.triton_kernels import compile_kernels
+
+# New tokens of one sequence per query tile. Rows per tile are this times the query heads per
+# KV head (padded to a power of two); 16 keeps tl.dot's operands at least 16 wide.
+QUERY_TOKENS_PER_TILE = 16
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    """The query tiles of one step: tile t covers new tokens q_start[t] ... of sequence
+    seq_idx[t] (up to `tokens_per_tile` of them)."""
+
+    tile_seq_idx: torch.Tensor  # [num_tiles] int32
+    tile_q_start: torch.Tensor  # [num_tiles] int32
+    num_tiles: int
+    tokens_per_tile: int
+
+
+def check_block_size(block_size: int) -> None:
+    """Kernel tiles are powers of two and tl.dot's operands at least 16 wide."""
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(
+            f"--block-size {block_size}: the triton attention backend needs a power of two "
+            ">= 16 (16, 32, ...); change --block-size or use --attention-backend torch"
+        )
+
+
+class TritonAttentionBackend:
+    """Paged attention and the KV store in Triton (see `triton_kernels.py`)."""
+
+    name = "triton"
+
+    def __init__(self, tokens_per_tile: int = QUERY_TOKENS_PER_TILE) -> None:
+        assert tokens_per_tile > 0 and tokens_per_tile & (tokens_per_tile - 1) == 0
+        self.tokens_per_tile = tokens_per_tile
+        self.kernels = compile_kernels()
+
+    def build_metadata(
+        self,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        check_block_size(block_size)
+        layout = build_layout(query_lens, seq_lens, block_tables, block_size, device, self)
+        seq_idx: list[int] = []
+        q_start: list[int] = []
+        for i, q_len in enumerate(query_lens):
+            for start in range(0, q_len, self.tokens_per_tile):
+                seq_idx.append(i)
+                q_start.append(start)
+        plan = TritonPlan(
+            tile_seq_idx=torch.tensor(seq_idx, dtype=torch.int32, device=device),
+            tile_q_start=torch.tensor(q_start, dtype=torch.int32, device=device),
+            num_tiles=len(seq_idx),
+            tokens_per_tile=self.tokens_per_tile,
+        )
+        return layout.with_plan(plan)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        plan = metadata.plan
+        assert isinstance(plan, TritonPlan), "metadata built by another backend"
+        store_kv(self, kv_cache, key, value, metadata.slot_mapping)
+        num_tokens, num_heads, head_dim = query.shape
+        _, _, block_size, num_kv_heads, _ = kv_cache.shape
+        assert block_size == metadata.block_size, "the cache's block size differs"
+        query = query.to(kv_cache.dtype)
+        out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
+        if plan.num_tiles == 0:
+            return out
+        assert query.stride(2) == 1 and kv_cache.is_contiguous()
+        group = num_heads // num_kv_heads
+        group_pad = _next_power_of_two(group)
+        head_pad = max(16, _next_power_of_two(head_dim))
+        # A tile's float32 accumulator is rows x head_pad: more warps keep it in registers.
+        num_warps = 8 if plan.tokens_per_tile * group_pad * head_pad > 8192 else 4
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        self.kernels.paged_attention[(plan.num_tiles, num_kv_heads)](
+            out,
+            query,
+            key_cache,
+            value_cache,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            plan.tile_seq_idx,
+            plan.tile_q_start,
+            scale,
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            metadata.block_tables.stride(0),
+            GROUP=group,
+            GROUP_PAD=group_pad,
+            BLOCK_Q=plan.tokens_per_tile,
+            BLOCK_SIZE=block_size,
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad,
+            DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+            DOT_IN_FP32=self.kernels.is_interpreted and kv_cache.dtype == torch.bfloat16,
+            num_warps=num_warps,
+        )
+        return out
+
+
+def store_kv(
+    backend: TritonAttentionBackend,
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """`write_kv_cache` as one launch: key/value [num_tokens, num_kv_heads, head_dim] into
+    `kv_cache` at `slot_mapping` (int64 [num_tokens]; a negative slot is skipped)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    # Rounded by torch (a no-op when the model's dtype is the cache's): the stored bits then
+    # equal write_kv_cache's, and Triton's interpreter, which truncates float32 to bfloat16,
+    # agrees too.
+    key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+    assert key.stride(2) == 1 and value.stride(2) == 1 and kv_cache.is_contiguous()
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    backend.kernels.store_kv[(num_tokens,)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        num_kv_heads,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        BLOCK_SIZE=kv_cache.shape[2],
+        HEAD_DIM=head_dim,
+        HEAD_PAD=_next_power_of_two(head_dim),
+        KV_HEADS_PAD=_next_power_of_two(num_kv_heads),
+    )
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -1,0 +1,103 @@
+"""The engine with the Triton attention backend (interpreted on the CPU) answers exactly as with
+the torch backend: greedy tokens, in one batch that mixes image prefills, chunks and decodes."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from mmserve import LLM, SamplingParams
+from mmserve.engine.args import EngineArgs
+from tests.engine.conftest import DIVERSE
+from tests.factory import random_image, write_tiny_checkpoint
+
+triton = pytest.importorskip("triton")
+
+NUM_TOKENS = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+REQUESTS = [
+    {
+        "prompt": f"{IMG}What is in the image?",
+        "multi_modal_data": {"image": random_image(56, 84, 1)},
+    },
+    "Describe a red circle.",
+    {
+        "prompt": f"{IMG} and {IMG}: same?",
+        "multi_modal_data": {"image": [random_image(84, 56, 2), random_image(56, 56, 3)]},
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("triton_e2e"), "qwen2_5_vl", seed=5, **DIVERSE
+    )
+
+
+def _greedy(model: str, **engine_args) -> tuple[list[list[int]], str]:
+    # 32-token steps cut the image prompts into chunks that start mid-block and mix with decodes
+    with LLM(model=model, max_num_batched_tokens=32, **engine_args) as llm:
+        outs = llm.generate(REQUESTS, GREEDY)
+        return [list(o.outputs[0].token_ids) for o in outs], llm.config.attention_backend
+
+
+@pytest.mark.skipif(
+    not triton.knobs.runtime.interpret, reason="needs TRITON_INTERPRET=1 (tests/conftest.py)"
+)
+def test_triton_backend_is_greedy_identical_to_the_torch_backend(checkpoint) -> None:
+    want, want_name = _greedy(str(checkpoint), attention_backend="torch")
+    got, got_name = _greedy(str(checkpoint), attention_backend="triton")
+    assert (want_name, got_name) == ("torch", "triton")
+    assert all(len(t) == NUM_TOKENS for t in got)
+    assert got == want
+
+
+@pytest.mark.skipif(
+    not triton.knobs.runtime.interpret, reason="needs TRITON_INTERPRET=1 (tests/conftest.py)"
+)
+def test_the_choice_crosses_to_the_engine_process(checkpoint) -> None:
+    """The engine process resolves the backend itself (it inherits TRITON_INTERPRET)."""
+    encoded = msgspec.json.encode(EngineArgs(attention_backend="triton"))
+    assert msgspec.json.decode(encoded, type=EngineArgs).attention_backend == "triton"
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(model=str(checkpoint), attention_backend="torch") as llm:
+        want = llm.generate(REQUESTS[0], params)[0].outputs[0].token_ids
+    with LLM(model=str(checkpoint), multiprocess=True, attention_backend="triton") as llm:
+        assert llm.config.attention_backend == "triton"
+        assert llm.generate(REQUESTS[0], params)[0].outputs[0].token_ids == want
+
+
+def test_auto_is_torch_on_a_machine_without_cuda(qwen2_vl_dir) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("auto is triton where CUDA is")
+    with LLM(model=str(qwen2_vl_dir)) as llm:
+        assert llm.config.attention_backend == "torch"
+
+
+def test_a_bad_attention_backend_is_refused_naming_the_flag() -> None:
+    with pytest.raises(ValueError, match="--attention-backend must be one of"):
+        EngineArgs(attention_backend="flash")
+
+
+def test_the_flag_reaches_engine_args() -> None:
+    from mmserve.cli import build_parser
+
+    def args_of(*argv: str) -> EngineArgs:
+        return EngineArgs.from_cli(build_parser(with_bench=False).parse_args(["serve", *argv]))
+
+    assert args_of().attention_backend == "auto"
+    assert args_of("--attention-backend", "triton").attention_backend == "triton"
+
+
+def test_triton_on_the_cpu_without_the_interpreter_stops_start_up(
+    qwen2_vl_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(
+        ValueError, match="runs on CUDA devices; on cpu it needs TRITON_INTERPRET=1"
+    ):
+        LLM(model=str(qwen2_vl_dir), device="cpu", attention_backend="triton")
