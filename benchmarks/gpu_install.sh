@@ -8,7 +8,7 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="${PY:-python}"
+PY="${PY:-$(command -v python || command -v python3)}"
 WHEELS="$REPO/.whl"
 cd "$REPO"
 export PYTHONPATH="$REPO/src:$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -19,7 +19,7 @@ if [ ! -f "$WHEELS/requirements.txt" ]; then
     exit 1
 fi
 glibc="$(ldd --version 2>/dev/null | head -1 | grep -oE '[0-9]+\.[0-9]+$' || true)"
-echo "python $("$PY" -c 'import platform; print(platform.python_version())'), glibc ${glibc:-?}"
+echo "$PY: python $("$PY" -c 'import platform; print(platform.python_version())'), glibc ${glibc:-?}"
 
 # Pin what is preinstalled, so that a wheel's requirement can never replace it (pip fails
 # instead). A package that is absent is simply not pinned.

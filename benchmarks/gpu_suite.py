@@ -10,6 +10,7 @@ after every section, so a run that is cut short still leaves what it measured.
 
     bash benchmarks/gpu_install.sh && python benchmarks/gpu_suite.py --out $OUT/gpu_suite.json
     python benchmarks/gpu_suite.py --smoke --out /tmp/smoke.json        # CPU, tiny, seconds
+    python benchmarks/gpu_suite.py --report gpu_suite.json   # Markdown for benchmarks/RESULTS.md
 """
 
 from __future__ import annotations
@@ -231,12 +232,22 @@ def run_section(run: Run, name: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="where the JSON goes")
+    ap.add_argument("--out", type=Path, help="where the JSON goes")
+    ap.add_argument(
+        "--report", type=Path, help="print an earlier run's JSON as Markdown for RESULTS.md"
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, float32 on the CPU (CI)")
     ap.add_argument("--budget-s", type=float, help="total time budget (default: the profile's)")
     ap.add_argument("--sections", help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--work-dir", type=Path, help="where checkpoints go (default: a temp dir)")
     args = ap.parse_args(argv)
+    if args.report:
+        from benchmarks.suite.report import render_markdown
+
+        sys.stdout.write(render_markdown(json.loads(args.report.read_text())))
+        return 0
+    if args.out is None:
+        ap.error("--out is required (or --report to print an earlier run)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     profile = SMOKE if args.smoke else GPU
     if args.budget_s is not None:

@@ -15,11 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
-from benchmarks.suite.profile import SMOKE
+from benchmarks.suite.checkpoints import describe_checkpoint
+from benchmarks.suite.profile import QWEN2_VL_2B, QWEN2_VL_7B, SMOKE
+from benchmarks.suite.report import render_markdown
 from benchmarks.suite.vit import vit_flops
 
 from benchmarks import gpu_suite
 from mmserve.models.config import VisionConfig
+from tests.factory import SPECIAL_TOKENS, tiny_config_dict, write_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,6 +94,16 @@ def test_parity_in_float32_is_exact_on_every_checkpoint(smoke: dict) -> None:
     assert "skipped" in parity["qwen2_vl_7b"]["bf16_vs_fp32"]
 
 
+def test_the_report_is_a_results_section(smoke: dict) -> None:
+    text = render_markdown(smoke)
+    env = smoke["sections"]["environment"]["result"]
+    assert text.startswith("## GPU suite")
+    assert env["src_digest"] in text
+    for goal in smoke["summary"]["goals"]:
+        assert goal["goal"] in text
+    assert "ViT 112x112 (64 patches)" in text
+
+
 def _run(tmp_path: Path, budget_s: float, work_dir: Path) -> gpu_suite.Run:
     return gpu_suite.Run(
         profile=gpu_suite.dataclasses.replace(SMOKE, budget_s=budget_s),
@@ -119,7 +132,10 @@ def test_a_failing_section_is_recorded_and_the_next_runs(tmp_path: Path) -> None
 
 
 def test_a_section_past_the_budget_is_stopped_and_later_ones_skipped(tmp_path: Path) -> None:
-    run = _run(tmp_path, 1.0, tmp_path / "ckpts")
+    # One checkpoint first, outside the budget: the alarm must not land inside transformers'
+    # lazy imports, which would leave them half-imported for the tests that follow.
+    write_tiny_checkpoint(tmp_path / "warm")
+    run = _run(tmp_path, 0.3, tmp_path / "ckpts")
     gpu_suite.run_section(run, "checkpoints")  # writes two checkpoints: several seconds
     gpu_suite.run_section(run, "peaks")
     sections = run.results["sections"]
@@ -140,3 +156,34 @@ def test_vit_flops_formula_on_a_hand_count() -> None:
     merger = 2 * 1 * 16 * 16 + 2 * 1 * 16 * 2
     assert flops["linear"] == patch + block + merger
     assert flops["attention"] == 2 * 2 * 4 * 4 * 4
+
+
+@pytest.mark.parametrize(
+    ("shape", "billions", "vision_billions"),
+    [(QWEN2_VL_2B, 2.209, 0.665), (QWEN2_VL_7B, 8.291, 0.676)],
+)
+def test_full_shapes_have_the_published_parameter_counts(
+    shape: dict, billions: float, vision_billions: float
+) -> None:
+    """Built on the meta device (no memory): a typo in a width would change the counts."""
+    import torch
+    import transformers
+
+    ids = {token: 151643 + i for i, token in enumerate(SPECIAL_TOKENS)}
+    cfg = tiny_config_dict("qwen2_vl", 448, ids, **shape)
+    config = transformers.Qwen2VLConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = transformers.Qwen2VLForConditionalGeneration(config)
+    total = sum(p.numel() for p in model.parameters())
+    vision = sum(p.numel() for name, p in model.named_parameters() if "visual" in name)
+    assert round(total / 1e9, 3) == billions
+    assert round(vision / 1e9, 3) == vision_billions
+
+
+def test_a_bf16_checkpoint_counts_two_bytes_per_weight(tmp_path: Path) -> None:
+    fp32 = describe_checkpoint(write_tiny_checkpoint(tmp_path / "a", dtype="float32"))
+    bf16 = describe_checkpoint(write_tiny_checkpoint(tmp_path / "b", dtype="bfloat16"))
+    assert fp32["lm_bytes"] == 2 * bf16["lm_bytes"] > 0
+    parts = bf16["weight_bytes"]
+    # untied: the step reads the decoder and the head, not the embedding table
+    assert bf16["lm_bytes_per_decode_step"] == parts["decoder"] + parts["lm_head"]
