@@ -17,9 +17,21 @@ from benchmarks.suite.profile import Profile
 from benchmarks.suite.timing import synchronize
 
 from mmserve import LLM, SamplingParams
+from mmserve.engine import args as engine_args
 
-# The backend names issue #15 gives `--attention-backend`; "auto" would repeat one of them.
-ATTENTION_BACKENDS = ("torch", "triton")
+# The backend names issue #15 gives `--attention-backend`, unless EngineArgs' module lists its
+# own; "auto" is left out, it would repeat one of the others.
+ATTENTION_BACKENDS = tuple(
+    name
+    for name in getattr(engine_args, "ATTENTION_BACKENDS", ("torch", "triton"))
+    if name != "auto"
+)
+
+
+def attention_backends(device: str) -> tuple[str, ...]:
+    """Every backend on CUDA; on a CPU only torch (Triton kernels run there only under the
+    interpreter, which their own tests in tests/layers exercise)."""
+    return ATTENTION_BACKENDS if device == "cuda" else ("torch",)
 
 
 def _prompts(batch: int, num_words: int, run: int) -> list[str]:
@@ -46,7 +58,10 @@ def step_ms(llm: LLM, profile: Profile, batch: int, run: int) -> float | None:
     short, long = profile.decode_steps
     words = profile.decode_prompt_tokens
     estimates = []
+    start = time.perf_counter()
     for rep in range(profile.decode_repeats):
+        if rep and time.perf_counter() - start > profile.decode_batch_cap_s:
+            break  # a slow engine gets one estimate per batch, not the budget of later sections
         tag = 2 * (run * profile.decode_repeats + rep)
         short_s = _run_seconds(llm, _prompts(batch, words, tag), short, profile.device)
         long_s = _run_seconds(llm, _prompts(batch, words, tag + 1), long, profile.device)
@@ -107,7 +122,7 @@ def decode_section(profile: Profile, model_dir: Path, checkpoint: dict, peaks: d
     }
     if "attention_backend" in ENGINE_FIELDS:
         out["backends"] = {}
-        for backend in ATTENTION_BACKENDS:
+        for backend in attention_backends(profile.device):
             try:
                 out["backends"][backend] = measure_decode(
                     profile, model_dir, limit_ms, attention_backend=backend

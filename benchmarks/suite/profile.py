@@ -52,9 +52,10 @@ QWEN2_VL_7B: dict[str, Any] = {
         "num_heads": 16,
     },
 }
-# Smoke stand-ins: the factory's tiny defaults, one a little wider, so that every code path of
-# the GPU run (checkpoint writing, both engines, the ViT formula) runs in seconds on a CPU.
-TINY_2B: dict[str, Any] = {}
+# Smoke stand-ins: the factory's tiny defaults, tied like the real 2B / deeper like the 7B, so
+# that every code path of the GPU run (checkpoint writing, both engines, the weight-byte
+# accounting of tied and untied heads) runs in seconds on a CPU.
+TINY_2B: dict[str, Any] = {"text": {"tie_word_embeddings": True}, "tie_word_embeddings": True}
 TINY_7B: dict[str, Any] = {"text": {"intermediate_size": 192, "num_hidden_layers": 3}}
 
 
@@ -82,6 +83,7 @@ class Profile:
     decode_batches: tuple[int, ...]
     decode_steps: tuple[int, int]  # max_tokens of the short and the long run
     decode_repeats: int  # (short, long) pairs per batch size; the fastest counts
+    decode_batch_cap_s: float  # no further repeat once a batch size has taken this long
     decode_prompt_tokens: int
     kv_cache_memory_bytes: int
     vit_images: tuple[tuple[int, int], ...]  # (width, height)
@@ -112,6 +114,7 @@ GPU = Profile(
     decode_batches=(1, 8, 64),
     decode_steps=(4, 36),
     decode_repeats=2,
+    decode_batch_cap_s=15.0,
     decode_prompt_tokens=64,
     kv_cache_memory_bytes=8 << 30,
     vit_images=((1024, 1024), (3840, 2160)),
@@ -134,7 +137,7 @@ GPU = Profile(
         "parity": 90,
         "compare_hf": 80,
         "gpu_tests": 60,
-        "graphs": 40,
+        "graphs": 80,
     },
 )
 
@@ -155,8 +158,9 @@ SMOKE = Profile(
     copy_repeats=3,
     parity_tokens=4,
     decode_batches=(1, 8, 64),
-    decode_steps=(2, 8),
-    decode_repeats=1,
+    decode_steps=(2, 16),
+    decode_repeats=2,
+    decode_batch_cap_s=5.0,
     decode_prompt_tokens=8,
     kv_cache_memory_bytes=64 << 20,
     vit_images=((112, 112), (224, 112)),

@@ -72,6 +72,14 @@ def test_figures_are_measured(smoke: dict) -> None:
     assert set(s["checkpoints"]) == {"toy", "qwen2_vl_2b", "qwen2_vl_7b"}
     seven = s["checkpoints"]["qwen2_vl_7b"]
     assert seven["layers"] == 3 and seven["lm_bytes"] > seven["lm_bytes_per_decode_step"] > 0
+    tied = s["checkpoints"]["qwen2_vl_2b"]  # the 2B ties its head to the embedding table
+    parts = tied["weight_bytes"]
+    assert parts["lm_head"] == 0 and parts["embedding"] > 0
+    assert (
+        tied["lm_bytes_per_decode_step"]
+        == tied["lm_bytes"]
+        == parts["decoder"] + parts["embedding"]
+    )
     rows = next(iter(s["decode"]["backends"].values()))["batches"]
     assert [row["batch"] for row in rows] == [1, 8, 64]
     assert any(row["ms_per_step"] for row in rows)  # a tiny CPU model can drown one in noise
