@@ -1,12 +1,13 @@
 """Every GPU check and benchmark of mmserve in one run (< 8 minutes on one H200), one JSON out.
 
 Sections, in order: environment, measured peaks (bf16 GEMM, bandwidth), the 7B ViT on 1024^2
-and 4K images, tests/models/test_gpu.py, random 2B/7B-shaped checkpoints, decode ms/step at
-batch 1/8/64 against the weight-read limit (once per attention backend), greedy parity with
-transformers, compare_hf.py at 7B shape, CUDA graphs against eager, and a summary of the
-issue's goals. Each section is timed and guarded: one that fails records its error and the
-next runs; sections that no longer fit the time budget are skipped with the reason; the JSON is
-rewritten after every section, so a run that is cut short still leaves what it measured.
+and 4K images, every gpu-marked test (tests/models/test_gpu.py and others), random 2B/7B-shaped
+checkpoints, decode ms/step at batch 1/8/64 against the weight-read limit (once per attention
+backend), greedy parity with transformers, compare_hf.py at 7B shape, CUDA graphs against
+eager, and a summary of the issue's goals. Each section is timed and guarded: one that fails
+records its error and the next runs; sections that no longer fit the time budget are skipped
+with the reason; the JSON is rewritten after every section, so a run that is cut short still
+leaves what it measured.
 
     bash benchmarks/gpu_install.sh && python benchmarks/gpu_suite.py --out $OUT/gpu_suite.json
     python benchmarks/gpu_suite.py --smoke --out /tmp/smoke.json        # CPU, tiny, seconds

@@ -1,4 +1,9 @@
-"""tests/models/test_gpu.py as one section: pytest in a subprocess, its JUnit counts recorded."""
+"""Every test marked gpu as one section: pytest in a subprocess, its JUnit counts recorded.
+
+tests/models/test_gpu.py and any other file with a `pytest.mark.gpu` test (kernels, masks) are
+passed by name with `-m gpu`: collecting the whole tree would import test-only dependencies
+(openai, jsonschema) that the bare GPU machine does not have.
+"""
 
 from __future__ import annotations
 
@@ -13,16 +18,29 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 
 
+def gpu_test_files() -> list[str]:
+    return sorted(
+        path.relative_to(REPO).as_posix()
+        for path in (REPO / "tests").rglob("test_*.py")
+        if "mark.gpu" in path.read_text(encoding="utf-8")
+    )
+
+
 def run_gpu_tests(timeout_s: float) -> dict[str, Any]:
+    files = gpu_test_files()
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-             f"--junitxml={junit}", "tests/models/test_gpu.py"],
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+             f"--junitxml={junit}", *files],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s,
         )  # fmt: skip
-        result: dict[str, Any] = {"returncode": proc.returncode, "tail": proc.stdout[-1500:]}
+        result: dict[str, Any] = {
+            "files": files,
+            "returncode": proc.returncode,
+            "tail": proc.stdout[-1500:],
+        }
         if not junit.is_file():
             result["error"] = "pytest wrote no JUnit report: " + proc.stderr[-800:]
             return result
