@@ -61,7 +61,7 @@ class NotRunnable(Exception):
     """A section whose inputs an earlier section failed to produce."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Run:
     """The state one run carries from section to section (mutable: it accumulates)."""
 
