@@ -44,13 +44,25 @@ def _decode_goal(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def _vit_goal(results: dict[str, Any]) -> dict[str, Any]:
-    goal = f"ViT >= {VIT_PCT_OF_PEAK:.0f}% of the measured GEMM peak on a 1024x1024 image"
+    goal = (
+        f"ViT >= {VIT_PCT_OF_PEAK:.0f}% of the measured GEMM peak on a 1024x1024 image "
+        "(linear-layer FLOPs)"
+    )
     vit = _figures(results, "vit")
     row = vit["images"][0] if vit and vit["images"] else None
     if not row or "pct_of_gemm_peak" not in row:
         return _goal(goal, None, None, "the vit or peaks section did not finish")
-    value = {"image": row["image"], "pct": row["pct_of_gemm_peak"], "ms": row["ms"]}
-    return _goal(goal, value, row["pct_of_gemm_peak"] >= VIT_PCT_OF_PEAK)
+    # Judged on the matmul FLOPs without attention: the convention of the anchor
+    # (transformers: 45.7 ms = 20% of 805 TFLOP/s, i.e. ~7.4 TFLOP; the linear layers of a
+    # 1024x1024 image are 7.0 TFLOP, with attention 11.9). The total is recorded beside it.
+    pct = row["pct_of_gemm_peak_linear_only"]
+    value = {
+        "image": row["image"],
+        "pct_linear_only": pct,
+        "pct_total": row["pct_of_gemm_peak"],
+        "ms": row["ms"],
+    }
+    return _goal(goal, value, pct >= VIT_PCT_OF_PEAK)
 
 
 def _compare_goal(results: dict[str, Any]) -> dict[str, Any]:
