@@ -21,7 +21,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ for entry in (str(REPO / "src"), str(REPO)):
     if entry not in sys.path:
         sys.path.insert(0, entry)
 
+from benchmarks.suite.alarm import Alarm, SectionTimeout  # noqa: E402
 from benchmarks.suite.profile import GPU, SMOKE, Profile  # noqa: E402
 
 logger = logging.getLogger("gpu_suite")
@@ -50,11 +50,6 @@ SECTIONS = (
     "compare_hf",
     "graphs",
 )
-
-
-class SectionTimeout(BaseException):
-    """Raised by the alarm when a section overruns the suite's budget (a BaseException, so
-    that a section's own `except Exception` cannot swallow it)."""
 
 
 class NotRunnable(Exception):
@@ -195,10 +190,6 @@ def _error(exc: BaseException) -> dict[str, str]:
     }
 
 
-def _on_alarm(signum: int, frame: object) -> None:
-    raise SectionTimeout("the suite's time budget ran out during this section")
-
-
 def run_section(run: Run, name: str) -> None:
     estimate = run.profile.estimates_s.get(name, 0.0)
     remaining = run.remaining_s()
@@ -216,17 +207,17 @@ def run_section(run: Run, name: str) -> None:
         return
     logger.info("%s: start (%.0f s left)", name, remaining)
     start = time.perf_counter()
-    previous = signal.signal(signal.SIGALRM, _on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, max(remaining, 30.0 if name == "environment" else 0.1))
+    alarm = Alarm(max(remaining, 30.0 if name == "environment" else 0.1))
     try:
-        entry = {"status": "ok", "result": SECTION_FUNCTIONS[name](run)}
+        with alarm:
+            entry = {"status": "ok", "result": SECTION_FUNCTIONS[name](run)}
     except NotRunnable as exc:
         entry = {"status": "skipped", "reason": str(exc)}
     except (Exception, SectionTimeout) as exc:
         entry = {"status": "error", "error": _error(exc)}
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    if alarm.fired and entry["status"] != "error":
+        timeout = SectionTimeout("the time budget ran out; the section's code caught the alarm")
+        entry = {"status": "error", "error": _error(timeout)}
     entry["wall_s"] = time.perf_counter() - start
     run.results["sections"][name] = entry
     logger.info("%s: %s in %.1f s", name, entry["status"], entry["wall_s"])

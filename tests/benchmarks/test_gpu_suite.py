@@ -7,14 +7,17 @@ next GPU session.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from benchmarks.suite.alarm import Alarm
 from benchmarks.suite.checkpoints import describe_checkpoint
 from benchmarks.suite.profile import QWEN2_VL_2B, QWEN2_VL_7B, SMOKE
 from benchmarks.suite.report import render_markdown
@@ -195,3 +198,21 @@ def test_a_bf16_checkpoint_counts_two_bytes_per_weight(tmp_path: Path) -> None:
     parts = bf16["weight_bytes"]
     # untied: the step reads the decoder and the head, not the embedding table
     assert bf16["lm_bytes_per_decode_step"] == parts["decoder"] + parts["lm_head"]
+
+
+def test_an_alarm_swallowed_by_library_code_still_counts_and_earlier_timers_survive() -> None:
+    def outer(signum: int, frame: object) -> None:
+        raise AssertionError("the outer timer must not fire inside this test")
+
+    previous = signal.signal(signal.SIGALRM, outer)
+    signal.setitimer(signal.ITIMER_REAL, 30.0)  # like pytest-timeout's
+    try:
+        # contextlib.suppress(BaseException): what some library code does to our alarm
+        with Alarm(0.05) as alarm, contextlib.suppress(BaseException):
+            time.sleep(2.0)  # interrupted by the alarm
+        assert alarm.fired
+        assert signal.getsignal(signal.SIGALRM) is outer
+        assert 25.0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 30.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
