@@ -110,8 +110,8 @@ def run_mmserve(model_dir: Path, workload, output_len: int, device: str, dtype: 
 def run_transformers(
     model_dir: Path, workload, output_len: int, batch_size: int, device: str, dtype: str
 ) -> dict:
-    oracle = HFOracle(model_dir)
     torch_dtype = torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
+    oracle = HFOracle(model_dir, dtype=torch_dtype)  # loaded in its dtype: a 7B fp32 is 33 GB
     model = oracle.model.to(device, torch_dtype)
     pad_id = 0
     model.generation_config.pad_token_id = pad_id

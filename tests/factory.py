@@ -203,12 +203,16 @@ def write_tiny_checkpoint(
     seed: int = 0,
     min_pixels: int = 56 * 56,
     max_pixels: int = 16384 * 28 * 28,
+    dtype: str = "float32",
+    device: str = "cpu",
     **overrides: Any,
 ) -> Path:
     """Write a tiny random checkpoint of `arch` ("qwen2_vl" or "qwen2_5_vl") to out_dir.
 
     Weights come from transformers' own initialisation (seeded), saved as safetensors, so the
-    directory is exactly what `save_pretrained` would publish. Returns the directory.
+    directory is exactly what `save_pretrained` would publish. Returns the directory. `dtype`
+    and `device` are for full-size shapes (benchmarks/gpu_suite.py): a 7B model initialised on
+    a GPU and saved in bfloat16 takes seconds, in float32 on a CPU minutes.
     """
     import torch
     import transformers
@@ -217,7 +221,7 @@ def write_tiny_checkpoint(
     tok = build_tokenizer(out)
     ids = special_token_ids(tok)
     vocab_size = ((tok.get_vocab_size() + 63) // 64) * 64
-    cfg_dict = tiny_config_dict(arch, vocab_size, ids, **overrides)
+    cfg_dict = tiny_config_dict(arch, vocab_size, ids, **{"torch_dtype": dtype, **overrides})
     cls_name = cfg_dict["architectures"][0]
     config_cls = {
         "qwen2_vl": transformers.Qwen2VLConfig,
@@ -226,7 +230,8 @@ def write_tiny_checkpoint(
     config = config_cls(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
     config.architectures = cfg_dict["architectures"]
     torch.manual_seed(seed)
-    model = getattr(transformers, cls_name)(config).eval()
+    with torch.device(device):
+        model = getattr(transformers, cls_name)(config).eval().to(getattr(torch, dtype))
     with torch.no_grad():
         # transformers initialises norms to ones and biases to zeros; perturb them so that a
         # loader that forgets a norm or a bias fails the parity tests.

@@ -12,13 +12,15 @@ from tokenizers import Tokenizer
 
 
 class HFOracle:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(
+        self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    ) -> None:
         import transformers
 
         model_dir = Path(model_dir)
         config = json.loads((model_dir / "config.json").read_text())
         cls = getattr(transformers, config["architectures"][0])
-        self.model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = cls.from_pretrained(model_dir, dtype=dtype).eval().to(device)
         # Generate exactly max_new_tokens like mmserve's ignore_eos: EOS may be sampled but does
         # not stop generation (min_new_tokens would instead forbid it, which is not the same).
         self.model.generation_config.eos_token_id = None
@@ -57,7 +59,9 @@ class HFOracle:
 
     @torch.no_grad()
     def greedy(self, prompt: str, images: list[Image.Image], max_new_tokens: int) -> list[int]:
-        inputs = self.inputs(prompt, images)
+        inputs = {k: v.to(self.model.device) for k, v in self.inputs(prompt, images).items()}
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
         n = inputs["input_ids"].shape[1]
         out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         return out[0, n:].tolist()

@@ -1,0 +1,1 @@
+"""The sections of benchmarks/gpu_suite.py, one file each."""

@@ -1,0 +1,67 @@
+"""CUDA graphs against eager: decode steps (and the encoder) with and without graphs, if built."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.suite.decode import measure_decode
+from benchmarks.suite.llm_session import ENGINE_FIELDS, open_llm
+from benchmarks.suite.parity import PROMPTS, _requests
+from benchmarks.suite.profile import Profile
+
+from mmserve import SamplingParams
+
+# Options that exist only once graphs are captured. `enforce_eager` alone proves nothing: it is
+# accepted for copied vLLM command lines whether or not any graph is built.
+GRAPH_FIELDS = (
+    "enable_encoder_cuda_graph",
+    "cuda_graph_sizes",
+    "cudagraph_capture_sizes",
+    "max_cudagraph_capture_size",
+    "compilation_config",
+)
+
+
+def graph_fields() -> list[str]:
+    return [name for name in GRAPH_FIELDS if name in ENGINE_FIELDS]
+
+
+def _image_run(profile: Profile, model_dir: Path, **extra: Any) -> dict[str, Any]:
+    params = SamplingParams(temperature=0, max_tokens=profile.parity_tokens, ignore_eos=True)
+    requests = [
+        {"prompt": p, "multi_modal_data": {"image": imgs[0]}} for p, imgs in _requests() if imgs
+    ] * 4
+    with open_llm(profile, model_dir, profile.dtype, **extra) as llm:
+        llm.generate(requests[:1], params, use_tqdm=False)  # warm-up (and capture)
+        start = time.perf_counter()
+        outs = llm.generate(requests, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+    return {"seconds": seconds, "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def compare_graphs(profile: Profile, model_dir: Path, limit_ms: float | None) -> dict[str, Any]:
+    found = graph_fields()
+    if not found or "enforce_eager" not in ENGINE_FIELDS:
+        return {
+            "status": "not built",
+            "reason": "EngineArgs has no CUDA-graph option (looked for "
+            + ", ".join(GRAPH_FIELDS)
+            + "); enforce_eager is accepted but changes nothing",
+        }
+    small = dataclasses.replace(profile, decode_batches=profile.decode_batches[:2])
+    out: dict[str, Any] = {"status": "built", "fields": found}
+    out["decode_graphs"] = measure_decode(small, model_dir, limit_ms, enforce_eager=False)
+    out["decode_eager"] = measure_decode(small, model_dir, limit_ms, enforce_eager=True)
+    if "enable_encoder_cuda_graph" in found and any(size for _, size in PROMPTS):
+        graphs = _image_run(profile, model_dir, enable_encoder_cuda_graph=True)
+        eager = _image_run(profile, model_dir, enable_encoder_cuda_graph=False)
+        out["encoder"] = {
+            "graphs_s": graphs["seconds"],
+            "eager_s": eager["seconds"],
+            "speedup": eager["seconds"] / graphs["seconds"],
+            "identical_tokens": graphs["tokens"] == eager["tokens"],
+        }
+    return out

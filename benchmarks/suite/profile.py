@@ -1,0 +1,173 @@
+"""Sizes of every section: the real shapes on a GPU, tiny ones for the CPU smoke run (CI)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Qwen2-VL-2B-Instruct and -7B-Instruct as published (config.json), random weights.
+QWEN2_VL_2B: dict[str, Any] = {
+    "text": {
+        "vocab_size": 151936,
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "mrope_section": [16, 24, 24],
+        },
+    },
+    "vision": {
+        "depth": 32,
+        "embed_dim": 1280,
+        "hidden_size": 1536,
+        "mlp_ratio": 4,
+        "num_heads": 16,
+    },
+    "tie_word_embeddings": True,
+}
+QWEN2_VL_7B: dict[str, Any] = {
+    "text": {
+        "vocab_size": 152064,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "mrope_section": [16, 24, 24],
+        },
+    },
+    "vision": {
+        "depth": 32,
+        "embed_dim": 1280,
+        "hidden_size": 3584,
+        "mlp_ratio": 4,
+        "num_heads": 16,
+    },
+}
+# Smoke stand-ins: the factory's tiny defaults, tied like the real 2B / deeper like the 7B, so
+# that every code path of the GPU run (checkpoint writing, both engines, the weight-byte
+# accounting of tied and untied heads) runs in seconds on a CPU.
+TINY_2B: dict[str, Any] = {"text": {"tie_word_embeddings": True}, "tie_word_embeddings": True}
+TINY_7B: dict[str, Any] = {"text": {"intermediate_size": 192, "num_hidden_layers": 3}}
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    name: str  # "toy", "qwen2_vl_2b", "qwen2_vl_7b"
+    overrides: dict[str, Any] | None  # None: the bundled toy checkpoint
+    check_fp32: bool  # also run bf16-vs-fp32 agreement (a float32 copy of 7B is 33 GB)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything the sections size themselves by; `smoke` is the CPU run of CI."""
+
+    smoke: bool
+    device: str
+    dtype: str  # the dtype parity and speed are measured in
+    budget_s: float
+    checkpoints: tuple[CheckpointSpec, ...]
+    gemm_size: int  # M = N = K of the peak matmul
+    gemm_repeats: int
+    copy_bytes: int  # buffer of the bandwidth copy
+    copy_repeats: int
+    parity_tokens: int  # K: greedy tokens compared per prompt
+    decode_batches: tuple[int, ...]
+    decode_steps: tuple[int, int]  # max_tokens of the short and the long run
+    decode_repeats: int  # (short, long) pairs per batch size; the fastest counts
+    decode_batch_cap_s: float  # no further repeat once a batch size has taken this long
+    decode_prompt_tokens: int
+    kv_cache_memory_bytes: int
+    vit_images: tuple[tuple[int, int], ...]  # (width, height)
+    vit_repeats: int
+    vit_shape: dict[str, int] = field(default_factory=dict)
+    compare_requests: int = 32
+    compare_output_len: int = 32
+    gpu_tests_timeout_s: float = 150.0
+    # Rough seconds of each section on this profile's machine, to skip what no longer fits.
+    estimates_s: dict[str, float] = field(default_factory=dict)
+
+
+GPU = Profile(
+    smoke=False,
+    device="cuda",
+    dtype="bfloat16",
+    budget_s=450.0,
+    checkpoints=(
+        CheckpointSpec("toy", None, check_fp32=True),
+        CheckpointSpec("qwen2_vl_2b", QWEN2_VL_2B, check_fp32=True),
+        CheckpointSpec("qwen2_vl_7b", QWEN2_VL_7B, check_fp32=False),
+    ),
+    gemm_size=8192,
+    gemm_repeats=20,
+    copy_bytes=4 << 30,
+    copy_repeats=20,
+    parity_tokens=16,
+    decode_batches=(1, 8, 64),
+    decode_steps=(4, 36),
+    decode_repeats=2,
+    decode_batch_cap_s=15.0,
+    decode_prompt_tokens=64,
+    kv_cache_memory_bytes=8 << 30,
+    vit_images=((1024, 1024), (3840, 2160)),
+    vit_repeats=3,
+    vit_shape={
+        "depth": 32,
+        "embed_dim": 1280,
+        "num_heads": 16,
+        "mlp_hidden_dim": 5120,
+        "out_dim": 3584,
+    },
+    compare_requests=32,
+    compare_output_len=32,
+    gpu_tests_timeout_s=150.0,
+    estimates_s={
+        "peaks": 10,
+        "vit": 20,
+        "checkpoints": 60,
+        "decode": 60,
+        "parity": 90,
+        "compare_hf": 80,
+        "gpu_tests": 60,
+        "graphs": 80,
+    },
+)
+
+SMOKE = Profile(
+    smoke=True,
+    device="cpu",
+    dtype="float32",
+    budget_s=50.0,
+    checkpoints=(
+        CheckpointSpec("toy", None, check_fp32=True),
+        # bf16-vs-fp32 on the toy only: each extra engine costs seconds on two CPU cores.
+        CheckpointSpec("qwen2_vl_2b", TINY_2B, check_fp32=False),
+        CheckpointSpec("qwen2_vl_7b", TINY_7B, check_fp32=False),
+    ),
+    gemm_size=256,
+    gemm_repeats=3,
+    copy_bytes=16 << 20,
+    copy_repeats=3,
+    parity_tokens=4,
+    decode_batches=(1, 8, 64),
+    decode_steps=(2, 16),
+    decode_repeats=2,
+    decode_batch_cap_s=5.0,
+    decode_prompt_tokens=8,
+    kv_cache_memory_bytes=64 << 20,
+    vit_images=((112, 112), (224, 112)),
+    vit_repeats=1,
+    vit_shape={"depth": 2, "embed_dim": 32, "num_heads": 4, "mlp_hidden_dim": 64, "out_dim": 96},
+    compare_requests=4,
+    compare_output_len=4,
+    gpu_tests_timeout_s=40.0,
+    estimates_s={},
+)

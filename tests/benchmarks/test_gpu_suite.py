@@ -1,0 +1,218 @@
+"""benchmarks/gpu_suite.py cannot rot unnoticed: its CPU smoke run produces every section.
+
+The GPU run is rare (a machine is lent for minutes); this runs the same code on tiny shapes in
+float32 on the CPU, so that a renamed API or a broken section fails CI instead of wasting the
+next GPU session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from benchmarks.suite.alarm import Alarm
+from benchmarks.suite.checkpoints import describe_checkpoint
+from benchmarks.suite.profile import QWEN2_VL_2B, QWEN2_VL_7B, SMOKE
+from benchmarks.suite.report import render_markdown
+from benchmarks.suite.vit import vit_flops
+
+from benchmarks import gpu_suite
+from mmserve.models.config import VisionConfig
+from tests.factory import SPECIAL_TOKENS, tiny_config_dict, write_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("suite") / "gpu_suite.json"
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
+    start = time.perf_counter()
+    # A generous budget: on two busy cores the run takes ~45 s; a skip would hide a section.
+    command = [sys.executable, "benchmarks/gpu_suite.py", "--smoke", "--budget-s", "150"]
+    proc = subprocess.run(
+        [*command, "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    results["_test_wall_s"] = time.perf_counter() - start
+    return results
+
+
+def test_every_section_runs_and_the_summary_names_each_goal(smoke: dict) -> None:
+    sections = smoke["sections"]
+    assert list(sections) == list(gpu_suite.SECTIONS)
+    for name, entry in sections.items():
+        assert entry["status"] == "ok", (name, entry.get("error") or entry.get("reason"))
+        assert entry["wall_s"] >= 0
+    summary = smoke["summary"]
+    assert len(summary["goals"]) == 4
+    for goal in summary["goals"]:
+        assert goal["value"] is not None and isinstance(goal["met"], bool), goal
+    assert set(summary["section_wall_s"]) == set(gpu_suite.SECTIONS)
+    assert smoke["smoke"] is True and smoke["wall_s"] < smoke["budget_s"]
+
+
+def test_figures_are_measured(smoke: dict) -> None:
+    s = {name: entry["result"] for name, entry in smoke["sections"].items()}
+    assert s["environment"]["torch"] and s["environment"]["src_digest"]
+    assert s["peaks"]["gemm"]["tflops"] > 0 and s["peaks"]["bandwidth"]["gb_per_s"] > 0
+    assert [row["image"] for row in s["vit"]["images"]] == ["112x112", "224x112"]
+    for row in s["vit"]["images"]:
+        assert row["ms"] > 0 and row["tflops"] > 0 and row["pct_of_gemm_peak"] > 0
+    assert set(s["checkpoints"]) == {"toy", "qwen2_vl_2b", "qwen2_vl_7b"}
+    seven = s["checkpoints"]["qwen2_vl_7b"]
+    assert seven["layers"] == 3 and seven["lm_bytes"] > seven["lm_bytes_per_decode_step"] > 0
+    tied = s["checkpoints"]["qwen2_vl_2b"]  # the 2B ties its head to the embedding table
+    parts = tied["weight_bytes"]
+    assert parts["lm_head"] == 0 and parts["embedding"] > 0
+    assert (
+        tied["lm_bytes_per_decode_step"]
+        == tied["lm_bytes"]
+        == parts["decoder"] + parts["embedding"]
+    )
+    rows = next(iter(s["decode"]["backends"].values()))["batches"]
+    assert [row["batch"] for row in rows] == [1, 8, 64]
+    assert any(row["ms_per_step"] for row in rows)  # a tiny CPU model can drown one in noise
+    assert s["decode"]["weight_read_limit"]["limit_ms"] > 0
+    assert s["compare_hf"]["ratio"] > 0
+    assert s["compare_hf"]["identical_outputs"] == SMOKE.compare_requests
+    assert s["graphs"]["status"] in ("built", "not built")
+    gpu_tests = s["gpu_tests"]
+    assert gpu_tests["tests"] >= 7 and gpu_tests["failed"] == 0
+    assert gpu_tests["skipped"] == gpu_tests["tests"]  # no CUDA here: every test skips
+
+
+def test_parity_in_float32_is_exact_on_every_checkpoint(smoke: dict) -> None:
+    parity = smoke["sections"]["parity"]["result"]
+    for name in ("toy", "qwen2_vl_2b", "qwen2_vl_7b"):
+        entry = parity[name]
+        assert entry["mmserve_vs_transformers"]["identical"], (name, entry)
+        assert all(len(t) == SMOKE.parity_tokens for t in entry["mmserve_tokens"])
+    assert "mmserve" in parity["toy"]["bf16_vs_fp32"]
+    assert "skipped" in parity["qwen2_vl_7b"]["bf16_vs_fp32"]
+
+
+def test_the_report_is_a_results_section(smoke: dict) -> None:
+    text = render_markdown(smoke)
+    env = smoke["sections"]["environment"]["result"]
+    assert text.startswith("## GPU suite")
+    assert env["src_digest"] in text
+    for goal in smoke["summary"]["goals"]:
+        assert goal["goal"] in text
+    assert "ViT 112x112 (64 patches)" in text
+
+
+def _run(tmp_path: Path, budget_s: float, work_dir: Path) -> gpu_suite.Run:
+    return gpu_suite.Run(
+        profile=gpu_suite.dataclasses.replace(SMOKE, budget_s=budget_s),
+        out_path=tmp_path / "out.json",
+        work_dir=work_dir,
+        started=time.perf_counter(),
+        results={"sections": {}},
+    )
+
+
+def test_a_failing_section_is_recorded_and_the_next_runs(tmp_path: Path) -> None:
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the checkpoints should go")
+    run = _run(tmp_path, 60.0, blocker)
+    gpu_suite.run_section(run, "checkpoints")
+    gpu_suite.run_section(run, "decode")
+    run.write()
+    sections = json.loads(run.out_path.read_text())["sections"]
+    assert sections["checkpoints"]["status"] == "error"
+    assert sections["checkpoints"]["error"]["type"] in ("NotADirectoryError", "FileExistsError")
+    assert sections["decode"] == {
+        "status": "skipped",
+        "reason": "needs the checkpoints section, which has status error",
+        "wall_s": sections["decode"]["wall_s"],
+    }
+
+
+def test_a_section_past_the_budget_is_stopped_and_later_ones_skipped(tmp_path: Path) -> None:
+    # One checkpoint first, outside the budget: the alarm must not land inside transformers'
+    # lazy imports, which would leave them half-imported for the tests that follow.
+    write_tiny_checkpoint(tmp_path / "warm")
+    run = _run(tmp_path, 0.3, tmp_path / "ckpts")
+    gpu_suite.run_section(run, "checkpoints")  # writes two checkpoints: several seconds
+    gpu_suite.run_section(run, "peaks")
+    sections = run.results["sections"]
+    assert sections["checkpoints"]["status"] == "error"
+    assert sections["checkpoints"]["error"]["type"] == "SectionTimeout"
+    assert sections["checkpoints"]["wall_s"] < 10
+    assert sections["peaks"]["status"] == "skipped"
+    assert sections["peaks"]["reason"].startswith("time budget")
+
+
+def test_vit_flops_formula_on_a_hand_count() -> None:
+    cfg = VisionConfig(
+        model_type="qwen2_vl", depth=1, embed_dim=4, num_heads=1, mlp_hidden_dim=8, out_dim=2
+    )
+    flops = vit_flops(cfg, num_patches=4)
+    patch = 2 * 4 * 1176 * 4
+    block = 2 * 4 * 4 * 16 + 2 * 2 * 4 * 4 * 8  # qkv + proj (4d^2 per row), fc1 + fc2
+    merger = 2 * 1 * 16 * 16 + 2 * 1 * 16 * 2
+    assert flops["linear"] == patch + block + merger
+    assert flops["attention"] == 2 * 2 * 4 * 4 * 4
+
+
+@pytest.mark.parametrize(
+    ("shape", "billions", "vision_billions"),
+    [(QWEN2_VL_2B, 2.209, 0.665), (QWEN2_VL_7B, 8.291, 0.676)],
+)
+def test_full_shapes_have_the_published_parameter_counts(
+    shape: dict, billions: float, vision_billions: float
+) -> None:
+    """Built on the meta device (no memory): a typo in a width would change the counts."""
+    import torch
+    import transformers
+
+    ids = {token: 151643 + i for i, token in enumerate(SPECIAL_TOKENS)}
+    cfg = tiny_config_dict("qwen2_vl", 448, ids, **shape)
+    config = transformers.Qwen2VLConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = transformers.Qwen2VLForConditionalGeneration(config)
+    total = sum(p.numel() for p in model.parameters())
+    vision = sum(p.numel() for name, p in model.named_parameters() if "visual" in name)
+    assert round(total / 1e9, 3) == billions
+    assert round(vision / 1e9, 3) == vision_billions
+
+
+def test_a_bf16_checkpoint_counts_two_bytes_per_weight(tmp_path: Path) -> None:
+    fp32 = describe_checkpoint(write_tiny_checkpoint(tmp_path / "a", dtype="float32"))
+    bf16 = describe_checkpoint(write_tiny_checkpoint(tmp_path / "b", dtype="bfloat16"))
+    assert fp32["lm_bytes"] == 2 * bf16["lm_bytes"] > 0
+    parts = bf16["weight_bytes"]
+    # untied: the step reads the decoder and the head, not the embedding table
+    assert bf16["lm_bytes_per_decode_step"] == parts["decoder"] + parts["lm_head"]
+
+
+def test_an_alarm_swallowed_by_library_code_still_counts_and_earlier_timers_survive() -> None:
+    def outer(signum: int, frame: object) -> None:
+        raise AssertionError("the outer timer must not fire inside this test")
+
+    previous = signal.signal(signal.SIGALRM, outer)
+    signal.setitimer(signal.ITIMER_REAL, 30.0)  # like pytest-timeout's
+    try:
+        # contextlib.suppress(BaseException): what some library code does to our alarm
+        with Alarm(0.05) as alarm, contextlib.suppress(BaseException):
+            time.sleep(2.0)  # interrupted by the alarm
+        assert alarm.fired
+        assert signal.getsignal(signal.SIGALRM) is outer
+        assert 25.0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 30.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
