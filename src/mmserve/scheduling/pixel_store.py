@@ -10,9 +10,22 @@ a request that then needs that item again fails with a message that says so.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from mmserve.multimodal import ProcessedImage
+
+if TYPE_CHECKING:
+    from mmserve.scheduling.request import Request
+
+
+class PixelsGone(Exception):
+    """A preempted request needs an item's pixels the store has evicted."""
+
+    def __init__(self, identifier: str) -> None:
+        super().__init__(identifier)
+        self.identifier = identifier
 
 
 class PixelStore:
@@ -52,6 +65,25 @@ class PixelStore:
         self._entries.move_to_end(identifier)
         self.num_restored += 1
         return entry[0]
+
+    def stash_consumed(self, request: Request) -> None:
+        """Items the prefill has passed are never encoded again unless the request is
+        preempted: their pixels leave the request for this store."""
+        num_computed = request.num_computed_tokens
+        for item_idx, feature in enumerate(request.mm_features):
+            if feature.data is not None and feature.placeholder.end <= num_computed:
+                self.put(feature.identifier, feature.data, request.request_id)
+                request.mm_features[item_idx] = dataclasses.replace(feature, data=None)
+                request.stashed_pixels.add(feature.identifier)
+
+    def restore(self, request: Request, item_idx: int) -> None:
+        """A preempted request encodes an item again: its pixels come back from here.
+        Raises PixelsGone when they were evicted."""
+        feature = request.mm_features[item_idx]
+        data = self.get(feature.identifier)
+        if data is None:
+            raise PixelsGone(feature.identifier)
+        request.mm_features[item_idx] = dataclasses.replace(feature, data=data)
 
     def release(self, request_id: str, identifiers: set[str]) -> None:
         """The request is finished: drop what only it held."""

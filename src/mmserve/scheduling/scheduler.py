@@ -31,7 +31,6 @@ output resident before the step runs:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -51,7 +50,7 @@ from mmserve.scheduling.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
-from mmserve.scheduling.pixel_store import PixelStore
+from mmserve.scheduling.pixel_store import PixelsGone, PixelStore
 from mmserve.scheduling.request import Request, RequestStatus, check_stop
 
 logger = logging.getLogger(__name__)
@@ -237,7 +236,7 @@ class Scheduler:
                 num_new, items, rolled_back = self._try_schedule_encoder_inputs(
                     request, num_computed, num_new, step
                 )
-            except _PixelsGone as gone:
+            except PixelsGone as gone:
                 self._fail_at_schedule(request, gone.identifier)  # releases what it holds
                 continue
             if num_new == 0:
@@ -304,32 +303,13 @@ class Scheduler:
                 # Text before the item still runs; at (or inside) the item: nothing this step.
                 return max(0, start - num_computed), to_encode, False
             if feature.data is None and feature.identifier in request.stashed_pixels:
-                self._restore_pixels(request, item_idx)
+                # stashed only when there is a store (see PixelStore.stash_consumed)
+                assert self.pixel_store is not None
+                self.pixel_store.restore(request, item_idx)
             to_encode.append(item_idx)
             identifiers.add(feature.identifier)
             num_embeds_to_schedule += feature.num_embeds
         return num_new, to_encode, False
-
-    def _restore_pixels(self, request: Request, item_idx: int) -> None:
-        """A preempted request encodes an item again: its pixels come back from the store."""
-        feature = request.mm_features[item_idx]
-        data = self.pixel_store.get(feature.identifier) if self.pixel_store is not None else None
-        if data is None:
-            raise _PixelsGone(feature.identifier)
-        request.mm_features[item_idx] = dataclasses.replace(feature, data=data)
-
-    def _stash_consumed_pixels(self, request: Request) -> None:
-        """Items the prefill has passed are never encoded again unless the request is
-        preempted: their pixels leave the request for the bounded store."""
-        store = self.pixel_store
-        if store is None:
-            return
-        num_computed = request.num_computed_tokens
-        for item_idx, feature in enumerate(request.mm_features):
-            if feature.data is not None and feature.placeholder.end <= num_computed:
-                store.put(feature.identifier, feature.data, request.request_id)
-                request.mm_features[item_idx] = dataclasses.replace(feature, data=None)
-                request.stashed_pixels.add(feature.identifier)
 
     def _fail_at_schedule(self, request: Request, identifier: str) -> None:
         logger.warning(
@@ -425,7 +405,8 @@ class Scheduler:
                 continue
             self.kv_cache_manager.cache_blocks(request)
             self._free_consumed_encoder_inputs(request)
-            self._stash_consumed_pixels(request)
+            if self.pixel_store is not None:
+                self.pixel_store.stash_consumed(request)
             new_token_ids = self._append_sampled(request, runner_output)
             if request.is_finished:
                 finished.append(request)
@@ -493,11 +474,3 @@ class Scheduler:
             self.pixel_store.release(request.request_id, request.stashed_pixels)
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
-
-
-class _PixelsGone(Exception):
-    """A preempted request needs an item's pixels the store has evicted."""
-
-    def __init__(self, identifier: str) -> None:
-        super().__init__(identifier)
-        self.identifier = identifier
