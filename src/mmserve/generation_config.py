@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Any
+
+from mmserve.errors import InvalidRequestError
+from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -74,19 +76,12 @@ def load_sampling_defaults(spec: str, model_dir: str | Path, *, log: bool = True
 
 
 def _check(name: str, value: Any, path: Path) -> None:
-    is_number = isinstance(value, int | float) and not isinstance(value, bool)
-    ok = is_number and math.isfinite(value)
-    if name in ("top_k", "max_tokens"):
-        ok = ok and isinstance(value, int) and value >= (1 if name == "max_tokens" else -1)
-    elif name == "top_p":
-        ok = ok and 0 < value <= 1
-    elif name == "repetition_penalty":
-        ok = ok and value > 0
-    else:
-        ok = ok and value >= 0
-    if not ok:
+    """SamplingParams' own range rules, so a default is valid exactly when a request's is."""
+    try:
+        SamplingParams(**{name: value})
+    except InvalidRequestError as exc:
         key = next(k for k, f in SAMPLING_KEYS.items() if f == name)
         raise ValueError(
-            f"--generation-config: {path} has {key}={value!r}, which is not a valid default; "
-            "fix the file or pass --generation-config vllm"
-        )
+            f"--generation-config: {path} has {key}={value!r}, which is not a valid default "
+            f"({exc.message}); fix the file or pass --generation-config vllm"
+        ) from None
