@@ -8,6 +8,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) scripts/patch_torchvision.py
 	touch $(STAMP)
 
 .PHONY: setup serve test lint bench
