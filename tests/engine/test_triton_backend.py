@@ -1,5 +1,6 @@
-"""The engine with the Triton attention backend (interpreted on the CPU) answers exactly as with
-the torch backend: greedy tokens, in one batch that mixes image prefills, chunks and decodes."""
+"""The engine with the Triton attention backend and the fused Triton layer ops (interpreted on the
+CPU) answers exactly as with the torch backend and ops: greedy tokens, in one batch that mixes
+image prefills, chunks and decodes."""
 
 from __future__ import annotations
 
@@ -36,11 +37,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
     )
 
 
-def _greedy(model: str, **engine_args) -> tuple[list[list[int]], str]:
+def _greedy(model: str, **engine_args) -> tuple[list[list[int]], tuple[str, str]]:
     # 32-token steps cut the image prompts into chunks that start mid-block and mix with decodes
     with LLM(model=model, max_num_batched_tokens=32, **engine_args) as llm:
         outs = llm.generate(REQUESTS, GREEDY)
-        return [list(o.outputs[0].token_ids) for o in outs], llm.config.attention_backend
+        names = (llm.config.attention_backend, llm.config.layer_ops)
+        return [list(o.outputs[0].token_ids) for o in outs], names
 
 
 @pytest.mark.skipif(
@@ -49,7 +51,7 @@ def _greedy(model: str, **engine_args) -> tuple[list[list[int]], str]:
 def test_triton_backend_is_greedy_identical_to_the_torch_backend(checkpoint) -> None:
     want, want_name = _greedy(str(checkpoint), attention_backend="torch")
     got, got_name = _greedy(str(checkpoint), attention_backend="triton")
-    assert (want_name, got_name) == ("torch", "triton")
+    assert (want_name, got_name) == (("torch", "torch"), ("triton", "triton"))
     assert all(len(t) == NUM_TOKENS for t in got)
     assert got == want
 
@@ -65,7 +67,7 @@ def test_the_choice_crosses_to_the_engine_process(checkpoint) -> None:
     with LLM(model=str(checkpoint), attention_backend="torch") as llm:
         want = llm.generate(REQUESTS[0], params)[0].outputs[0].token_ids
     with LLM(model=str(checkpoint), multiprocess=True, attention_backend="triton") as llm:
-        assert llm.config.attention_backend == "triton"
+        assert (llm.config.attention_backend, llm.config.layer_ops) == ("triton", "triton")
         assert llm.generate(REQUESTS[0], params)[0].outputs[0].token_ids == want
 
 

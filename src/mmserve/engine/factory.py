@@ -26,6 +26,7 @@ from mmserve.layers.attention import (
     kv_cache_bytes_per_block,
     select_backend,
 )
+from mmserve.layers.fused import select_layer_ops
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import ModelConfig, load_model_config
 from mmserve.models.loader import load_model
@@ -65,6 +66,7 @@ class ResolvedConfig:
     encoder_compute_budget: int
     chunked_mm_input: bool
     attention_backend: str
+    layer_ops: str  # who computes the decoder's norms, SwiGLU and rotary: torch or triton
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -190,13 +192,17 @@ def build_core(
     if device.type == "cpu":
         tune_host_allocator()  # activations live in host memory: reuse it, do not re-fault it
     attention_backend = select_backend(args.attention_backend, device, block_size=args.block_size)
+    layer_ops = select_layer_ops(attention_backend.name)
     logger.info(
-        "attention backend: %s (--attention-backend %s, device %s)",
+        "attention backend: %s (--attention-backend %s, device %s); norms, SwiGLU, rotary: %s",
         attention_backend.name,
         args.attention_backend,
         device,
+        layer_ops.name,
     )
-    model, model_config = load_model(shape.model_dir, device=device, dtype=dtype)
+    model, model_config = load_model(
+        shape.model_dir, device=device, dtype=dtype, layer_ops=layer_ops
+    )
     scheduler_config = shape.scheduler_config
     bytes_per_block = kv_cache_bytes_per_block(model_config, args.block_size, dtype)
     num_blocks = _num_kv_blocks(args, scheduler_config, bytes_per_block, device)
@@ -262,6 +268,7 @@ def build_core(
         bytes_per_slot,
         shape.max_model_len,
         attention_backend.name,
+        layer_ops.name,
     )
     return core, resolved
 
@@ -352,6 +359,7 @@ def _describe(
     bytes_per_slot: int,
     max_model_len: int,
     attention_backend: str,
+    layer_ops: str,
 ) -> ResolvedConfig:
     return ResolvedConfig(
         model=str(args.model),
@@ -371,6 +379,7 @@ def _describe(
         encoder_compute_budget=sched.effective_encoder_compute_budget,
         chunked_mm_input=not sched.disable_chunked_mm_input,
         attention_backend=attention_backend,
+        layer_ops=layer_ops,
     )
 
 

@@ -5,16 +5,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mmserve.layers.fused.ops import LayerOps
+from mmserve.layers.fused.torch_ops import TorchLayerOps
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    """The norm's weight; `ops` (the decoder's, chosen at start-up; torch by default) computes."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, ops: LayerOps | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.ops = ops or TorchLayerOps()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Cast before scaling, as the checkpoints were trained that way.
-        return self.weight * x32.to(input_dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add, fused into the norm."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

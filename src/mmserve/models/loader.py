@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from mmserve.layers.fused import LayerOps
 from mmserve.models.config import ModelConfig, load_model_config
 from mmserve.models.registry import get_model_class
 
@@ -125,10 +126,12 @@ def load_model(
     model_dir: str | Path,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
+    layer_ops: LayerOps | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model `config.json` names and load its weights; returns (model, config).
 
-    `dtype` defaults to the checkpoint's own dtype. The model is in eval mode with gradients
+    `dtype` defaults to the checkpoint's own dtype; `layer_ops` (the decoder's norms, SwiGLU
+    and rotary) to the torch reference. The model is in eval mode with gradients
     off; parameters are created on the meta device first, so nothing is initialised twice.
     """
     path = Path(model_dir)
@@ -139,7 +142,7 @@ def load_model(
             raise CheckpointError(f"config.json dtype {config.dtype!r} is not a torch dtype")
     model_cls = get_model_class(config.architecture)
     with torch.device("meta"):
-        model = model_cls(config)
+        model = model_cls(config, layer_ops)
     model = model.to(dtype=dtype).to_empty(device=device)
     load_weights(model, path, config.tie_word_embeddings)
     model.eval().requires_grad_(False)

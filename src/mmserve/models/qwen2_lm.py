@@ -7,16 +7,18 @@ from torch import nn
 
 from mmserve.layers.activation import get_activation
 from mmserve.layers.attention import AttentionMetadata
+from mmserve.layers.fused import LayerOps, TorchLayerOps
 from mmserve.layers.norm import RMSNorm
-from mmserve.layers.rotary import MRotaryEmbedding, apply_rotary
+from mmserve.layers.rotary import MRotaryEmbedding
 from mmserve.models.config import TextConfig
 
 
 class Qwen2Attention(nn.Module):
     """GQA self-attention with q/k/v biases and M-RoPE."""
 
-    def __init__(self, config: TextConfig) -> None:
+    def __init__(self, config: TextConfig, ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -38,55 +40,80 @@ class Qwen2Attention(nn.Module):
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.ops.rotate_qk(q, k, cos, sin)
         # The step's metadata names the backend that built it (chosen once at start-up).
         out = attn_metadata.backend.forward(q, k, v, kv_cache, attn_metadata, self.head_dim**-0.5)
         return self.o_proj(out.to(x.dtype).reshape(n, -1))
 
 
 class Qwen2MLP(nn.Module):
-    def __init__(self, config: TextConfig) -> None:
+    def __init__(self, config: TextConfig, ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = get_activation(config.hidden_act)
 
+        self.is_swiglu = config.hidden_act in ("silu", "swish")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        hidden = self.ops.silu_mul(gate, up) if self.is_swiglu else self.act(gate) * up
+        return self.down_proj(hidden)
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, config: TextConfig) -> None:
+    """Pre-norm block. The residual stream travels beside the layer's output, so each residual
+    add happens inside the next norm (`add_and_norm`, one fused kernel with the triton ops):
+
+        layer i:  h, s = norm_in(x + s)      (the first layer: norm_in(x), s = x)
+                  h, s = norm_post(attn(h) + s)
+                  return mlp(h), s           -> the next layer's x, s; the final norm adds last
+    """
+
+    def __init__(self, config: TextConfig, ops: LayerOps) -> None:
         super().__init__()
-        self.self_attn = Qwen2Attention(config)
-        self.mlp = Qwen2MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Qwen2Attention(config, ops)
+        self.mlp = Qwen2MLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it adds): see the class docstring."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, attn_metadata)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen2Model(nn.Module):
-    """Token embedding, decoder layers and the final norm (no LM head)."""
+    """Token embedding, decoder layers and the final norm (no LM head).
 
-    def __init__(self, config: TextConfig) -> None:
+    `ops` does the layers' norms, SwiGLU and rotary (chosen at start-up with the attention
+    backend: `layers/fused/`); the torch reference by default.
+    """
+
+    def __init__(self, config: TextConfig, ops: LayerOps | None = None) -> None:
         super().__init__()
         self.config = config
+        ops = ops or TorchLayerOps()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [Qwen2DecoderLayer(config) for _ in range(config.num_hidden_layers)]
+            [Qwen2DecoderLayer(config, ops) for _ in range(config.num_hidden_layers)]
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary = MRotaryEmbedding(config.head_dim, config.rope_theta, config.mrope_section)
 
     def forward(
@@ -103,7 +130,9 @@ class Qwen2Model(nn.Module):
                 "allocate them with allocate_kv_caches(model_config, ...)"
             )
         cos, sin = self.rotary(positions)  # [num_tokens, head_dim] float32
-        x = inputs_embeds
+        x, residual = inputs_embeds, None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, attn_metadata)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+        if residual is None:  # a model without layers
+            return self.norm(x)
+        return self.norm.add_and_norm(x, residual)[0]

@@ -20,19 +20,21 @@ from torch import nn
 
 from mmserve.errors import RequestFailedError
 from mmserve.layers.attention import AttentionMetadata
+from mmserve.layers.fused import LayerOps
 from mmserve.models.config import ModelConfig
 from mmserve.models.qwen2_lm import Qwen2Model
 from mmserve.models.qwen2_vl_vision import VisionTransformer
 
 
 class Qwen2VLForConditionalGeneration(nn.Module):
-    """Qwen2-VL; the vision block structure (and Qwen2.5-VL windows) follows `config.vision`."""
+    """Qwen2-VL; the vision block structure (and Qwen2.5-VL windows) follows `config.vision`.
+    `layer_ops` does the decoder's norms, SwiGLU and rotary (torch by default)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_ops: LayerOps | None = None) -> None:
         super().__init__()
         self.config = config
         self.visual = VisionTransformer(config.vision)
-        self.model = Qwen2Model(config.text)
+        self.model = Qwen2Model(config.text, layer_ops)
         # Tied checkpoints have no lm_head tensor: logits reuse the embedding matrix.
         self.lm_head = (
             None
@@ -112,7 +114,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):  # noqa: N801
     """Qwen2.5-VL: same decoder; RMSNorm + SwiGLU ViT blocks with window attention."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_ops: LayerOps | None = None) -> None:
         if not config.vision.is_windowed:
             raise ValueError("Qwen2_5_VLForConditionalGeneration needs a qwen2_5_vl vision config")
-        super().__init__(config)
+        super().__init__(config, layer_ops)
