@@ -14,11 +14,14 @@ from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.engine.args import EngineArgs
 from mmserve.engine.core import CoreLike, EngineCore
 from mmserve.engine.host_allocator import limit_malloc_arenas, tune_host_allocator
+from mmserve.engine.kv_sizing import GpuProfile, profiled_kv_budget
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.model_source import with_local_sources
 from mmserve.engine.output_processor import OutputProcessor
+from mmserve.execution.device_memory import CudaMemory
 from mmserve.execution.encoder_runner import EncoderRunner
 from mmserve.execution.executor import InProcessExecutor
+from mmserve.execution.memory_profile import ProfileShape
 from mmserve.execution.model_runner import ModelRunner
 from mmserve.generation_config import load_sampling_defaults
 from mmserve.layers.attention import (
@@ -193,6 +196,8 @@ def build_core(
         tune_host_allocator()  # activations live in host memory: reuse it, do not re-fault it
     attention_backend = select_backend(args.attention_backend, device, block_size=args.block_size)
     layer_ops = select_layer_ops(attention_backend.name)
+    # Before the weights: what the profile run's non-torch growth is measured from.
+    at_start = CudaMemory(device).snapshot() if device.type == "cuda" else None
     logger.info(
         "attention backend: %s (--attention-backend %s, device %s); norms, SwiGLU, rotary: %s",
         attention_backend.name,
@@ -204,16 +209,30 @@ def build_core(
         shape.model_dir, device=device, dtype=dtype, layer_ops=layer_ops
     )
     scheduler_config = shape.scheduler_config
+    merge = model_config.spatial_merge_size
+    # the per-step encoder budget, in input patches (what activation memory scales with)
+    max_patches_per_call = scheduler_config.effective_encoder_compute_budget * merge * merge
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    bytes_per_slot = model_config.hidden_size * element_bytes
     bytes_per_block = kv_cache_bytes_per_block(model_config, args.block_size, dtype)
-    num_blocks = _num_kv_blocks(args, scheduler_config, bytes_per_block, device)
+    gpu = None
+    if at_start is not None:
+        profile = ProfileShape(
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            max_model_len=shape.max_model_len,
+            max_patches_per_call=max_patches_per_call,
+            max_tokens_per_mm_item=scheduler_config.max_tokens_per_mm_item,
+            block_size=args.block_size,
+        )
+        gpu = GpuProfile(model, model_config, attention_backend, profile, at_start, device, dtype)
+    num_blocks = _num_kv_blocks(args, shape, bytes_per_block, bytes_per_slot, gpu)
     cache_config = CacheConfig(
         num_blocks=num_blocks,
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
         hash_algorithm=args.hash_algorithm,
     )
-    element_bytes = torch.empty((), dtype=dtype).element_size()
-    bytes_per_slot = model_config.hidden_size * element_bytes
     scheduler = Scheduler(
         scheduler_config,
         cache_config,
@@ -221,13 +240,11 @@ def build_core(
         eos_token_ids=shape.eos_token_ids,
         pixel_store_bytes=int(args.mm_reencode_cache_gb * (1 << 30)),
     )
-    merge = model_config.spatial_merge_size
     encoder = EncoderRunner(
         model.embed_multimodal,
         device=device,
         dtype=dtype,
-        # the per-step encoder budget, in input patches (what activation memory scales with)
-        max_patches_per_call=scheduler_config.effective_encoder_compute_budget * merge * merge,
+        max_patches_per_call=max_patches_per_call,
         metrics=metrics,
     )
     runner = ModelRunner(
@@ -301,14 +318,26 @@ def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngin
 
 
 def _num_kv_blocks(
-    args: EngineArgs, sched: SchedulerConfig, bytes_per_block: int, device: torch.device
+    args: EngineArgs,
+    shape: EngineShape,
+    bytes_per_block: int,
+    bytes_per_encoder_slot: int,
+    gpu: GpuProfile | None,
 ) -> int:
+    sched = shape.scheduler_config
     if args.num_gpu_blocks_override is not None:
         return args.num_gpu_blocks_override
     if args.kv_cache_memory_bytes is not None:
         budget = args.kv_cache_memory_bytes
-    elif device.type == "cuda":
-        budget = _gpu_kv_budget(args.gpu_memory_utilization, device)
+    elif gpu is not None:
+        budget = profiled_kv_budget(
+            gpu,
+            CudaMemory(shape.device),
+            utilization=args.gpu_memory_utilization,
+            bytes_per_block=bytes_per_block,
+            encoder_cache_bytes=sched.effective_encoder_cache_size * bytes_per_encoder_slot,
+            has_cuda_graphs=not args.enforce_eager,
+        )
     else:
         budget = CPU_KV_CACHE_BYTES
         logger.info(
@@ -325,27 +354,6 @@ def _num_kv_blocks(
             "raise --kv-cache-memory-bytes"
         )
     return int(num_blocks)
-
-
-def _gpu_kv_budget(utilization: float, device: torch.device) -> int:
-    """vLLM's rule, without its profile run yet: this process may use `utilization` of the
-    GPU's memory; what it already holds (the weights) is taken off, never more than is free now
-    (another process may hold some), and a tenth of the rest stays free for activations."""
-    free, total = torch.cuda.mem_get_info(device)
-    in_use = torch.cuda.memory_reserved(device)
-    usable = max(0, min(int(utilization * total) - in_use, free))
-    budget = int(usable * 0.9)
-    logger.info(
-        "KV cache on %s: %d MiB = 90%% of min(%.2f x %d MiB total - %d MiB this process holds, "
-        "%d MiB free)",
-        device,
-        budget >> 20,
-        utilization,
-        total >> 20,
-        in_use >> 20,
-        free >> 20,
-    )
-    return budget
 
 
 def _describe(
