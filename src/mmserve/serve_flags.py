@@ -128,9 +128,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
-        help="Fraction of the GPU's memory mmserve may use (weights, activations, KV cache); "
-        "the KV cache gets what the weights leave, less a reserve. CUDA only (on the CPU "
-        "--kv-cache-memory-bytes sizes the cache). Default 0.9.",
+        help="Fraction of the GPU's memory mmserve may use (weights, activations, KV cache): "
+        "a profile run at start-up measures the activation peak of the largest step, and the "
+        "KV cache gets what the weights, that peak and a CUDA graph reserve leave. CUDA only "
+        "(on the CPU --kv-cache-memory-bytes sizes the cache). Default 0.9.",
     )
     a(
         "--tensor-parallel-size",
@@ -199,10 +200,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     a(
         "--kv-cache-memory-bytes",
+        "--kv-cache-memory",
         type=int,
         default=None,
         metavar="BYTES",
-        help="KV pool size in bytes, instead of sizing it from free memory.",
+        help="KV pool size in bytes, instead of sizing it by the start-up profile run.",
     )
     a(
         "--hash-algorithm",

@@ -215,3 +215,15 @@ def test_profiled_budget_logs_each_figure(qwen2_vl_dir: Path, caplog) -> None:
     log = caplog.text
     assert "activation peak 2048 MiB" in log and "0.50 x 81920 MiB total" in log
     assert "LM over 24+16 new tokens" in log
+
+
+def test_kv_cache_memory_is_vllms_other_name_for_the_bytes_flag() -> None:
+    from mmserve.cli import build_parser
+    from mmserve.engine.args import EngineArgs
+
+    def args_of(*argv: str) -> EngineArgs:
+        return EngineArgs.from_cli(build_parser(with_bench=False).parse_args(["serve", *argv]))
+
+    assert args_of("--kv-cache-memory", "4096").kv_cache_memory_bytes == 4096
+    assert args_of("--kv-cache-memory-bytes", "8192").kv_cache_memory_bytes == 8192
+    assert args_of().kv_cache_memory_bytes is None
