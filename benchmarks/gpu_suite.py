@@ -1,10 +1,11 @@
 """Every GPU check and benchmark of mmserve in one run (< 8 minutes on one H200), one JSON out.
 
 Sections, in order: environment, measured peaks (bf16 GEMM, bandwidth), the 7B ViT on 1024^2
-and 4K images, every gpu-marked test (tests/models/test_gpu.py and others), random 2B/7B-shaped
-checkpoints, decode ms/step at batch 1/8/64 against the weight-read limit (once per attention
-backend), greedy parity with transformers, compare_hf.py at 7B shape, CUDA graphs against
-eager, and a summary of the issue's goals. Each section is timed and guarded: one that fails
+and 4K images, the fused layer ops against torch's, every gpu-marked test
+(tests/models/test_gpu.py and others), random 2B/7B-shaped checkpoints, decode ms/step at
+batch 1/8/64 against the weight-read limit (once per attention backend), greedy parity with
+transformers, compare_hf.py at 7B shape, CUDA graphs against eager, and a summary of the
+issue's goals. Each section is timed and guarded: one that fails
 records its error and the next runs; sections that no longer fit the time budget are skipped
 with the reason; the JSON is rewritten after every section, so a run that is cut short still
 leaves what it measured.
@@ -43,6 +44,7 @@ SECTIONS = (
     "environment",
     "peaks",
     "vit",
+    "layer_ops",
     "gpu_tests",
     "checkpoints",
     "decode",
@@ -122,6 +124,12 @@ def section_vit(run: Run) -> dict[str, Any]:
     from benchmarks.suite.vit import measure_vit
 
     return measure_vit(run.profile, _optional(run, "peaks").get("gemm", {}).get("tflops"))
+
+
+def section_layer_ops(run: Run) -> dict[str, Any]:
+    from benchmarks.suite.layer_ops import measure_layer_ops
+
+    return measure_layer_ops(run.profile)
 
 
 def section_checkpoints(run: Run) -> dict[str, Any]:

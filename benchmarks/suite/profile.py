@@ -92,6 +92,11 @@ class Profile:
     compare_requests: int = 32
     compare_output_len: int = 32
     gpu_tests_timeout_s: float = 150.0
+    # Fused layer ops against torch: token counts per call, timing repeats, the LM's dims.
+    layer_ops_tokens: tuple[int, ...] = (1, 64, 2048)
+    layer_ops_repeats: int = 5
+    layer_ops_calls: int = 20  # calls per timing: one call is microseconds
+    layer_ops_shape: dict[str, int] = field(default_factory=dict)
     # Rough seconds of each section on this profile's machine, to skip what no longer fits.
     estimates_s: dict[str, float] = field(default_factory=dict)
 
@@ -129,8 +134,17 @@ GPU = Profile(
     compare_requests=32,
     compare_output_len=32,
     gpu_tests_timeout_s=150.0,
+    layer_ops_shape={
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_heads": 28,
+        "num_kv_heads": 4,
+        "head_dim": 128,
+        "num_layers": 28,
+    },
     estimates_s={
         "peaks": 10,
+        "layer_ops": 10,
         "vit": 20,
         "checkpoints": 60,
         "decode": 60,
@@ -169,5 +183,16 @@ SMOKE = Profile(
     compare_requests=4,
     compare_output_len=4,
     gpu_tests_timeout_s=40.0,
+    layer_ops_tokens=(3,),
+    layer_ops_repeats=1,
+    layer_ops_calls=1,
+    layer_ops_shape={
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+        "num_layers": 2,
+    },
     estimates_s={},
 )

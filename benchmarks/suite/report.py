@@ -55,6 +55,14 @@ def _figure_lines(results: dict[str, Any]) -> list[str]:
                 f"- ViT {r['image']} ({r['patches']} patches): {_fmt(r['ms'])} ms, "
                 f"{_fmt(r['tflops'], 1)} TFLOP/s = {_fmt(r.get('pct_of_gemm_peak'), 1)}% of peak"
             )
+    layer_ops = _ok(results, "layer_ops")
+    if layer_ops:
+        cells = [
+            f"{r['num_tokens']} tokens: torch {_fmt(r['torch']['per_step_ms'])} ms"
+            + (f", triton {_fmt(r['triton']['per_step_ms'])} ms" if "triton" in r else "")
+            for r in layer_ops["rows"]
+        ]
+        lines.append("- Norms, SwiGLU, rotary per step (all layers): " + "; ".join(cells))
     compare = _ok(results, "compare_hf")
     if compare:
         lines.append(
