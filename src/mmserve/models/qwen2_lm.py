@@ -54,8 +54,7 @@ class Qwen2MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = get_activation(config.hidden_act)
-
-        self.is_swiglu = config.hidden_act in ("silu", "swish")
+        self.is_swiglu = config.hidden_act in ("silu", "swish")  # silu(gate) * up: one op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
