@@ -195,6 +195,7 @@ def all_messages() -> list[tuple[str, Message]]:
                     "num_kv_blocks": 128,
                     "chunked_mm_input": True,
                     "attention_backend": "triton",
+                    "encoder_cuda_graph": True,
                 }
             ),
         ),

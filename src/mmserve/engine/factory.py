@@ -17,6 +17,7 @@ from mmserve.engine.host_allocator import limit_malloc_arenas, tune_host_allocat
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.model_source import with_local_sources
 from mmserve.engine.output_processor import OutputProcessor
+from mmserve.execution.encoder_graphs import make_encoder_embed
 from mmserve.execution.encoder_runner import EncoderRunner
 from mmserve.execution.executor import InProcessExecutor
 from mmserve.execution.model_runner import ModelRunner
@@ -65,6 +66,7 @@ class ResolvedConfig:
     encoder_compute_budget: int
     chunked_mm_input: bool
     attention_backend: str
+    encoder_cuda_graph: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -216,12 +218,21 @@ def build_core(
         pixel_store_bytes=int(args.mm_reencode_cache_gb * (1 << 30)),
     )
     merge = model_config.spatial_merge_size
-    encoder = EncoderRunner(
-        model.embed_multimodal,
+    # the per-step encoder budget, in input patches (what activation memory scales with)
+    max_patches_per_call = scheduler_config.effective_encoder_compute_budget * merge * merge
+    embed, encoder_cuda_graph = make_encoder_embed(
+        model,
+        enable_encoder_cuda_graph=args.enable_encoder_cuda_graph,
+        enforce_eager=args.enforce_eager,
         device=device,
         dtype=dtype,
-        # the per-step encoder budget, in input patches (what activation memory scales with)
-        max_patches_per_call=scheduler_config.effective_encoder_compute_budget * merge * merge,
+        max_patches_per_call=max_patches_per_call,
+    )
+    encoder = EncoderRunner(
+        embed,
+        device=device,
+        dtype=dtype,
+        max_patches_per_call=max_patches_per_call,
         metrics=metrics,
     )
     runner = ModelRunner(
@@ -263,6 +274,7 @@ def build_core(
         shape.max_model_len,
         attention_backend.name,
     )
+    resolved = dataclasses.replace(resolved, encoder_cuda_graph=encoder_cuda_graph)
     return core, resolved
 
 
