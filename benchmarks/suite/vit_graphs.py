@@ -96,6 +96,7 @@ def _measure(profile: Profile) -> dict[str, Any]:
         "dtype": profile.dtype,
         "budgets": list(graphs.budgets),
         "captured": list(graphs.captured_budgets),
+        "capture_mib": {b: n / 2**20 for b, n in graphs.capture_bytes.items()},
         "eager_fallbacks": graphs.num_eager_calls,
         "calls": rows,
     }

@@ -151,6 +151,8 @@ class EncoderGraphs:
                 "patches (whole 2x2 groups)"
             )
         self._graphs: dict[int, _BudgetGraph] = {}
+        # device memory reserved by each capture (its static buffers and pool growth); 0 on CPU
+        self.capture_bytes: dict[int, int] = {}
         self.num_replays = 0
         self.num_eager_calls = 0
 
@@ -187,6 +189,7 @@ class EncoderGraphs:
 
     def _capture(self, budget: int) -> _BudgetGraph:
         start = time.perf_counter()
+        reserved_before = _reserved_bytes(self._device)
         shape = padded_shape(budget, self._merge_unit)
         cfg = self._tower.config
         # Captured over one 2x2 frame and padding; every call refills the same buffers.
@@ -196,13 +199,20 @@ class EncoderGraphs:
         pixels = torch.zeros(budget, cfg.patch_input_dim, device=self._device, dtype=self._dtype)
         graph = self._make_graph(lambda: self._tower.encode(pixels, meta))
         self._graphs[budget] = _BudgetGraph(shape, pixels, _tensors(meta), graph)
+        self.capture_bytes[budget] = _reserved_bytes(self._device) - reserved_before
         logger.info(
-            "encoder CUDA graph for %d patches captured in %.2f s (%d graphs held)",
+            "encoder CUDA graph for %d patches captured in %.2f s, +%d MiB reserved "
+            "(%d graphs held)",
             budget,
             time.perf_counter() - start,
+            self.capture_bytes[budget] >> 20,
             len(self._graphs),
         )
         return self._graphs[budget]
+
+
+def _reserved_bytes(device: torch.device) -> int:
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
 
 
 def _tensors(meta: VisionAttentionMetadata) -> tuple[torch.Tensor, ...]:
