@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -108,3 +110,22 @@ def test_varlen_is_cuda_and_half_precision_only() -> None:
     with pytest.raises(ValueError, match="vision attention must be one of"):
         VisionTransformer(PLAIN, attention="flash")
     assert not VisionTransformer(PLAIN).uses_varlen("cpu", torch.float32)
+
+
+@pytest.mark.parametrize("config", [PLAIN, WINDOWED], ids=["qwen2_vl", "qwen2_5_vl"])
+def test_the_varlen_forward_reads_no_host_value(config: VisionConfig) -> None:
+    """The CUDA path's data flow, on the meta device (varlen_attn has a meta kernel, no CPU
+    one): shapes and this torch's varlen_attn signature check out, and a host read
+    (`.tolist()`, `.item()`: what a CUDA graph cannot capture) would raise here."""
+    shape = PaddedShape(num_patches=256, num_frame_segments=8)
+    meta = build_vision_metadata(GRIDS, config, "meta", use_varlen=True, padded=shape)
+    meta = dataclasses.replace(
+        meta,
+        full=dataclasses.replace(meta.full, seqlens=None),
+        windowed=dataclasses.replace(meta.windowed, seqlens=None),
+    )
+    with torch.device("meta"):
+        tower = VisionTransformer(config).to(torch.bfloat16)
+        pixels = torch.empty(256, config.patch_input_dim, dtype=torch.bfloat16)
+    out = tower.encode(pixels, meta)
+    assert out.shape == (64, config.out_dim) and out.dtype == torch.bfloat16
