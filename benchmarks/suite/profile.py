@@ -89,6 +89,9 @@ class Profile:
     vit_images: tuple[tuple[int, int], ...]  # (width, height)
     vit_repeats: int
     vit_shape: dict[str, int] = field(default_factory=dict)
+    # encoder graphs vs eager: vit_images[0] and a batch of thumbnails of this (width, height)
+    vit_thumbnail: tuple[int, int] = (224, 224)
+    vit_thumbnail_batch: int = 8
     compare_requests: int = 32
     compare_output_len: int = 32
     gpu_tests_timeout_s: float = 150.0
@@ -180,6 +183,8 @@ SMOKE = Profile(
     vit_images=((112, 112), (224, 112)),
     vit_repeats=1,
     vit_shape={"depth": 2, "embed_dim": 32, "num_heads": 4, "mlp_hidden_dim": 64, "out_dim": 96},
+    vit_thumbnail=(56, 56),
+    vit_thumbnail_batch=2,
     compare_requests=4,
     compare_output_len=4,
     gpu_tests_timeout_s=40.0,

@@ -52,7 +52,8 @@ def _figure_lines(results: dict[str, Any]) -> list[str]:
     if vit:
         for r in vit["images"]:
             lines.append(
-                f"- ViT {r['image']} ({r['patches']} patches): {_fmt(r['ms'])} ms, "
+                f"- ViT {r['image']} ({r['patches']} patches, {vit.get('attention')} attention): "
+                f"{_fmt(r['ms'])} ms, "
                 f"{_fmt(r['tflops'], 1)} TFLOP/s = {_fmt(r.get('pct_of_gemm_peak'), 1)}% of peak"
             )
     layer_ops = _ok(results, "layer_ops")
@@ -80,6 +81,12 @@ def _figure_lines(results: dict[str, Any]) -> list[str]:
     graphs = _ok(results, "graphs")
     if graphs:
         lines.append(f"- CUDA graphs: {graphs['status']}")
+        for r in graphs.get("vit", {}).get("calls", []):
+            lines.append(
+                f"  - ViT {r['call']} ({r['patches']} patches in a {r['budget']} budget): "
+                f"eager {_fmt(r['eager_ms'])} ms, graph {_fmt(r['graph_ms'])} ms "
+                f"({_fmt(r['speedup'])}x; {graphs['vit']['graph']})"
+            )
     return lines
 
 

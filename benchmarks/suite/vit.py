@@ -77,6 +77,8 @@ def measure_vit(profile: Profile, gemm_tflops: float | None) -> dict[str, Any]:
             for k in ("depth", "embed_dim", "num_heads", "mlp_hidden_dim", "out_dim")
         },
         "dtype": profile.dtype,
+        # varlen (flash over cu_seqlens) wherever it runs: CUDA in half precision
+        "attention": "varlen" if tower.uses_varlen(profile.device, dtype) else "reference",
         "weights": "random (torch default init)",
         "images": rows,
     }

@@ -155,6 +155,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "so this changes nothing yet; it keeps vLLM command lines working.",
     )
     a(
+        "--enable-encoder-cuda-graph",
+        action="store_true",
+        help="Replay CUDA graphs of the vision encoder: a call is padded to the next of a ladder "
+        "of sizes (256 input patches, doubling, up to the encoder budget), each captured on "
+        "first use. CUDA and bfloat16/float16 only; --enforce-eager turns it off. Default off.",
+    )
+    a(
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
         default="auto",

@@ -90,6 +90,13 @@ def test_figures_are_measured(smoke: dict) -> None:
     assert s["compare_hf"]["ratio"] > 0
     assert s["compare_hf"]["identical_outputs"] == SMOKE.compare_requests
     assert s["graphs"]["status"] in ("built", "not built")
+    # encoder graphs exist: the tower is measured with and without them (1024^2 stands in as
+    # 112^2 here, and a thumbnail batch), on the eager stand-in of a graph without CUDA
+    vit_graphs = s["graphs"]["vit"]
+    assert [r["call"] for r in vit_graphs["calls"]] == ["112x112", "2x56x56"]
+    assert all(r["eager_ms"] > 0 and r["graph_ms"] > 0 for r in vit_graphs["calls"])
+    assert all(r["max_abs_diff"] < 1e-4 for r in vit_graphs["calls"])
+    assert vit_graphs["captured"] == [256] and s["vit"]["attention"] == "reference"
     gpu_tests = s["gpu_tests"]
     assert gpu_tests["tests"] >= 7 and gpu_tests["failed"] == 0
     assert gpu_tests["skipped"] == gpu_tests["tests"]  # no CUDA here: every test skips
@@ -112,7 +119,8 @@ def test_the_report_is_a_results_section(smoke: dict) -> None:
     assert env["src_digest"] in text
     for goal in smoke["summary"]["goals"]:
         assert goal["goal"] in text
-    assert "ViT 112x112 (64 patches)" in text
+    assert "ViT 112x112 (64 patches, reference attention)" in text
+    assert "ViT 2x56x56 (32 patches in a 256 budget): eager" in text
 
 
 def _run(tmp_path: Path, budget_s: float, work_dir: Path) -> gpu_suite.Run:

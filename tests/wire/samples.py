@@ -196,6 +196,7 @@ def all_messages() -> list[tuple[str, Message]]:
                     "chunked_mm_input": True,
                     "attention_backend": "triton",
                     "layer_ops": "triton",
+                    "encoder_cuda_graph": True,
                 }
             ),
         ),

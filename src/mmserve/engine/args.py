@@ -131,6 +131,8 @@ class EngineArgs:
     enforce_eager: bool = False
     # Language-model attention (issue #15): auto is triton on CUDA, torch (SDPA) elsewhere.
     attention_backend: str = "auto"
+    # Vision encoder CUDA graphs (issue #15): off until measured faster, as in vLLM and SGLang.
+    enable_encoder_cuda_graph: bool = False
     # Request defaults from a generation_config.json: "auto" (the model's), "vllm" (none), a dir.
     generation_config: str = "auto"
 

@@ -19,6 +19,7 @@ from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.model_source import with_local_sources
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.execution.device_memory import CudaMemory
+from mmserve.execution.encoder_graphs import make_encoder_embed
 from mmserve.execution.encoder_runner import EncoderRunner
 from mmserve.execution.executor import InProcessExecutor
 from mmserve.execution.memory_profile import ProfileShape
@@ -70,6 +71,7 @@ class ResolvedConfig:
     chunked_mm_input: bool
     attention_backend: str
     layer_ops: str  # who computes the decoder's norms, SwiGLU and rotary: torch or triton
+    encoder_cuda_graph: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -240,8 +242,16 @@ def build_core(
         eos_token_ids=shape.eos_token_ids,
         pixel_store_bytes=int(args.mm_reencode_cache_gb * (1 << 30)),
     )
+    embed, encoder_cuda_graph = make_encoder_embed(
+        model,
+        enable_encoder_cuda_graph=args.enable_encoder_cuda_graph,
+        enforce_eager=args.enforce_eager,
+        device=device,
+        dtype=dtype,
+        max_patches_per_call=max_patches_per_call,
+    )
     encoder = EncoderRunner(
-        model.embed_multimodal,
+        embed,
         device=device,
         dtype=dtype,
         max_patches_per_call=max_patches_per_call,
@@ -287,6 +297,7 @@ def build_core(
         attention_backend.name,
         layer_ops.name,
     )
+    resolved = dataclasses.replace(resolved, encoder_cuda_graph=encoder_cuda_graph)
     return core, resolved
 
 

@@ -24,6 +24,7 @@ from mmserve.layers.fused import LayerOps
 from mmserve.models.config import ModelConfig
 from mmserve.models.qwen2_lm import Qwen2Model
 from mmserve.models.qwen2_vl_vision import VisionTransformer
+from mmserve.models.vision_metadata import check_vision_inputs
 
 
 class Qwen2VLForConditionalGeneration(nn.Module):
@@ -50,17 +51,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         pixel_values [sum(t*h*w), C*T*P*P] (items concatenated in order), grid_thw one
         (t, h, w) per item. Returns one [t*h*w / merge^2, hidden_size] tensor per item.
         """
-        grid_thw = [tuple(int(v) for v in g) for g in grid_thw]
-        num_patches = sum(t * h * w for t, h, w in grid_thw)
-        if pixel_values.shape != (num_patches, self.config.vision.patch_input_dim):
-            raise ValueError(
-                f"pixel_values has shape {tuple(pixel_values.shape)}, expected "
-                f"({num_patches}, {self.config.vision.patch_input_dim}) for grid_thw {grid_thw}"
-            )
+        grid_thw = check_vision_inputs(pixel_values, grid_thw, self.config.vision)
         merge = self.config.vision.spatial_merge_size
-        for g in grid_thw:
-            if g[1] % merge or g[2] % merge:
-                raise ValueError(f"grid_thw {g}: h and w must be multiples of {merge}")
         embeds = self.visual(pixel_values, grid_thw)  # [num_patches / merge^2, hidden]
         sizes = [t * h * w // merge**2 for t, h, w in grid_thw]
         return list(embeds.split(sizes))

@@ -10,13 +10,14 @@ reshape. Attention is bidirectional within a segment and never crosses segments:
   `window_size` pixels. Tokens are reordered once so that every window is contiguous, and the
   merger's output is put back in the original order at the end.
 
-Attention runs through torch SDPA over batches of equal-length segments, with queries chunked
-so that no [N, N] score matrix of a large image is ever materialised.
+Attention runs once per call over packed segments (`layers/attention/vision.py`): flash
+attention over `cu_seqlens` on CUDA in half precision, else the SDPA reference; the segments,
+positions and window permutation are built on the host before the blocks run
+(`vision_metadata.py`), so `encode` reads tensors only and can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
@@ -24,99 +25,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.layers.activation import get_activation
+from mmserve.layers.attention.vision import (
+    MAX_SCORE_ELEMENTS,
+    Segments,
+    VisionAttentionMetadata,
+    has_varlen,
+    segment_attention,
+    vision_attention,
+)
 from mmserve.layers.norm import RMSNorm
 from mmserve.layers.rotary import VisionRotaryEmbedding, apply_rotary
 from mmserve.models.config import VisionConfig
+from mmserve.models.vision_metadata import (
+    PaddedShape,
+    build_vision_metadata,
+    vision_hw_positions,
+    window_order,
+)
 
-# Max attention-score elements per SDPA call (segments x heads x queries x keys): 1 GiB of
-# float32 should a math kernel materialise them. A 3840x2160 image (42,196 patches, 16 heads)
-# runs in chunks of ~400 queries.
-MAX_SCORE_ELEMENTS = 1 << 28
-
-
-def segment_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    seqlens: Sequence[int],
-    scale: float,
-    max_score_elements: int = MAX_SCORE_ELEMENTS,
-) -> torch.Tensor:
-    """Bidirectional attention within consecutive segments of `seqlens` tokens.
-
-    q, k, v [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]. Segments of
-    equal length are batched in one SDPA call (windows of one size are the common case);
-    long segments have their queries chunked to stay under `max_score_elements`.
-    """
-    num_heads = q.shape[1]
-    by_len: dict[int, list[int]] = defaultdict(list)
-    start = 0
-    for length in seqlens:
-        if length:
-            by_len[length].append(start)
-        start += length
-    out = torch.empty_like(q)
-    for length, starts in by_len.items():
-        per_segment = num_heads * length * length
-        segs_per_call = max(1, max_score_elements // per_segment)
-        q_chunk = length
-        if per_segment > max_score_elements:
-            q_chunk = max(1, max_score_elements // (num_heads * length))
-        offsets = torch.arange(length, device=q.device)
-        for i in range(0, len(starts), segs_per_call):
-            group = torch.tensor(starts[i : i + segs_per_call], device=q.device)
-            idx = group.unsqueeze(1) + offsets  # [num_segments, length]
-            qs = q[idx].transpose(1, 2)  # [num_segments, num_heads, length, head_dim]
-            ks = k[idx].transpose(1, 2)
-            vs = v[idx].transpose(1, 2)
-            chunks = [
-                F.scaled_dot_product_attention(qs[:, :, s : s + q_chunk], ks, vs, scale=scale)
-                for s in range(0, length, q_chunk)
-            ]
-            out[idx] = torch.cat(chunks, dim=2).transpose(1, 2)
-    return out
-
-
-def vision_hw_positions(
-    grid_thw: Sequence[tuple[int, int, int]], merge: int, device: torch.device
-) -> torch.Tensor:
-    """(row, col) of every patch in merge-block order, items concatenated: [num_patches, 2]."""
-    out = []
-    for t, h, w in grid_thw:
-        rows = torch.arange(h, device=device).view(h, 1).expand(h, w)
-        cols = torch.arange(w, device=device).view(1, w).expand(h, w)
-        # [h/m, m, w/m, m] -> [h/m, w/m, m, m]: neighbours of one 2x2 block become consecutive
-        rows = rows.reshape(h // merge, merge, w // merge, merge).transpose(1, 2).flatten()
-        cols = cols.reshape(h // merge, merge, w // merge, merge).transpose(1, 2).flatten()
-        out.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
-    return torch.cat(out)
-
-
-def window_order(
-    grid_thw: Sequence[tuple[int, int, int]], merge: int, window_merged: int
-) -> tuple[torch.Tensor, list[int]]:
-    """Qwen2.5-VL windows: a permutation of merged tokens making each window contiguous.
-
-    Returns (window_index [num_merged_tokens] on CPU, window lengths in patches). Windows are
-    `window_merged` x `window_merged` merged tokens, tiled from the top-left of each frame,
-    frames in order, windows row-major, tokens row-major inside a window; edge windows are cut.
-    """
-    indices, seqlens = [], []
-    offset = 0
-    for t, h, w in grid_thw:
-        lh, lw = h // merge, w // merge
-        ids = torch.arange(t * lh * lw).view(t, lh, lw)
-        pad_h, pad_w = (-lh) % window_merged, (-lw) % window_merged
-        ids = F.pad(ids, (0, pad_w, 0, pad_h), value=-1)
-        nh, nw = (lh + pad_h) // window_merged, (lw + pad_w) // window_merged
-        # [t, nh, win, nw, win] -> [t * nh * nw, win * win]
-        ids = ids.view(t, nh, window_merged, nw, window_merged).permute(0, 1, 3, 2, 4)
-        ids = ids.reshape(t * nh * nw, window_merged * window_merged)
-        valid = ids >= 0
-        indices.append(ids[valid] + offset)
-        seqlens.extend(int(c) * merge * merge for c in valid.sum(1).tolist() if c)
-        offset += t * lh * lw
-    return torch.cat(indices), seqlens
+__all__ = [
+    "MAX_SCORE_ELEMENTS",
+    "VisionTransformer",
+    "segment_attention",
+    "vision_hw_positions",
+    "window_order",
+]
+VISION_ATTENTION = ("auto", "reference", "varlen")
 
 
 class PatchEmbed(nn.Module):
@@ -141,12 +75,18 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(config.embed_dim, config.embed_dim, bias=True)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: Sequence[int]
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        segments: Segments,
+        use_varlen: bool,
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = segment_attention(q, k, v, seqlens, self.head_dim**-0.5)
+        scale = self.head_dim**-0.5
+        out = vision_attention(q, k, v, segments, scale, use_varlen=use_varlen)
         return self.proj(out.reshape(n, -1))
 
 
@@ -190,9 +130,14 @@ class VisionBlock(nn.Module):
         self.mlp = VisionGatedMLP(config) if config.is_windowed else VisionMLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: Sequence[int]
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        segments: Segments,
+        use_varlen: bool,
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, seqlens)
+        x = x + self.attn(self.norm1(x), cos, sin, segments, use_varlen)
         return x + self.mlp(self.norm2(x))
 
 
@@ -214,42 +159,69 @@ class PatchMerger(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    """pixel_values [num_patches, C*T*P*P] + grid_thw -> embeddings [num_patches / m^2, out_dim]."""
+    """pixel_values [num_patches, C*T*P*P] + grid_thw -> embeddings [num_patches / m^2, out_dim].
 
-    def __init__(self, config: VisionConfig) -> None:
+    `attention`: "varlen" (flash attention over cu_seqlens: CUDA, half precision), "reference"
+    (SDPA per group of equal segments, any device), or "auto" (varlen where it runs).
+    """
+
+    def __init__(self, config: VisionConfig, attention: str = "auto") -> None:
         super().__init__()
+        if attention not in VISION_ATTENTION:
+            raise ValueError(
+                f"vision attention must be one of {VISION_ATTENTION}, got {attention!r}"
+            )
         self.config = config
+        self.attention = attention
         self.patch_embed = PatchEmbed(config)
         self.rotary = VisionRotaryEmbedding(config.head_dim, config.rope_theta)
         self.blocks = nn.ModuleList([VisionBlock(config) for _ in range(config.depth)])
         self.merger = PatchMerger(config)
 
+    def uses_varlen(self, device: torch.device | str, dtype: torch.dtype) -> bool:
+        if self.attention == "auto":
+            return has_varlen(device, dtype)
+        if self.attention == "varlen" and not has_varlen(device, dtype):
+            raise ValueError(
+                f"varlen vision attention needs CUDA, float16/bfloat16 and a torch with "
+                f"torch.nn.attention.varlen; got {device} {dtype}"
+            )
+        return self.attention == "varlen"
+
+    def build_metadata(
+        self,
+        grid_thw: Sequence[tuple[int, int, int]],
+        device: torch.device | str,
+        padded: PaddedShape | None = None,
+    ) -> VisionAttentionMetadata:
+        """The host-side part of a call (see vision_metadata.py)."""
+        dtype = self.patch_embed.proj.weight.dtype
+        return build_vision_metadata(
+            grid_thw,
+            self.config,
+            device,
+            use_varlen=self.uses_varlen(device, dtype),
+            padded=padded,
+        )
+
     def forward(
         self, pixel_values: torch.Tensor, grid_thw: Sequence[tuple[int, int, int]]
     ) -> torch.Tensor:
+        return self.encode(pixel_values, self.build_metadata(grid_thw, pixel_values.device))
+
+    def encode(self, pixel_values: torch.Tensor, meta: VisionAttentionMetadata) -> torch.Tensor:
+        """The device-side part: reads tensors only (capturable when `meta.use_varlen`)."""
         cfg = self.config
         merge_unit = cfg.spatial_merge_size**2
         x = self.patch_embed(pixel_values)  # [num_patches, embed_dim]
-        positions = vision_hw_positions(grid_thw, cfg.spatial_merge_size, x.device)
-        cos, sin = self.rotary(positions)  # [num_patches, head_dim] float32
-        frame_seqlens = [h * w for t, h, w in grid_thw for _ in range(t)]
-        window_seqlens = frame_seqlens
-        window_index = None
-        if cfg.is_windowed:
-            window_merged = cfg.window_size // cfg.spatial_merge_size // cfg.patch_size
-            window_index, window_seqlens = window_order(
-                grid_thw, cfg.spatial_merge_size, window_merged
-            )
-            window_index = window_index.to(x.device)
+        cos, sin = self.rotary(meta.positions)  # [num_patches, head_dim] float32
+        if meta.window_index is not None:
             # Permute whole 2x2 groups, so the merger still sees neighbours consecutively.
-            x, cos, sin = (
-                t.view(-1, merge_unit, t.shape[-1])[window_index].view(-1, t.shape[-1])
-                for t in (x, cos, sin)
-            )
+            x = x.view(-1, merge_unit, x.shape[-1])[meta.window_index].view(-1, x.shape[-1])
         for layer_idx, block in enumerate(self.blocks):
             full = not cfg.is_windowed or layer_idx in cfg.fullatt_block_indexes
-            x = block(x, cos, sin, frame_seqlens if full else window_seqlens)
+            x = block(x, cos, sin, meta.full if full else meta.windowed, meta.use_varlen)
         merged = self.merger(x)  # [num_patches / merge_unit, out_dim]
-        if window_index is not None:
-            merged = merged[torch.argsort(window_index)]
+        if meta.window_inverse is not None:
+            merged = merged[meta.window_inverse]
         return merged
