@@ -195,6 +195,7 @@ def all_messages() -> list[tuple[str, Message]]:
                     "num_kv_blocks": 128,
                     "chunked_mm_input": True,
                     "attention_backend": "triton",
+                    "cuda_graph_sizes": [1, 2, 4, 8, 16],
                 }
             ),
         ),

@@ -17,6 +17,7 @@ from mmserve.engine.host_allocator import limit_malloc_arenas, tune_host_allocat
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.model_source import with_local_sources
 from mmserve.engine.output_processor import OutputProcessor
+from mmserve.execution.cuda_graphs import start_decode_graphs
 from mmserve.execution.encoder_runner import EncoderRunner
 from mmserve.execution.executor import InProcessExecutor
 from mmserve.execution.model_runner import ModelRunner
@@ -26,6 +27,7 @@ from mmserve.layers.attention import (
     kv_cache_bytes_per_block,
     select_backend,
 )
+from mmserve.layers.attention.buffers import BatchLimits
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import ModelConfig, load_model_config
 from mmserve.models.loader import load_model
@@ -65,6 +67,11 @@ class ResolvedConfig:
     encoder_compute_budget: int
     chunked_mm_input: bool
     attention_backend: str
+    cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes captured; () when eager
+
+    def __post_init__(self) -> None:
+        # from the engine process's ready message a tuple arrives as a list
+        object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -233,7 +240,13 @@ def build_core(
         device=device,
         seed=args.seed,
         attention_backend=attention_backend,
+        limits=BatchLimits(
+            max_num_tokens=scheduler_config.max_num_batched_tokens,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            max_blocks_per_seq=-(-shape.max_model_len // args.block_size),
+        ),
     )
+    graph_sizes = start_decode_graphs(runner, args)
     metrics.set_gauge("kv_blocks_total", num_blocks)
     metrics.set_gauge("kv_blocks_free", num_blocks)
     metrics.set_gauge("encoder_cache_total_slots", scheduler_config.effective_encoder_cache_size)
@@ -263,7 +276,7 @@ def build_core(
         shape.max_model_len,
         attention_backend.name,
     )
-    return core, resolved
+    return core, dataclasses.replace(resolved, cuda_graph_sizes=graph_sizes)
 
 
 def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngine, ResolvedConfig]:
