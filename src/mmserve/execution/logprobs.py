@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from mmserve.errors import RequestFailure
+from mmserve.execution.host_copy import to_device
 from mmserve.execution.sampler import SamplingRow
 from mmserve.scheduling.outputs import Logprobs
 
@@ -38,7 +39,8 @@ def raw_logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> RawLogpro
     vocab_size = logits.shape[1]
     num_top = [min(int(rows[i].params.logprobs or 0), vocab_size) for i in row_idxs]
     # a new tensor: sample() may then edit `logits` in place without touching these values
-    logprobs = torch.log_softmax(logits[row_idxs].float(), dim=-1)  # [num_wanting, vocab]
+    index = to_device(row_idxs, torch.long, logits.device)  # a list index would sync
+    logprobs = torch.log_softmax(logits[index].float(), dim=-1)  # [num_wanting, vocab]
     top = torch.topk(logprobs, max(num_top), dim=-1)  # values, indices: [num_wanting, max K]
     return RawLogprobs(row_idxs, num_top, logprobs, top.values, top.indices)
 
@@ -48,7 +50,7 @@ def logprob_table(raw: RawLogprobs, tokens: torch.Tensor) -> torch.Tensor:
     (the step's picks, still on the device) -> [num_wanting, 2 * (1 + max K) + 1] float64:
     [chosen value, top K values | chosen id, top K ids | rank]; float64 holds every id exactly.
     """
-    index = torch.as_tensor(raw.row_idxs, dtype=torch.long).to(tokens.device, non_blocking=True)
+    index = to_device(raw.row_idxs, torch.long, tokens.device)
     sampled = tokens[index][:, None]  # [num_wanting, 1]
     chosen = raw.logprobs.gather(1, sampled)  # [num_wanting, 1]
     ranks = (raw.logprobs > chosen).sum(dim=-1, keepdim=True) + 1  # [num_wanting, 1]
