@@ -134,3 +134,28 @@ def test_on_cuda_the_draw_never_syncs_and_seeded_noise_equals_the_cpus() -> None
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert draw.tokens.device.type == "cuda"
+
+
+class _Unconvertible(float):
+    """A temperature that passes every check and fails only when the draw converts it."""
+
+    def __float__(self) -> float:
+        raise OverflowError("cannot convert")
+
+
+def test_a_row_whose_draw_raises_fails_alone() -> None:
+    import dataclasses
+
+    from mmserve.errors import FailureKind, RequestFailure
+
+    torch.manual_seed(2)
+    logits = torch.randn(3, 32)
+    good = [SamplingParams(temperature=0.9, seed=1), SamplingParams(temperature=0.5, seed=2)]
+    bad = dataclasses.replace(SamplingParams(temperature=1.0, seed=3))
+    object.__setattr__(bad, "temperature", _Unconvertible(1.0))
+    alone = sample(logits[[0, 2]].clone(), [_row(p) for p in good], make_generator(0))
+    mixed = sample(logits.clone(), [_row(good[0]), _row(bad), _row(good[1])], make_generator(0))
+    failure = mixed.pop(1)
+    assert isinstance(failure, RequestFailure) and failure.kind is FailureKind.INTERNAL
+    assert failure.message == "sampling failed: OverflowError"
+    assert mixed == alone

@@ -105,12 +105,45 @@ def sample_on_device(
             failures[i] = refused
         else:
             random_idx.append(i)
-    if random_idx:
-        index = to_device(random_idx, torch.long, logits.device)
-        picks, picked = _draw(logits[index], [rows[i] for i in random_idx], default_generator)
+    drawn = _draw_rows(logits, rows, random_idx, default_generator, failures)
+    if drawn is not None:
+        drawn_idx, picks, picked = drawn
+        index = to_device(drawn_idx, torch.long, logits.device)
         tokens = tokens.index_copy(0, index, picks)
         is_drawn = is_drawn.index_copy(0, index, picked)
     return DeviceDraw(tokens, torch.isfinite(best.values), is_drawn, failures)
+
+
+def _draw_rows(
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    random_idx: list[int],
+    default_generator: torch.Generator,
+    failures: dict[int, RequestFailure],
+) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
+    """The random rows in one draw: (rows drawn, picks, drawn flags). If the batched draw
+    raises, row by row, so that only a row that cannot be drawn fails (into `failures`)."""
+    if not random_idx:
+        return None
+    try:
+        index = to_device(random_idx, torch.long, logits.device)
+        return random_idx, *_draw(logits[index], [rows[i] for i in random_idx], default_generator)
+    except Exception:  # noqa: BLE001 - retried row by row, where a failure is the row's own
+        logger.warning("a batched draw failed; drawing row by row")
+    drawn_idx, picks, picked = [], [], []
+    for i in random_idx:
+        try:
+            pick, ok = _draw(logits[i : i + 1], [rows[i]], default_generator)
+        except Exception as exc:  # noqa: BLE001 - fails this row only; logged once, here
+            logger.exception("request %s: sampling failed; failing the request", rows[i].request_id)
+            failures[i] = RequestFailure(
+                f"sampling failed: {type(exc).__name__}", FailureKind.INTERNAL
+            )
+            continue
+        drawn_idx.append(i)
+        picks.append(pick)
+        picked.append(ok)
+    return (drawn_idx, torch.cat(picks), torch.cat(picked)) if drawn_idx else None
 
 
 def resolve_draw(
