@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 import pytest
 import torch
 
@@ -62,6 +63,9 @@ def test_the_sizes_flag_reaches_engine_args_and_is_checked() -> None:
 
     parsed = build_parser(with_bench=False).parse_args(["serve", "--cuda-graph-sizes", "1", "8"])
     assert EngineArgs.from_cli(parsed).cuda_graph_sizes == (1, 8)
+    # the engine process gets its EngineArgs as JSON
+    encoded = msgspec.json.encode(EngineArgs(cuda_graph_sizes=(1, 8)))
+    assert msgspec.json.decode(encoded, type=EngineArgs).cuda_graph_sizes == (1, 8)
     assert EngineArgs().cuda_graph_sizes is None
     for bad in ((), (0,), (2, -1), (True,)):
         with pytest.raises(ValueError, match="--cuda-graph-sizes takes batch sizes >= 1"):
