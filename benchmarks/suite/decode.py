@@ -94,7 +94,9 @@ def measure_decode(
                 if limit_ms:
                     row["x_weight_read_limit"] = ms / limit_ms
             rows.append(row)
-    return {"engine_args": engine_extra, "batches": rows}
+        # the decode graphs the engine captured at start-up (empty: every step ran eagerly)
+        graph_sizes = list(getattr(llm.config, "cuda_graph_sizes", ()))
+    return {"engine_args": engine_extra, "batches": rows, "cuda_graph_sizes": graph_sizes}
 
 
 def decode_section(profile: Profile, model_dir: Path, checkpoint: dict, peaks: dict) -> dict:

@@ -3,7 +3,6 @@ and the engine on images, each with and without graphs, for the options that are
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -56,11 +55,23 @@ def compare_graphs(profile: Profile, model_dir: Path, limit_ms: float | None) ->
     out: dict[str, Any] = {"status": "built", "fields": found}
     if "enable_encoder_cuda_graph" in found:
         out["vit"] = compare_vit_graphs(profile)
-    # Decode graphs only once an option of theirs exists: enforce_eager alone changes nothing.
-    if any(name != "enable_encoder_cuda_graph" for name in found):
-        small = dataclasses.replace(profile, decode_batches=profile.decode_batches[:2])
-        out["decode_graphs"] = measure_decode(small, model_dir, limit_ms, enforce_eager=False)
-        out["decode_eager"] = measure_decode(small, model_dir, limit_ms, enforce_eager=True)
+    # Decode graphs: measured at the profile's batches (1, 8, 64) on the decode section's
+    # checkpoint, captured at start-up vs --enforce-eager, both on the Triton backend (the only
+    # capturable one). They exist on CUDA only.
+    if not profile.device.startswith("cuda"):
+        out["skipped"] = f"decode CUDA graphs run on CUDA only; the device is {profile.device}"
+    elif any(name != "enable_encoder_cuda_graph" for name in found):
+        graphs = measure_decode(profile, model_dir, limit_ms, attention_backend="triton")
+        eager = measure_decode(
+            profile, model_dir, limit_ms, attention_backend="triton", enforce_eager=True
+        )
+        out["decode_graphs"], out["decode_eager"] = graphs, eager
+        out["captured_sizes"] = graphs.get("cuda_graph_sizes")
+        out["speedup_by_batch"] = {
+            str(g["batch"]): e["ms_per_step"] / g["ms_per_step"]
+            for g, e in zip(graphs["batches"], eager["batches"], strict=True)
+            if g.get("ms_per_step") and e.get("ms_per_step")
+        }
     # The engine refuses encoder graphs without CUDA (the smoke run): the tower figures above
     # then come from the eager stand-in.
     has_images = any(size for _, size in PROMPTS)

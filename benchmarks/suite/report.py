@@ -80,7 +80,14 @@ def _figure_lines(results: dict[str, Any]) -> list[str]:
         )
     graphs = _ok(results, "graphs")
     if graphs:
-        lines.append(f"- CUDA graphs: {graphs['status']}")
+        speedups = graphs.get("speedup_by_batch") or {}
+        detail = ", ".join(f"batch {b}: {_fmt(x)}x" for b, x in speedups.items())
+        sizes = graphs.get("captured_sizes")
+        lines.append(
+            f"- CUDA graphs: {graphs['status']}"
+            + (f"; decode eager/graphs {detail} (captured {sizes})" if detail else "")
+            + (f" ({graphs['skipped']})" if graphs.get("skipped") else "")
+        )
         for r in graphs.get("vit", {}).get("calls", []):
             lines.append(
                 f"  - ViT {r['call']} ({r['patches']} patches in a {r['budget']} budget): "

@@ -78,8 +78,6 @@ def _log_vllm_flags(args: EngineArgs) -> None:
             "--trust-remote-code: accepted; mmserve implements Qwen2-VL and Qwen2.5-VL itself "
             "and never runs code that comes with a checkpoint"
         )
-    if args.enforce_eager:
-        logger.info("--enforce-eager: mmserve captures no CUDA graphs yet, so it runs eagerly")
 
 
 def serve(engine_args: EngineArgs) -> int:

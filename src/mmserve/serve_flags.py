@@ -151,8 +151,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a(
         "--enforce-eager",
         action="store_true",
-        help="Never run captured CUDA graphs. mmserve runs eagerly today on every device, "
-        "so this changes nothing yet; it keeps vLLM command lines working.",
+        help="Never capture CUDA graphs: every step runs eagerly. Without it, decode steps "
+        "replay graphs captured at start-up (CUDA with the triton attention backend only).",
+    )
+    a(
+        "--cuda-graph-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="Decode batch sizes to capture as CUDA graphs. One value: 1, 2, 4, 8, then steps "
+        "of 8 to 64 and of 16 up to it; several: exactly those. Default: that ladder up to "
+        "--max-num-seqs. A decode step pads to the next captured size.",
     )
     a(
         "--enable-encoder-cuda-graph",

@@ -68,6 +68,7 @@ def test_the_choice_crosses_to_the_engine_process(checkpoint) -> None:
         want = llm.generate(REQUESTS[0], params)[0].outputs[0].token_ids
     with LLM(model=str(checkpoint), multiprocess=True, attention_backend="triton") as llm:
         assert (llm.config.attention_backend, llm.config.layer_ops) == ("triton", "triton")
+        assert llm.config.cuda_graph_sizes == ()  # a tuple again; graphs are off on a CPU
         assert llm.generate(REQUESTS[0], params)[0].outputs[0].token_ids == want
 
 

@@ -197,6 +197,7 @@ def all_messages() -> list[tuple[str, Message]]:
                     "attention_backend": "triton",
                     "layer_ops": "triton",
                     "encoder_cuda_graph": True,
+                    "cuda_graph_sizes": [1, 2, 4, 8, 16],
                 }
             ),
         ),

@@ -128,7 +128,11 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
+    # Decode CUDA graphs (issue #15): captured at start-up on CUDA with the Triton backend
+    # unless --enforce-eager. cuda_graph_sizes: None, the ladder up to max_num_seqs; one value,
+    # the ladder up to it; several, exactly those (vLLM's --cuda-graph-sizes).
     enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
     # Language-model attention (issue #15): auto is triton on CUDA, torch (SDPA) elsewhere.
     attention_backend: str = "auto"
     # Vision encoder CUDA graphs (issue #15): off until measured faster, as in vLLM and SGLang.
@@ -219,6 +223,15 @@ class EngineArgs:
                     f"across devices yet; use {flag} 1 (a Qwen2-VL-7B in bfloat16 needs ~17 GiB "
                     "plus KV cache, one 24 GiB+ GPU)"
                 )
+        if self.cuda_graph_sizes is not None:
+            sizes = self.cuda_graph_sizes
+            sizes = (sizes,) if isinstance(sizes, int) else tuple(sizes)
+            if not sizes or not all(_is_positive_int(s) for s in sizes):
+                raise ValueError(
+                    "--cuda-graph-sizes takes batch sizes >= 1 (one: capture the ladder up to "
+                    f"it; several: exactly those), e.g. --cuda-graph-sizes 1 2 4 8; got {sizes!r}"
+                )
+            object.__setattr__(self, "cuda_graph_sizes", sizes)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 "--gpu-memory-utilization is the fraction of the GPU's memory mmserve may use, "
@@ -313,6 +326,10 @@ def _check_seconds(name: str, value: float) -> None:
         raise ValueError(
             f"--{name.replace('_', '-')} must be > 0 and at most a day (in seconds), got {value}"
         )
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -18,6 +18,7 @@ from mmserve.engine.kv_sizing import GpuProfile, profiled_kv_budget
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.model_source import with_local_sources
 from mmserve.engine.output_processor import OutputProcessor
+from mmserve.execution.cuda_graphs import start_decode_graphs
 from mmserve.execution.device_memory import CudaMemory
 from mmserve.execution.encoder_graphs import make_encoder_embed
 from mmserve.execution.encoder_runner import EncoderRunner
@@ -30,6 +31,7 @@ from mmserve.layers.attention import (
     kv_cache_bytes_per_block,
     select_backend,
 )
+from mmserve.layers.attention.buffers import BatchLimits
 from mmserve.layers.fused import select_layer_ops
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import ModelConfig, load_model_config
@@ -72,6 +74,11 @@ class ResolvedConfig:
     attention_backend: str
     layer_ops: str  # who computes the decoder's norms, SwiGLU and rotary: torch or triton
     encoder_cuda_graph: bool = False
+    cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes captured; () when eager
+
+    def __post_init__(self) -> None:
+        # from the engine process's ready message a tuple arrives as a list
+        object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -266,7 +273,13 @@ def build_core(
         device=device,
         seed=args.seed,
         attention_backend=attention_backend,
+        limits=BatchLimits(
+            max_num_tokens=scheduler_config.max_num_batched_tokens,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            max_blocks_per_seq=-(-shape.max_model_len // args.block_size),
+        ),
     )
+    graph_sizes = start_decode_graphs(runner, args)
     metrics.set_gauge("kv_blocks_total", num_blocks)
     metrics.set_gauge("kv_blocks_free", num_blocks)
     metrics.set_gauge("encoder_cache_total_slots", scheduler_config.effective_encoder_cache_size)
@@ -297,7 +310,9 @@ def build_core(
         attention_backend.name,
         layer_ops.name,
     )
-    resolved = dataclasses.replace(resolved, encoder_cuda_graph=encoder_cuda_graph)
+    resolved = dataclasses.replace(
+        resolved, encoder_cuda_graph=encoder_cuda_graph, cuda_graph_sizes=graph_sizes
+    )
     return core, resolved
 
 

@@ -1,8 +1,9 @@
 """Logprobs of sampled tokens: the log-softmax of the raw logits, batched for the rows that ask.
 
-Two calls around `sample()`: `raw_logprobs` before it (the logits as the model produced them,
-before penalties, bias, masks or temperature, as vLLM's default reports), `gather_logprobs`
-after it (the sampled tokens' values and ranks), with one device-to-host copy for the step.
+`raw_logprobs` runs before sampling (the logits as the model produced them, before penalties,
+bias, masks or temperature, as vLLM's default reports); `logprob_table` after it, on the
+device, from the device's picks, so that `sampling_step.py` reads it back in the step's one
+copy; `unpack_logprobs` turns that copy into each row's `Logprobs`.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mmserve.errors import RequestFailure
+from mmserve.execution.host_copy import to_device
 from mmserve.execution.sampler import SamplingRow
 from mmserve.scheduling.outputs import Logprobs
 
@@ -36,46 +39,49 @@ def raw_logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> RawLogpro
     vocab_size = logits.shape[1]
     num_top = [min(int(rows[i].params.logprobs or 0), vocab_size) for i in row_idxs]
     # a new tensor: sample() may then edit `logits` in place without touching these values
-    logprobs = torch.log_softmax(logits[row_idxs].float(), dim=-1)  # [num_wanting, vocab]
+    index = to_device(row_idxs, torch.long, logits.device)  # a list index would sync
+    logprobs = torch.log_softmax(logits[index].float(), dim=-1)  # [num_wanting, vocab]
     top = torch.topk(logprobs, max(num_top), dim=-1)  # values, indices: [num_wanting, max K]
     return RawLogprobs(row_idxs, num_top, logprobs, top.values, top.indices)
+
+
+def logprob_table(raw: RawLogprobs, tokens: torch.Tensor) -> torch.Tensor:
+    """Every asking row's values for its sampled token, on the device: tokens [num_rows] int64
+    (the step's picks, still on the device) -> [num_wanting, 2 * (1 + max K) + 1] float64:
+    [chosen value, top K values | chosen id, top K ids | rank]; float64 holds every id exactly.
+    """
+    index = to_device(raw.row_idxs, torch.long, tokens.device)
+    sampled = tokens[index][:, None]  # [num_wanting, 1]
+    chosen = raw.logprobs.gather(1, sampled)  # [num_wanting, 1]
+    ranks = (raw.logprobs > chosen).sum(dim=-1, keepdim=True) + 1  # [num_wanting, 1]
+    parts = [chosen, raw.top_values, sampled, raw.top_ids, ranks]
+    return torch.cat([p.double() for p in parts], dim=1)
+
+
+def unpack_logprobs(
+    raw: RawLogprobs, table: np.ndarray, tokens: Sequence[int | RequestFailure]
+) -> dict[int, Logprobs]:
+    """Each asking row's Logprobs (by row index) from the host copy of `logprob_table`; rows
+    that failed get none."""
+    width = 1 + raw.top_values.shape[1]
+    out: dict[int, Logprobs] = {}
+    for j, i in enumerate(raw.row_idxs):
+        if isinstance(tokens[i], RequestFailure):
+            continue
+        k = 1 + raw.num_top[j]
+        out[i] = Logprobs(
+            token_ids=table[j : j + 1, width : width + k].astype("int32"),
+            logprobs=table[j : j + 1, :k].astype("float32"),
+            ranks=table[j : j + 1, 2 * width].astype("int32"),
+        )
+    return out
 
 
 def gather_logprobs(
     raw: RawLogprobs, tokens: Sequence[int | RequestFailure]
 ) -> dict[int, Logprobs]:
-    """Each asking row's Logprobs (by row index) for the token sampled for it; rows that
-    failed get none."""
-    kept = [j for j, i in enumerate(raw.row_idxs) if not isinstance(tokens[i], RequestFailure)]
-    if not kept:
-        return {}
+    """`unpack_logprobs` for tokens already on the host (a failed row's pick counts as 0)."""
+    picks = [0 if isinstance(t, RequestFailure) else t for t in tokens]
     device = raw.logprobs.device
-    sampled = torch.tensor([tokens[raw.row_idxs[j]] for j in kept], device=device)[:, None]
-    logprobs = raw.logprobs[kept]  # [num_kept, vocab]
-    chosen = logprobs.gather(1, sampled)  # [num_kept, 1]
-    ranks = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1  # [num_kept, 1]
-    # one host copy: [values (1 + K) | ids (1 + K) | rank]; float64 holds every id exactly
-    width = 1 + raw.top_values.shape[1]
-    host = (
-        torch.cat(
-            [
-                chosen.double(),
-                raw.top_values[kept].double(),
-                sampled.double(),
-                raw.top_ids[kept].double(),
-                ranks.double(),
-            ],
-            dim=1,
-        )
-        .cpu()
-        .numpy()
-    )
-    out: dict[int, Logprobs] = {}
-    for row, j in enumerate(kept):
-        k = 1 + raw.num_top[j]
-        out[raw.row_idxs[j]] = Logprobs(
-            token_ids=host[row : row + 1, width : width + k].astype("int32"),
-            logprobs=host[row : row + 1, :k].astype("float32"),
-            ranks=host[row : row + 1, 2 * width].astype("int32"),
-        )
-    return out
+    table = logprob_table(raw, torch.tensor(picks, dtype=torch.long, device=device))
+    return unpack_logprobs(raw, table.cpu().numpy(), tokens)

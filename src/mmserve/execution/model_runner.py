@@ -4,40 +4,28 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
 from mmserve.errors import FailureKind, RequestFailure
+from mmserve.execution.cuda_graphs import DecodeGraphs, GraphFactory
 from mmserve.execution.encoder_runner import EncoderRunner
-from mmserve.execution.logprobs import gather_logprobs, raw_logprobs
+from mmserve.execution.input_batch import InputBuffers, SpliceError, StepBatch, prepare_batch
 from mmserve.execution.request_state import RequestState, RunnerPayload
-from mmserve.execution.sampler import SamplingRow, make_generator, sample
+from mmserve.execution.sampler import SamplingRow, make_device_generator
+from mmserve.execution.sampling_step import sample_step
 from mmserve.execution.token_bitmask import sampling_bitmask
-from mmserve.layers.attention import AttentionBackend, TorchAttentionBackend
+from mmserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from mmserve.layers.attention.buffers import BatchLimits
 from mmserve.multimodal import MultiModalFeature, ProcessedImage
 from mmserve.scheduling.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class _Batch:
-    """The flat token batch of one step (requests in scheduling order)."""
-
-    request_ids: list[str]
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [3, num_tokens]
-    mm_index: torch.Tensor  # [num_mm_tokens] flat indices of placeholder tokens
-    mm_embeds: torch.Tensor | None  # [num_mm_tokens, hidden]
-    query_lens: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-    sample_rows: list[int]  # flat index of the last token of each request that samples
-    sample_request_ids: list[str]
+# Buffers of a runner built without limits (tests): grown past by falling back to exact ones.
+_DEFAULT_LIMITS = BatchLimits(max_num_tokens=8192, max_num_seqs=256, max_blocks_per_seq=512)
 
 
 class ModelRunner:
@@ -54,6 +42,7 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         attention_backend: AttentionBackend | None = None,
+        limits: BatchLimits | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -63,7 +52,10 @@ class ModelRunner:
         self.device = device
         self.attention_backend = attention_backend or TorchAttentionBackend()
         self.states: dict[str, RequestState] = {}
-        self._generator = make_generator(seed)
+        # the engine's generator, on the device: unseeded rows draw their noise from it
+        self._generator = make_device_generator(seed, device)
+        self.buffers = InputBuffers(limits or _DEFAULT_LIMITS, device)
+        self.decode_graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
     def execute(
@@ -76,41 +68,88 @@ class ModelRunner:
         self._encode(so, errors, encoder_inputs or {})
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({}, errors)
-        batch = self._prepare_batch(so, errors)
-        if not batch.request_ids:
+        self.buffers.wait_until_sent()
+        batch = prepare_batch(
+            so,
+            self.states,
+            errors,
+            self._gather_mm_embeddings,
+            self.buffers,
+            self.attention_backend,
+            self.block_size,
+        )
+        self.buffers.mark_sent()
+        if batch is None:
             return ModelRunnerOutput({}, errors)
-        # Once per step, before the forward: every layer reads this one metadata.
-        attn_metadata = self.attention_backend.build_metadata(
-            batch.query_lens, batch.seq_lens, batch.block_tables, self.block_size, self.device
-        )
-        embeds = self.model.embed_input_ids(batch.input_ids)  # [num_tokens, hidden]
-        if batch.mm_embeds is not None:
-            embeds[batch.mm_index] = batch.mm_embeds.to(embeds.dtype)
-        hidden = self.model(
-            None, batch.positions, attn_metadata, self.kv_caches, inputs_embeds=embeds
-        )
+        hidden = self.decode_graphs.run(batch) if self.decode_graphs is not None else None
+        if hidden is None:
+            hidden = self._forward(
+                batch.input_ids,
+                batch.positions,
+                batch.attn_metadata,
+                batch.mm_index,
+                batch.mm_embeds,
+            )
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, Logprobs] = {}
-        if batch.sample_rows:
-            logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_samples, vocab]
-            rows = [self._sampling_row(self.states[r]) for r in batch.sample_request_ids]
-            raw = raw_logprobs(logits, rows)  # before sample() touches the logits
-            bitmask = sampling_bitmask(so.grammar_bitmask, batch.sample_request_ids)
-            tokens = sample(logits, rows, self._generator, token_bitmask=bitmask)
-            by_row = gather_logprobs(raw, tokens) if raw is not None else {}
-            for i, (request_id, token) in enumerate(
-                zip(batch.sample_request_ids, tokens, strict=True)
-            ):
-                if isinstance(token, RequestFailure):
-                    errors[request_id] = token
-                    if token.kind is FailureKind.INTERNAL:  # its KV may hold NaN
-                        self._scrub_kv(self.states[request_id])
-                    continue
-                self.states[request_id].token_ids.append(token)
-                sampled[request_id] = [token]
-                if i in by_row:
-                    logprobs[request_id] = by_row[i]
+        if batch.sample_request_ids:
+            self._sample(so, batch, hidden, errors, sampled, logprobs)
         return ModelRunnerOutput(sampled, errors, logprobs)
+
+    def capture_decode_graphs(self, sizes: Sequence[int], factory: GraphFactory) -> float:
+        """Capture decode graphs of these batch sizes (the Triton backend only); seconds taken.
+        `factory` makes each graph: CUDA graphs on the GPU, `eager_graph_factory` in tests."""
+        from mmserve.layers.attention.triton_backend import TritonAttentionBackend
+
+        backend = self.attention_backend
+        assert isinstance(backend, TritonAttentionBackend), "only Triton attention is capturable"
+        graphs = DecodeGraphs(
+            sizes, self.buffers.limits.max_blocks_per_seq, backend, self.block_size, self.device
+        )
+        with torch.inference_mode():
+            seconds = graphs.capture(self._forward, factory)
+        self.decode_graphs = graphs
+        return seconds
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        mm_index: torch.Tensor | None = None,
+        mm_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden]: embeddings (images spliced in), the decoder."""
+        embeds = self.model.embed_input_ids(input_ids)  # [num_tokens, hidden]
+        if mm_embeds is not None:
+            embeds[mm_index] = mm_embeds.to(embeds.dtype)
+        return self.model(None, positions, attn_metadata, self.kv_caches, inputs_embeds=embeds)
+
+    def _sample(
+        self,
+        so: SchedulerOutput,
+        batch: StepBatch,
+        hidden: torch.Tensor,
+        errors: dict[str, RequestFailure],
+        sampled: dict[str, list[int]],
+        logprobs: dict[str, Logprobs],
+    ) -> None:
+        logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_samples, vocab]
+        rows = [self._sampling_row(self.states[r]) for r in batch.sample_request_ids]
+        bitmask = sampling_bitmask(so.grammar_bitmask, batch.sample_request_ids)
+        step = sample_step(logits, rows, self._generator, bitmask)  # the step's one host sync
+        for i, (request_id, token) in enumerate(
+            zip(batch.sample_request_ids, step.tokens, strict=True)
+        ):
+            if isinstance(token, RequestFailure):
+                errors[request_id] = token
+                if token.kind is FailureKind.INTERNAL:  # its KV may hold NaN
+                    self._scrub_kv(self.states[request_id])
+                continue
+            self.states[request_id].token_ids.append(token)
+            sampled[request_id] = [token]
+            if i in step.logprobs:
+                logprobs[request_id] = step.logprobs[i]
 
     def _scrub_kv(self, state: RequestState) -> None:
         """Zero the KV blocks a failed request wrote itself.
@@ -209,53 +248,7 @@ class ModelRunner:
                 if features[i].data is not None:
                     features[i] = dataclasses.replace(features[i], data=None)
 
-    # ----------------------------------------------------------------------------- batch
-
-    def _prepare_batch(self, so: SchedulerOutput, errors: dict[str, RequestFailure]) -> _Batch:
-        ids: list[int] = []
-        positions: list[np.ndarray] = []
-        mm_index: list[int] = []
-        mm_parts: list[torch.Tensor] = []
-        b = _Batch([], torch.empty(0), torch.empty(0), torch.empty(0), None, [], [], [], [], [])
-        for request_id, num_tokens in so.num_scheduled_tokens.items():
-            if request_id in errors:
-                continue
-            state = self.states[request_id]
-            start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
-            window_ids = state.token_ids[start:end]
-            try:
-                local_index, parts = self._gather_mm_embeddings(state, start, end, window_ids)
-            except _SpliceError as exc:
-                if exc.kind is FailureKind.INTERNAL:
-                    logger.error("request %s: %s", request_id, exc, exc_info=exc.__cause__)
-                errors[request_id] = RequestFailure(str(exc), exc.kind)
-                continue
-            offset = len(ids)
-            ids.extend(window_ids)
-            positions.append(state.positions(start, end))
-            mm_index.extend(offset + i for i in local_index)
-            mm_parts.extend(parts)
-            b.request_ids.append(request_id)
-            b.query_lens.append(num_tokens)
-            b.seq_lens.append(end)
-            b.block_tables.append(state.block_ids)
-            if end >= len(state.token_ids):
-                b.sample_rows.append(len(ids) - 1)
-                b.sample_request_ids.append(request_id)
-        return _Batch(
-            b.request_ids,
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            torch.from_numpy(np.concatenate(positions, axis=1) if positions else np.zeros((3, 0)))
-            .to(torch.long)
-            .to(self.device),
-            torch.tensor(mm_index, dtype=torch.long, device=self.device),
-            torch.cat(mm_parts) if mm_parts else None,
-            b.query_lens,
-            b.seq_lens,
-            b.block_tables,
-            b.sample_rows,
-            b.sample_request_ids,
-        )
+    # ----------------------------------------------------------------------------- splice
 
     def _gather_mm_embeddings(
         self, state: RequestState, start: int, end: int, window_ids: list[int]
@@ -280,12 +273,12 @@ class ModelRunner:
                 continue
             emb = self._embeddings(feature)
             if emb is None:
-                raise _SpliceError(
+                raise SpliceError(
                     f"encoder cache miss for item {feature.identifier[:16]} (a scheduler bug)",
                     FailureKind.INTERNAL,
                 )
             if emb.shape[0] != feature.placeholder.length:
-                raise _SpliceError(
+                raise SpliceError(
                     f"Attempted to assign {emb.shape[0]} = {emb.shape[0]} multimodal tokens to "
                     f"{feature.placeholder.length} placeholders"
                 )
@@ -302,7 +295,7 @@ class ModelRunner:
         ]
         if placeholders != local_index:
             expr = " + ".join(str(s) for s in sizes) or "0"
-            raise _SpliceError(
+            raise SpliceError(
                 f"Attempted to assign {expr} = {len(local_index)} multimodal tokens to "
                 f"{len(placeholders)} placeholders"
             )
@@ -325,7 +318,7 @@ class ModelRunner:
         try:
             self.encoder.encode([feature])
         except Exception as exc:  # noqa: BLE001 - fails the request that needs the item
-            raise _SpliceError(
+            raise SpliceError(
                 f"encoding multimodal item failed: {type(exc).__name__}", FailureKind.INTERNAL
             ) from exc
         return self.encoder.get(feature.identifier)
@@ -340,15 +333,3 @@ def _with_pixels(
     if feature.data is not None or data is None:
         return feature
     return dataclasses.replace(feature, data=data)
-
-
-class _SpliceError(Exception):
-    """The embeddings of a request do not match its placeholders; fails that request only.
-
-    REQUEST when the prompt's own placeholders disagree with its items, INTERNAL when the
-    runner lost what the scheduler said it holds.
-    """
-
-    def __init__(self, message: str, kind: FailureKind = FailureKind.REQUEST) -> None:
-        super().__init__(message)
-        self.kind = kind

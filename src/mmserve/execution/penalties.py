@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mmserve.errors import FailureKind, RequestFailure
+from mmserve.execution.host_copy import to_device
 
 if TYPE_CHECKING:
     from mmserve.execution.sampler import SamplingRow
@@ -41,7 +42,8 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> dict[i
         )
     ]
     if counted:
-        logits[counted] = _penalized(logits[counted], [rows[i] for i in counted])
+        index = to_device(counted, torch.long, logits.device)
+        logits[index] = _penalized(logits[index], [rows[i] for i in counted])
     return failures
 
 
@@ -68,12 +70,9 @@ def _apply_logit_bias(
         token_ids.extend(bias)
         biases.extend(bias.values())
     if row_idx:
-        device = logits.device
-        index = (
-            torch.tensor(row_idx, dtype=torch.long, device=device),
-            torch.tensor(token_ids, dtype=torch.long, device=device),
-        )
-        logits.index_put_(index, torch.tensor(biases, device=device), accumulate=True)
+        index = to_device([row_idx, token_ids], torch.long, logits.device)
+        values = to_device(biases, torch.float32, logits.device)
+        logits.index_put_((index[0], index[1]), values, accumulate=True)
     return failures
 
 
@@ -91,11 +90,12 @@ def _penalized(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         # is held there (+inf would make the row unsampleable: a client's value, not a bug).
         finfo = torch.finfo(logits.dtype)
         factors = [min(max(r, finfo.tiny), finfo.max) for r in repetition]
-        scale = torch.tensor(factors, device=device)[:, None]  # [num_rows, 1]
+        scale = to_device(factors, torch.float32, device)[:, None]  # [num_rows, 1]
         penalized = torch.where(logits > 0, logits / scale, logits * scale)
         logits = torch.where(seen, penalized.clamp(max=finfo.max), logits)
-    frequency = torch.tensor([row.params.frequency_penalty for row in rows], device=device)
-    presence = torch.tensor([row.params.presence_penalty for row in rows], device=device)
+    weights = [[row.params.frequency_penalty for row in rows]]
+    weights.append([row.params.presence_penalty for row in rows])
+    frequency, presence = to_device(weights, torch.float32, device)  # [num_rows] each
     return (
         logits
         - frequency[:, None] * output_counts
@@ -113,7 +113,7 @@ def token_counts(
         return counts[:, :vocab_size]
     # padded with vocab_size: a column that is dropped after the scatter
     padded = [list(s) + [vocab_size] * (max_len - len(s)) for s in sequences]
-    ids = torch.tensor(padded, dtype=torch.long, device=device).clamp_(0, vocab_size)
+    ids = to_device(padded, torch.long, device).clamp_(0, vocab_size)
     counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
     return counts[:, :vocab_size]
 

@@ -1,7 +1,14 @@
-"""Token sampling for one step: penalties and bias, greedy, temperature, top-k, top-p, seeds.
+"""Token sampling for one step, on the device for the whole batch, with one host copy.
+
+Order: min_tokens bans EOS, then logit_bias and penalties (only rows that have some), then a
+grammar's bitmask, then greedy rows take the argmax and random rows draw by race (temperature,
+top-k, top-p; see `random_draw.py`). Everything the host decides (which rows are greedy, their
+parameters, their keys) is sent with non-blocking copies; the only read back is one
+`[3, num_rows]` copy of tokens and flags (`sample`), logprobs joined to it by `sampling_step.py`.
 
 A row that cannot be sampled (parameters that slipped past validation, NaN or +inf logits, a
-failing draw) gets a `RequestFailure` instead of a token; the other rows are unaffected.
+draw of a token of zero probability) gets a `RequestFailure` instead of a token; the other rows
+are unaffected.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.errors import FailureKind, InvalidRequestError, RequestFailure
+from mmserve.execution.host_copy import to_device
 from mmserve.execution.penalties import apply_penalties
+from mmserve.execution.random_draw import draw_keys, exponential_noise, hashed_noise
 from mmserve.execution.token_bitmask import apply_token_bitmask_
 from mmserve.sampling_params import SamplingParams
 
@@ -39,6 +48,20 @@ class SamplingRow:
     token_ids: Sequence[int] = ()
 
 
+@dataclass(frozen=True)
+class DeviceDraw:
+    """One step's picks, still on the device, and what the host already knows failed."""
+
+    tokens: torch.Tensor  # [num_rows] int64
+    is_finite: torch.Tensor  # [num_rows] bool: no NaN or +inf logit, some token allowed
+    is_drawn: torch.Tensor  # [num_rows] bool: the pick has a positive probability
+    failures: dict[int, RequestFailure]  # rows refused on the host (their pick is garbage)
+
+    def host_flags(self) -> torch.Tensor:
+        """[3, num_rows] int64: tokens, finite flags, drawn flags (one copy for all three)."""
+        return torch.stack([self.tokens, self.is_finite.long(), self.is_drawn.long()])
+
+
 def sample(
     logits: torch.Tensor,
     rows: list[SamplingRow],
@@ -46,80 +69,174 @@ def sample(
     *,
     token_bitmask: torch.Tensor | None = None,
 ) -> list[int | RequestFailure]:
-    """Pick one token per row of `logits` ([num_rows, vocab], any float dtype).
+    """Pick one token per row of `logits` ([num_rows, vocab], any float dtype; edited in
+    place when it is float32). `token_bitmask` ([num_rows, ceil(vocab / 32)] int32, structured
+    output) disallows tokens per row; -1 words allow everything. A seeded row draws the same
+    tokens whatever else shares its batch, on any device."""
+    draw = sample_on_device(logits, rows, default_generator, token_bitmask=token_bitmask)
+    return resolve_draw(draw, draw.host_flags().tolist(), rows)
 
-    Greedy rows take one batched argmax; unseeded random rows of equal parameters one batched
-    draw. A seeded row is sampled alone with its own generator, so a seeded request draws the
-    same tokens whatever else shares its batch. `token_bitmask` ([num_rows, ceil(vocab / 32)]
-    int32, structured output) disallows tokens per row; -1 words allow everything.
-    """
+
+def sample_on_device(
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    default_generator: torch.Generator,
+    *,
+    token_bitmask: torch.Tensor | None = None,
+) -> DeviceDraw:
+    """Everything of `sample` but the read back: no host value depends on a device value."""
     assert logits.shape[0] == len(rows)
-    num_rows = len(rows)
     logits = logits.float()
     failures = _apply_min_tokens(logits, rows)
     failures.update(apply_penalties(logits, rows))  # nothing to do unless a row has some
     if token_bitmask is not None:
         apply_token_bitmask_(logits, token_bitmask)
-    # One pass over the logits gives the greedy picks and, since max propagates NaN and +inf,
-    # which rows are broken (-inf alone is fine: that token just cannot be drawn).
+    # One pass gives the greedy picks and, since max propagates NaN and +inf, which rows are
+    # broken (a row whose every token is -inf cannot be sampled either).
     best = logits.max(dim=-1)  # values, indices: [num_rows] each
-    # one device-to-host copy for both: [num_rows finite flags, num_rows argmax tokens]
-    host = torch.cat([torch.isfinite(best.values).to(torch.long), best.indices]).tolist()
-    out: list[int | RequestFailure | None] = [None] * num_rows
-    # unseeded random rows with the same parameters: one batched draw (a seeded row draws
-    # alone, from its own generator, so that its tokens never depend on its batchmates)
-    shared: dict[tuple, list[int]] = {}
+    tokens = best.indices
+    is_drawn = torch.ones(len(rows), dtype=torch.bool, device=logits.device)
+    random_idx = []
     for i, row in enumerate(rows):
-        if not host[i]:
-            out[i] = _non_finite(row)
-        elif i in failures:
-            out[i] = failures[i]
-        elif row.params.is_greedy:
-            out[i] = host[num_rows + i]
-        elif row.generator is None and _check_params(row.params) is None:
-            p = row.params
-            shared.setdefault((p.temperature, p.effective_top_k, p.top_p), []).append(i)
+        if i in failures or row.params.is_greedy:
+            continue
+        refused = _check_params(row.params)
+        if refused is not None:
+            failures[i] = refused
         else:
-            out[i] = _sample_row(logits[i], row, default_generator)
-    for members in shared.values():
-        tokens = _sample_rows(logits, members, rows, default_generator)
-        for i, token in zip(members, tokens, strict=True):
-            out[i] = token
-    return out  # type: ignore[return-value]
+            random_idx.append(i)
+    drawn = _draw_rows(logits, rows, random_idx, default_generator, failures)
+    if drawn is not None:
+        drawn_idx, picks, picked = drawn
+        index = to_device(drawn_idx, torch.long, logits.device)
+        tokens = tokens.index_copy(0, index, picks)
+        is_drawn = is_drawn.index_copy(0, index, picked)
+    return DeviceDraw(tokens, torch.isfinite(best.values), is_drawn, failures)
 
 
-def _sample_rows(
+def _draw_rows(
     logits: torch.Tensor,
-    members: list[int],
     rows: list[SamplingRow],
+    random_idx: list[int],
     default_generator: torch.Generator,
-) -> list[int | RequestFailure]:
-    """Rows of identical sampling parameters and no seed, in one draw; row by row if that
-    draw fails (so that only a row that cannot be sampled fails)."""
-    if len(members) == 1:
-        return [_sample_row(logits[members[0]], rows[members[0]], default_generator)]
+    failures: dict[int, RequestFailure],
+) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
+    """The random rows in one draw: (rows drawn, picks, drawn flags). If the batched draw
+    raises, row by row, so that only a row that cannot be drawn fails (into `failures`)."""
+    if not random_idx:
+        return None
     try:
-        probs = _probs(logits[members], rows[members[0]].params)  # [n, vocab]
-        return torch.multinomial(probs.cpu(), 1, generator=default_generator).view(-1).tolist()
+        index = to_device(random_idx, torch.long, logits.device)
+        return random_idx, *_draw(logits[index], [rows[i] for i in random_idx], default_generator)
     except Exception:  # noqa: BLE001 - retried row by row, where a failure is the row's own
-        return [_sample_row(logits[i], rows[i], default_generator) for i in members]
+        logger.warning("a batched draw failed; drawing row by row")
+    drawn_idx, picks, picked = [], [], []
+    for i in random_idx:
+        try:
+            pick, ok = _draw(logits[i : i + 1], [rows[i]], default_generator)
+        except Exception as exc:  # noqa: BLE001 - fails this row only; logged once, here
+            logger.exception("request %s: sampling failed; failing the request", rows[i].request_id)
+            failures[i] = RequestFailure(
+                f"sampling failed: {type(exc).__name__}", FailureKind.INTERNAL
+            )
+            continue
+        drawn_idx.append(i)
+        picks.append(pick)
+        picked.append(ok)
+    return (drawn_idx, torch.cat(picks), torch.cat(picked)) if drawn_idx else None
+
+
+def resolve_draw(
+    draw: DeviceDraw, host: list[list[int]], rows: Sequence[SamplingRow]
+) -> list[int | RequestFailure]:
+    """Tokens and failures per row from the host copy of `draw.host_flags()`."""
+    tokens, is_finite, is_drawn = host
+    out: list[int | RequestFailure] = []
+    for i, row in enumerate(rows):
+        if not is_finite[i]:
+            out.append(_non_finite(row))
+        elif i in draw.failures:
+            out.append(draw.failures[i])
+        elif not is_drawn[i]:
+            logger.error("request %s: sampling drew a token of zero probability", row.request_id)
+            out.append(RequestFailure("sampling failed: no token to draw", FailureKind.INTERNAL))
+        else:
+            out.append(tokens[i])
+    return out
+
+
+def _draw(
+    logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rows ([n, vocab] float32) by race: tokens [n] int64 and drawn flags [n] bool."""
+    n, vocab_size = logits.shape
+    device = logits.device
+    values = [
+        [max(float(r.params.temperature), _MIN_TEMPERATURE) for r in rows],
+        [float(r.params.effective_top_k) for r in rows],
+        [float(r.params.top_p) for r in rows],
+    ]
+    temperature, top_k, top_p = to_device(values, torch.float32, device)  # [n] each
+    # Subtracting the max first keeps a tiny temperature finite: the best token scales to 0
+    # and the rest to large negatives (or -inf), never inf - inf.
+    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temperature[:, None]
+    ks = [int(r.params.effective_top_k) for r in rows]
+    max_k = max((k for k in ks if 0 < k < vocab_size), default=0)
+    if max_k:
+        top = torch.topk(scaled, max_k, dim=-1).values  # [n, max_k]
+        column = (top_k.long().clamp(1, max_k) - 1)[:, None]
+        kth = top.gather(1, column)  # [n, 1]
+        has_k = ((top_k > 0) & (top_k < vocab_size))[:, None]
+        scaled = scaled.masked_fill(has_k & (scaled < kth), float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)  # [n, vocab]
+    if any(r.params.top_p < 1.0 for r in rows):
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the token that crosses it included)
+        limit = torch.where(top_p < 1.0, top_p, float("inf"))[:, None]
+        drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > limit
+        probs = probs.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), 0.0)
+    noise = _noise(rows, vocab_size, default_generator, device)  # [n, vocab]
+    picks = (probs / noise).argmax(dim=-1)  # [n]
+    return picks, probs.gather(1, picks[:, None])[:, 0] > 0
+
+
+def _noise(
+    rows: list[SamplingRow],
+    vocab_size: int,
+    default_generator: torch.Generator,
+    device: torch.device,
+) -> torch.Tensor:
+    """Exp(1) noise per row: hashed from keys where a row is seeded (or where the engine's
+    generator lives on another device), else from the engine's generator on the device."""
+    shared = default_generator.device.type == device.type
+    hashed = [i for i, r in enumerate(rows) if r.generator is not None or not shared]
+    if len(hashed) < len(rows):
+        noise = exponential_noise(len(rows), vocab_size, default_generator, device)
+    else:
+        noise = torch.empty(len(rows), vocab_size, dtype=torch.float32, device=device)
+    if hashed:
+        keys = [draw_keys(rows[i].generator or default_generator) for i in hashed]
+        index = to_device(hashed, torch.long, device)
+        noise[index] = hashed_noise(to_device(keys, torch.int64, device), vocab_size)
+    return noise
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int, RequestFailure]:
-    """While fewer than min_tokens are generated, EOS and stop token ids cannot be sampled.
-
-    Returns the rows whose min_tokens or stop_token_ids cannot be applied.
-    """
+    """While fewer than min_tokens are generated, EOS and stop token ids cannot be sampled
+    (one batched write for every row). Returns the rows whose min_tokens or stop_token_ids
+    cannot be applied."""
     failures: dict[int, RequestFailure] = {}
+    row_idx: list[int] = []
+    token_idx: list[int] = []
     for i, row in enumerate(rows):
         try:
             if row.num_output_tokens < row.params.min_tokens:
                 banned = set(row.params.stop_token_ids)
                 if not row.params.ignore_eos:
                     banned.update(row.eos_token_ids)
-                banned = {t for t in banned if 0 <= t < logits.shape[1]}
-                if banned:
-                    logits[i, sorted(banned)] = float("-inf")
+                banned = sorted(t for t in banned if 0 <= t < logits.shape[1])
+                row_idx.extend([i] * len(banned))
+                token_idx.extend(banned)
         except (TypeError, ValueError):
             param = "min_tokens" if not _is_int(row.params.min_tokens) else "stop_token_ids"
             failures[i] = RequestFailure(
@@ -127,23 +244,10 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int
                 FailureKind.REQUEST,
                 param,
             )
+    if row_idx:
+        index = to_device([row_idx, token_idx], torch.long, logits.device)
+        logits[index[0], index[1]] = float("-inf")
     return failures
-
-
-def _sample_row(
-    row_logits: torch.Tensor, row: SamplingRow, default_generator: torch.Generator
-) -> int | RequestFailure:
-    refused = _check_params(row.params)
-    if refused is not None:
-        return refused
-    try:
-        probs = _probs(row_logits, row.params)  # [vocab]
-        gen = row.generator or default_generator
-        # multinomial on the CPU so that a seeded generator gives the same draw on any device
-        return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
-    except Exception as exc:  # noqa: BLE001 - fails this row only; logged once, here
-        logger.exception("request %s: sampling failed; failing the request", row.request_id)
-        return RequestFailure(f"sampling failed: {type(exc).__name__}", FailureKind.INTERNAL)
 
 
 def _check_params(params: SamplingParams) -> RequestFailure | None:
@@ -161,28 +265,6 @@ def _check_params(params: SamplingParams) -> RequestFailure | None:
     return None
 
 
-def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Sampling probabilities over the last dimension ([vocab] or [rows, vocab])."""
-    # Subtracting the max first keeps a tiny temperature finite: the best token scales to 0
-    # and the rest to large negatives (or -inf), never inf - inf.
-    shifted = logits - logits.max(dim=-1, keepdim=True).values
-    scaled = shifted / max(float(params.temperature), _MIN_TEMPERATURE)
-    top_k = params.effective_top_k
-    if 0 < top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (the token that crosses it included)
-        drop = cumulative - sorted_probs > params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
-
-
 def _non_finite(row: SamplingRow) -> RequestFailure:
     logger.error("request %s: the model produced NaN or +inf logits", row.request_id)
     return RequestFailure("the model produced NaN or +inf logits", FailureKind.INTERNAL)
@@ -190,12 +272,17 @@ def _non_finite(row: SamplingRow) -> RequestFailure:
 
 def make_generator(seed: int) -> torch.Generator:
     """A CPU generator seeded with `seed`, any integer in [-2**63, 2**64 - 1]."""
+    return make_device_generator(seed, "cpu")
+
+
+def make_device_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator on `device` seeded with `seed` (the engine's, for unseeded rows)."""
     if not (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
         raise InvalidRequestError(
             f"seed must be an integer in [-2**63, 2**64 - 1], got {_describe(seed)}",
             param="seed",
         )
-    gen = torch.Generator(device="cpu")
+    gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
 

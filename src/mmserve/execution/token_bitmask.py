@@ -18,6 +18,8 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """
     num_rows, vocab = logits.shape
     assert bitmask.dtype == torch.int32 and bitmask.shape[0] == num_rows, bitmask.shape
+    if logits.device.type == "cuda" and bitmask.device.type == "cpu":
+        bitmask = bitmask.pin_memory()  # else the copy waits for the forward (host_copy.py)
     bitmask = bitmask.to(logits.device, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
     # an arithmetic shift keeps the sign bit of word -1, but & 1 reads one bit either way

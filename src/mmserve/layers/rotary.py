@@ -58,10 +58,14 @@ class MRotaryEmbedding(nn.Module):
         inv_freq = _inv_freq(self.head_dim, self.theta, positions.device)
         # [3, num_tokens, head_dim / 2]: the angle of every frequency on every axis
         freqs = positions.float().unsqueeze(-1) * inv_freq
-        axis = torch.repeat_interleave(
-            torch.arange(3, device=positions.device),
-            torch.tensor(self.mrope_section, device=positions.device),
-        )  # [head_dim / 2]: which axis drives each frequency
+        # [head_dim / 2]: which axis drives each frequency. Filled on the device: a host list
+        # copied here would sync the device and break a CUDA graph's capture.
+        axis = torch.cat(
+            [
+                torch.full((size,), i, dtype=torch.long, device=positions.device)
+                for i, size in enumerate(self.mrope_section)
+            ]
+        )
         index = axis.view(1, 1, -1).expand(1, freqs.shape[1], -1)
         freqs = freqs.gather(0, index).squeeze(0)  # [num_tokens, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -154,10 +154,11 @@ class EngineCoreReady(WireStruct):
     """Sent once, when the engine core has loaded the model and can take requests.
 
     `config` is what the core resolved (`engine.factory.ResolvedConfig`: KV blocks, budgets),
-    by field name; the API process logs it and checks admission against it.
+    by field name; the API process logs it and checks admission against it. A list is a
+    tuple of ints there (the decode CUDA graph sizes).
     """
 
-    config: dict[str, str | int | bool]
+    config: dict[str, str | int | bool | list[int]]
 
 
 class EngineDead(WireStruct):

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from mmserve.layers.attention.buffers import AttentionBuffers
     from mmserve.layers.attention.metadata import AttentionMetadata
 
 
@@ -19,7 +20,9 @@ class AttentionBackend(Protocol):
     - `build_metadata` runs once per step on the host, before the forward and outside it. It
       validates the batch and returns an `AttentionMetadata` holding *everything* `forward`
       needs (device tensors, host copies, the backend's own plan: decode groups, query tiles),
-      with `metadata.backend is self`. Every decoder layer shares it; `forward` builds no index
+      with `metadata.backend is self`. With `buffers` (`buffers.py`, allocated once at
+      start-up) its tensors are views of them, filled by non-blocking copies: a step allocates
+      no tensor for its metadata. Every decoder layer shares it; `forward` builds no index
       tensor and reads no host value that would sync the device.
     - `forward(query, key, value, kv_cache, metadata, scale)` first stores the new tokens' K/V
       at `metadata.slot_mapping` in `kv_cache` (in place, cast to the cache's dtype), then
@@ -41,6 +44,8 @@ class AttentionBackend(Protocol):
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str,
+        *,
+        buffers: AttentionBuffers | None = None,
     ) -> AttentionMetadata: ...
 
     def forward(

@@ -24,7 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+
+from mmserve.layers.attention.buffers import AttentionBuffers, BatchLimits
 
 if TYPE_CHECKING:
     from mmserve.layers.attention.backend import AttentionBackend
@@ -45,6 +48,8 @@ class AttentionMetadata:
     block_size: int
     backend: AttentionBackend
     plan: Any  # the backend's own per-step data (decode groups, query tiles), or None
+    # rows past the real batch (a CUDA graph's padding): slot -1, never stored
+    has_padding: bool = False
 
     def __post_init__(self) -> None:
         num_seqs = len(self.seq_lens_cpu)
@@ -75,14 +80,18 @@ def build_layout(
     block_size: int,
     device: torch.device | str,
     backend: AttentionBackend,
+    buffers: AttentionBuffers | None = None,
 ) -> AttentionMetadata:
     """The backend-independent part, from python lists: per sequence, its new-token count, its
     total length after this step, and its block ids (which must cover `seq_len` tokens).
-    `plan` is None; the backend's `build_metadata` adds its own."""
+    `plan` is None; the backend's `build_metadata` adds its own.
+
+    With `buffers` the tensors are views of those persistent buffers (filled on the host, sent
+    without waiting for the device); without, new tensors. Values are the same either way:
+    block table rows are padded with block 0 up to the batch's longest row.
+    """
     if not len(query_lens) == len(seq_lens) == len(block_tables):
         raise ValueError("query_lens, seq_lens and block_tables need one entry per sequence")
-    slots: list[int] = []
-    starts = [0]
     for q_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
         if not 0 < q_len <= seq_len:
             raise ValueError(f"need 0 < query_len <= seq_len, got {q_len} and {seq_len}")
@@ -91,21 +100,68 @@ def build_layout(
                 f"block table of {len(table)} blocks holds {len(table) * block_size} tokens, "
                 f"fewer than seq_len={seq_len}"
             )
-        for pos in range(seq_len - q_len, seq_len):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-        starts.append(starts[-1] + q_len)
+    num_seqs = len(seq_lens)
     max_blocks = max((len(t) for t in block_tables), default=0)
-    padded = [list(t) + [0] * (max_blocks - len(t)) for t in block_tables]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device).view(-1, max_blocks),
-        seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        query_start_loc_cpu=tuple(starts),
+    q = np.asarray(query_lens, dtype=np.int64).reshape(num_seqs)
+    num_tokens = int(q.sum())
+    if buffers is None:
+        buffers = _exact_buffers(num_tokens, num_seqs, max_blocks)
+    tables = buffers.block_tables.host_view(num_seqs, max_blocks)  # [num_seqs, max_blocks]
+    tables.fill(0)
+    for i, table in enumerate(block_tables):
+        tables[i, : len(table)] = table
+    starts = buffers.query_start_loc.host_view(num_seqs + 1)
+    starts[0] = 0
+    np.cumsum(q, out=starts[1:])
+    buffers.seq_lens.host_view(num_seqs)[:] = seq_lens
+    # token t of sequence i sits at position (seq_len_i - q_len_i) + (t - start_i)
+    token_seq = np.repeat(np.arange(num_seqs), q)  # [num_tokens]
+    context = np.asarray(seq_lens, dtype=np.int64).reshape(num_seqs) - q
+    positions = np.arange(num_tokens) - starts[token_seq] + context[token_seq]
+    slots = buffers.slot_mapping.host_view(num_tokens)
+    slots[:] = tables[token_seq, positions // block_size].astype(np.int64) * block_size
+    slots += positions % block_size
+    metadata = AttentionMetadata(
+        slot_mapping=buffers.slot_mapping.push(num_tokens),
+        block_tables=buffers.block_tables.push(num_seqs, max_blocks),
+        seq_lens=buffers.seq_lens.push(num_seqs),
+        query_start_loc=buffers.query_start_loc.push(num_seqs + 1),
+        query_start_loc_cpu=tuple(starts.tolist()),
         seq_lens_cpu=tuple(int(s) for s in seq_lens),
         block_size=block_size,
         backend=backend,
         plan=None,
+    )
+    return metadata if _is_on(metadata, device) else _moved(metadata, device)
+
+
+def plan_buffers(metadata: AttentionMetadata, buffers: AttentionBuffers | None) -> AttentionBuffers:
+    """Where a backend writes its plan: `buffers`, or new ones just large enough."""
+    if buffers is not None:
+        return buffers
+    return _exact_buffers(metadata.num_tokens, metadata.num_seqs, 1)
+
+
+def _exact_buffers(num_tokens: int, num_seqs: int, max_blocks: int) -> AttentionBuffers:
+    """Host-only buffers of one batch's size (the caller moves the views to its device)."""
+    limits = BatchLimits(max(1, num_tokens), max(1, num_seqs), max(1, max_blocks))
+    return AttentionBuffers(limits, "cpu")
+
+
+def _is_on(metadata: AttentionMetadata, device: torch.device | str) -> bool:
+    want = torch.device(device)
+    got = metadata.slot_mapping.device
+    return got.type == want.type and (want.index is None or got.index == want.index)
+
+
+def _moved(metadata: AttentionMetadata, device: torch.device | str) -> AttentionMetadata:
+    """Buffers made for a CPU layout, sent to `device` (metadata built without buffers)."""
+    return dataclasses.replace(
+        metadata,
+        slot_mapping=metadata.slot_mapping.to(device),
+        block_tables=metadata.block_tables.to(device),
+        seq_lens=metadata.seq_lens.to(device),
+        query_start_loc=metadata.query_start_loc.to(device),
     )
 
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mmserve.layers.attention.buffers import AttentionBuffers
 from mmserve.layers.attention.kv_cache import write_kv_cache
-from mmserve.layers.attention.metadata import AttentionMetadata, build_layout
+from mmserve.layers.attention.metadata import AttentionMetadata, build_layout, plan_buffers
 
 # Upper bound on attention-score elements (heads x queries x keys) per SDPA call of the prefill
 # path, so that a fallback math kernel never materialises a huge matrix (1 GiB in float32).
@@ -54,9 +55,11 @@ class TorchAttentionBackend:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        *,
+        buffers: AttentionBuffers | None = None,
     ) -> AttentionMetadata:
-        layout = build_layout(query_lens, seq_lens, block_tables, block_size, device, self)
-        return layout.with_plan(plan_decodes(layout))
+        layout = build_layout(query_lens, seq_lens, block_tables, block_size, device, self, buffers)
+        return layout.with_plan(plan_decodes(layout, buffers))
 
     def forward(
         self,
@@ -72,23 +75,32 @@ class TorchAttentionBackend:
         )
 
 
-def plan_decodes(metadata: AttentionMetadata) -> TorchPlan:
-    """Group the one-token sequences by length (see `_decode_groups`), on the host."""
+def plan_decodes(metadata: AttentionMetadata, buffers: AttentionBuffers | None = None) -> TorchPlan:
+    """Group the one-token sequences by length (see `_decode_groups`), on the host; each
+    group's indices are one slice of the plan buffers (written group after group)."""
     loc, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     block_size = metadata.block_size
     decode_idx = [i for i in range(metadata.num_seqs) if loc[i + 1] - loc[i] == 1]
     blocks = [-(-seq_lens[i] // block_size) for i in decode_idx]
-    device = metadata.block_tables.device
-    batches = []
-    for members in _decode_groups(blocks):
-        seqs = [decode_idx[m] for m in members]
+    groups = [[decode_idx[m] for m in members] for members in _decode_groups(blocks)]
+    buffers = plan_buffers(metadata, buffers)
+    ordered = [i for seqs in groups for i in seqs]
+    buffers.decode_seq_idx.host_view(len(ordered))[:] = ordered
+    buffers.decode_token_idx.host_view(len(ordered))[:] = [loc[i] for i in ordered]
+    seq_idx = buffers.decode_seq_idx.push(len(ordered)).to(metadata.block_tables.device)
+    token_idx = buffers.decode_token_idx.push(len(ordered)).to(metadata.block_tables.device)
+    max_blocks = {i: b for i, b in zip(decode_idx, blocks, strict=True)}
+    batches, start = [], 0
+    for seqs in groups:
+        end = start + len(seqs)
         batches.append(
             DecodeBatch(
-                seq_idx=torch.tensor(seqs, device=device),
-                token_idx=torch.tensor([loc[i] for i in seqs], device=device),
-                max_blocks=max(blocks[m] for m in members),
+                seq_idx=seq_idx[start:end],
+                token_idx=token_idx[start:end],
+                max_blocks=max(max_blocks[i] for i in seqs),
             )
         )
+        start = end
     prefill = tuple(i for i in range(metadata.num_seqs) if loc[i + 1] - loc[i] > 1)
     return TorchPlan(tuple(batches), prefill)
 
@@ -221,7 +233,7 @@ def paged_attention(
     """
     plan = metadata.plan
     assert isinstance(plan, TorchPlan), "metadata built by another backend"
-    write_kv_cache(kv_cache, key, value, metadata.slot_mapping)
+    write_kv_cache(kv_cache, key, value, metadata.slot_mapping, skip_negative=metadata.has_padding)
     num_heads = query.shape[1]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     assert block_size == metadata.block_size, "the cache's block size differs from the metadata's"

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.layers.attention.metadata import AttentionMetadata, build_layout
+from mmserve.layers.attention.buffers import AttentionBuffers
+from mmserve.layers.attention.metadata import AttentionMetadata, build_layout, plan_buffers
 from mmserve.layers.attention.triton_kernels import compile_kernels
 
 # New tokens of one sequence per query tile. Rows per tile are this times the query heads per
@@ -56,19 +57,27 @@ class TritonAttentionBackend:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        *,
+        buffers: AttentionBuffers | None = None,
     ) -> AttentionMetadata:
         check_block_size(block_size)
-        layout = build_layout(query_lens, seq_lens, block_tables, block_size, device, self)
-        seq_idx: list[int] = []
-        q_start: list[int] = []
-        for i, q_len in enumerate(query_lens):
-            for start in range(0, q_len, self.tokens_per_tile):
-                seq_idx.append(i)
-                q_start.append(start)
+        layout = build_layout(query_lens, seq_lens, block_tables, block_size, device, self, buffers)
+        tiles_per_seq = [-(-q_len // self.tokens_per_tile) for q_len in query_lens]
+        num_tiles = sum(tiles_per_seq)
+        buffers = plan_buffers(layout, buffers)
+        seq_idx = buffers.tile_seq_idx.host_view(num_tiles)
+        q_start = buffers.tile_q_start.host_view(num_tiles)
+        tile = 0
+        for i, count in enumerate(tiles_per_seq):
+            seq_idx[tile : tile + count] = i
+            q_start[tile : tile + count] = range(
+                0, count * self.tokens_per_tile, self.tokens_per_tile
+            )
+            tile += count
         plan = TritonPlan(
-            tile_seq_idx=torch.tensor(seq_idx, dtype=torch.int32, device=device),
-            tile_q_start=torch.tensor(q_start, dtype=torch.int32, device=device),
-            num_tiles=len(seq_idx),
+            tile_seq_idx=buffers.tile_seq_idx.push(num_tiles).to(layout.slot_mapping.device),
+            tile_q_start=buffers.tile_q_start.push(num_tiles).to(layout.slot_mapping.device),
+            num_tiles=num_tiles,
             tokens_per_tile=self.tokens_per_tile,
         )
         return layout.with_plan(plan)

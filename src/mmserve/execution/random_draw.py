@@ -1,0 +1,63 @@
+"""Exponential noise for sampling by race: batched on the device, seeded rows by a counter hash.
+
+Sampling by race: with q ~ Exp(1) drawn independently per token, `argmax(probs / q)` is a draw
+from `probs` (the exponential-race form of Gumbel-max), so a whole batch samples in one argmax
+and nothing leaves the device.
+
+A seeded row's noise must not depend on its batchmates, nor on the device. It is a pure
+function of two 32-bit keys (drawn on the host from the row's own generator, which advances
+once per draw) and the token id:
+
+    h = mix(mix(token ^ key0) ^ key1)          mix: a 32-bit integer finaliser (lowbias32)
+    u = (h >> 9 + 0.5) / 2**23  in (0, 1)     q = -log(u)
+
+Every product is split so that it stays below 2**63: int64 arithmetic that never overflows,
+bit-identical on the CPU and on CUDA. Unseeded rows take torch's `exponential_` from the
+engine's generator (one kernel, cheaper than the hash).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+# Smallest q: a ratio probs / q stays finite, and a zero probability stays 0.
+_MIN_NOISE = torch.finfo(torch.float32).tiny
+
+
+def draw_keys(generator: torch.Generator) -> tuple[int, int]:
+    """Two 32-bit keys from a host generator: one draw of a seeded row's stream."""
+    k0, k1 = torch.randint(0, 1 << 32, (2,), generator=generator, dtype=torch.int64).tolist()
+    return int(k0), int(k1)
+
+
+def hashed_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [num_rows, vocab_size] float32 from keys [num_rows, 2] int64 (device)."""
+    token = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)  # [vocab]
+    h = _mix(token[None, :] ^ keys[:, :1])  # [num_rows, vocab]
+    h = _mix(h ^ keys[:, 1:])
+    u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))  # (0, 1), exact in float32
+    return (-torch.log(u)).clamp_min_(_MIN_NOISE)
+
+
+def exponential_noise(
+    num_rows: int, vocab_size: int, generator: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """Exp(1) noise [num_rows, vocab_size] float32 from `generator` (on `device`'s type)."""
+    noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
+    return noise.exponential_(generator=generator).clamp_min_(_MIN_NOISE)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (Chris Wellons' 32-bit finaliser) on int64 values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32): two 16-bit halves of c, no int64 overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
