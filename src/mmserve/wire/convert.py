@@ -94,7 +94,10 @@ def encoder_input_to_wire(f: MultiModalFeature) -> WireEncoderInput | None:
     """The item's pixels for an encoder, or None when the feature holds none."""
     if f.data is None:
         return None
-    return WireEncoderInput(f.identifier, f.modality, f.data.grid_thw, f.data.pixel_values)
+    data = f.data
+    return WireEncoderInput(
+        f.identifier, f.modality, data.grid_thw, data.pixel_values, data.second_per_grid_t
+    )
 
 
 def feature_from_wire(f: WireMMFeature, data: ProcessedImage | None) -> MultiModalFeature:
@@ -136,7 +139,10 @@ def failure_from_wire(w: WireRequestFailure) -> RequestFailure:
 
 
 def _pixels_by_identifier(items: Sequence[WireEncoderInput]) -> dict[str, ProcessedImage]:
-    return {i.identifier: ProcessedImage(i.pixel_values, tuple(i.grid_thw)) for i in items}
+    return {
+        i.identifier: ProcessedImage(i.pixel_values, tuple(i.grid_thw), i.second_per_grid_t)
+        for i in items
+    }
 
 
 # ------------------------------------------------------------ API <-> engine core
