@@ -72,6 +72,12 @@ class MultiModalFeature:
     def num_embeds(self) -> int:
         return self.placeholder.length
 
+    @property
+    def num_patches(self) -> int:
+        """Input patches the vision tower reads for this item (what its activations scale with)."""
+        t, h, w = self.grid_thw
+        return t * h * w
+
 
 @dataclass(frozen=True)
 class ProcessedPrompt:

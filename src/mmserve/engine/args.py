@@ -94,7 +94,9 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
-    encoder_cache_size: int | None = None
+    encoder_cache_size: int | None = None  # embedding slots
+    encoder_cache_bytes: int | None = None  # or bytes; None: from encoder_cache_size
+    encoder_patch_budget: int | None = None  # input patches per step; None: from the token budget
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     hash_algorithm: str = "blake3"
@@ -151,6 +153,8 @@ class EngineArgs:
         for name in (
             "max_model_len",
             "encoder_cache_size",
+            "encoder_cache_bytes",
+            "encoder_patch_budget",
             "num_gpu_blocks_override",
             "kv_cache_memory_bytes",
         ):

@@ -228,9 +228,13 @@ def stats_to_wire(
     s: SchedulerStats,
     counters: Mapping[str, int] = MappingProxyType({}),
     gauges: Mapping[str, float] = MappingProxyType({}),
+    modality_counters: Mapping[str, Mapping[str, int]] = MappingProxyType({}),
 ) -> EngineStats:
     fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
-    return EngineStats(**fields, counters=dict(counters), gauges=dict(gauges))
+    by_modality = {name: dict(counts) for name, counts in modality_counters.items()}
+    return EngineStats(
+        **fields, counters=dict(counters), gauges=dict(gauges), modality_counters=by_modality
+    )
 
 
 def stats_from_wire(w: EngineStats) -> SchedulerStats:
@@ -245,6 +249,9 @@ def apply_stats(w: EngineStats, metrics: EngineMetrics) -> None:
         metrics.set_counter(name, value)
     for name, gauge in w.gauges.items():
         metrics.set_gauge(name, gauge)
+    for name, counts in w.modality_counters.items():
+        for modality, value in counts.items():
+            metrics.set_modality_counter(name, modality, value)
 
 
 # ------------------------------------------------------------ scheduler <-> executor
