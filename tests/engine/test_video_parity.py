@@ -89,3 +89,26 @@ def test_chunked_prefill_cutting_through_a_video_matches_transformers(
     args = {"max_num_batched_tokens": 16, "multiprocess": multiprocess}
     with LLM(model=str(diverse_checkpoint), **args) as llm:
         assert generate(llm, [video_and_image.prompt]) == [expected]
+
+
+def test_an_image_video_image_step_makes_two_vision_calls_and_matches_transformers(
+    diverse_checkpoint, oracle
+):
+    case = build_case(
+        oracle,
+        chat(f"{IMG}then{VID}and{IMG}: which two match?"),
+        [random_image(56, 84, seed=9), random_image(84, 56, seed=10)],
+        [random_video(4, 112, 84, seed=11)],
+        max_pixels=MAX_VIDEO_PIXELS,
+    )
+    expected = oracle_greedy(oracle, case, NUM_TOKENS)
+    with LLM(model=str(diverse_checkpoint)) as llm:
+        assert generate(llm, [case.prompt]) == [expected]
+        snap = llm.engine.metrics.snapshot()
+        manager = llm.engine.scheduler.encoder_cache_manager
+        runner = llm.engine.executor.runner
+        # the byte ledger counts exactly what the runner's cache holds
+        assert manager.num_used_bytes == runner.encoder.num_bytes > 0
+    assert snap.counters["encoder_forward_calls"] == 2  # one per modality, not three
+    assert snap.modality_counters["encoder_forward_calls"] == {"image": 1, "video": 1}
+    assert snap.modality_counters["encoder_items_encoded"] == {"image": 2, "video": 1}
