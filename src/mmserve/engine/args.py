@@ -162,6 +162,11 @@ class EngineArgs:
                 _check_positive(name, getattr(self, name))
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        if self.encoder_cache_size is not None and self.encoder_cache_bytes is not None:
+            raise ValueError(
+                "--encoder-cache-size (embedding slots) and --encoder-cache-bytes both size the "
+                "encoder cache; give only one of them"
+            )
         if self.num_gpu_blocks_override is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError(
                 "--num-gpu-blocks-override and --kv-cache-memory-bytes both size the KV pool; "
