@@ -18,9 +18,9 @@ def validate_request(
         raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
     if num_prompt > max_model_len:
         raise PromptTooLongError(
-            f"the prompt is {num_prompt} tokens (images included) but max_model_len is "
-            f"{max_model_len}; shorten the prompt, send fewer or smaller images (lower "
-            f"max_pixels), or raise --max-model-len",
+            f"the prompt is {num_prompt} tokens (images and videos included) but max_model_len "
+            f"is {max_model_len}; shorten the prompt, send fewer or smaller images or shorter "
+            f"videos (lower max_pixels, fps or max_frames), or raise --max-model-len",
             param="messages",
         )
     if request.max_tokens < 1:
