@@ -83,7 +83,7 @@ class UnknownMediaUUIDError(InvalidRequestError):
 
 
 class EncoderItemTooLargeError(InvalidRequestError):
-    """One multimodal item needs more encoder-cache slots than the cache can ever hold."""
+    """One multimodal item needs more encoder budget or cache than the engine can ever give."""
 
     code = "mm_item_too_large"
 

@@ -34,6 +34,10 @@ GAUGE_NAMES = (
     "num_requests_running",
     "num_requests_waiting",
 )
+# Counters also kept per item modality: their samples carry a `modality` label (one per entry
+# of MODALITIES, present from the start; the unlabelled total is their sum).
+MODALITY_COUNTERS = ("encoder_items_encoded", "encoder_forward_calls")
+MODALITIES = ("image", "video")
 # The finish reasons a finished request is counted under (request_success{finished_reason}):
 # the OpenAI finish_reason values of scheduling.request.FINISH_REASONS.
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -148,6 +152,8 @@ class MetricsSnapshot:
     gauges: dict[str, float]
     histograms: dict[str, Histogram]  # by HISTOGRAM_NAMES
     request_success: dict[str, int]  # finished requests by FINISHED_REASONS
+    # MODALITY_COUNTERS name -> modality -> count; `counters` has their totals
+    modality_counters: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def ttft(self) -> Histogram:
@@ -175,6 +181,7 @@ class EngineMetrics:
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
         self._gauges: dict[str, float] = dict.fromkeys(GAUGE_NAMES, 0.0)
         self._request_success = dict.fromkeys(FINISHED_REASONS, 0)
+        self._modality_counters = {n: dict.fromkeys(MODALITIES, 0) for n in MODALITY_COUNTERS}
         token_bounds = tuple(float(b) for b in token_buckets(max_model_len))
         self._histograms = {
             "time_to_first_token_seconds": Histogram(TTFT_BUCKETS_S),
@@ -183,11 +190,25 @@ class EngineMetrics:
             **{name: Histogram(token_bounds) for name in TOKEN_HISTOGRAMS},
         }
 
-    def inc(self, name: str, amount: int = 1) -> None:
+    def inc(self, name: str, amount: int = 1, *, modality: str | None = None) -> None:
+        """`modality`: also count it under that modality (MODALITY_COUNTERS only)."""
         if name not in self._counters:
             raise KeyError(f"unknown counter {name!r}")
+        if modality is not None and name not in self._modality_counters:
+            raise KeyError(f"counter {name!r} is not kept per modality")
         with self._lock:
             self._counters[name] += amount
+            if modality is not None:
+                by_modality = self._modality_counters[name]
+                by_modality[modality] = by_modality.get(modality, 0) + amount
+
+    def set_modality_counter(self, name: str, modality: str, value: int) -> None:
+        """Mirror one modality's count of a MODALITY_COUNTERS counter; it never goes down."""
+        if name not in self._modality_counters:
+            raise KeyError(f"counter {name!r} is not kept per modality")
+        with self._lock:
+            by_modality = self._modality_counters[name]
+            by_modality[modality] = max(by_modality.get(modality, 0), value)
 
     def set_counter(self, name: str, value: int) -> None:
         """Mirror a counter kept elsewhere (a cache's own stats); it never goes down."""
@@ -225,6 +246,7 @@ class EngineMetrics:
                 gauges=dict(self._gauges),
                 histograms={name: h.copy() for name, h in self._histograms.items()},
                 request_success=dict(self._request_success),
+                modality_counters={n: dict(m) for n, m in self._modality_counters.items()},
             )
 
     def _observe(self, name: str, value: float) -> None:

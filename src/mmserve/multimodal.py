@@ -29,6 +29,7 @@ class ProcessedImage:
 
     pixel_values: np.ndarray  # [grid_t * grid_h * grid_w, C * T * P * P] float32
     grid_thw: tuple[int, int, int]
+    second_per_grid_t: float | None = None
 
     @property
     def num_patches(self) -> int:
@@ -70,6 +71,12 @@ class MultiModalFeature:
     @property
     def num_embeds(self) -> int:
         return self.placeholder.length
+
+    @property
+    def num_patches(self) -> int:
+        """Input patches the vision tower reads for this item (what its activations scale with)."""
+        t, h, w = self.grid_thw
+        return t * h * w
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=8192,
         help="Token budget of one engine step (prefill chunks + decodes); also the default "
-        "encoder cache size and per-step encoder budget.",
+        "encoder cache size (this many embeddings) and per-step encoder budget (the input "
+        "patches behind this many embeddings).",
+    )
+    a(
+        "--encoder-patch-budget",
+        type=int,
+        default=None,
+        metavar="PATCHES",
+        help="Input patches (grid_t x grid_h x grid_w per image or video) the vision encoder may "
+        "process in one engine step: what its activation memory scales with. Default "
+        "--max-num-batched-tokens x spatial_merge_size^2, floored at the largest item.",
     )
     a("--max-num-seqs", type=int, default=256, help="Most requests running at once.")
     a(
@@ -233,8 +243,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="SLOTS",
-        help="Encoder cache size in embedding slots; default --max-num-batched-tokens, floored "
-        "at the largest image.",
+        help="Encoder cache size in embedding slots (hidden size x dtype bytes each); default "
+        "--max-num-batched-tokens, floored at the largest image or video.",
+    )
+    a(
+        "--encoder-cache-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="Encoder cache size in bytes, instead of --encoder-cache-size; floored at the "
+        "largest image or video.",
     )
     a(
         "--mm-processor-cache-gb",

@@ -169,7 +169,7 @@ async def test_metrics_exports_engine_counters(client: httpx.AsyncClient) -> Non
     assert resp.headers["content-type"].startswith("text/plain")
     samples = parse_samples(resp.text, model_name=MODEL)
     for name in (
-        "mmserve_encoder_items_encoded_total",
+        'mmserve_encoder_items_encoded_total{modality="image"}',
         "mmserve_prefix_cache_hits_total",
         "mmserve_encoder_cache_used_slots",
         "mmserve_num_requests_waiting",

@@ -60,6 +60,8 @@ def test_every_flag_reaches_its_field(tmp_path: Path) -> None:
     assert (args.max_request_body_bytes, args.mm_processor_cache_gb) == (2000, 0.0)
     assert (args.max_concurrent_media_fetches, args.trust_exif_image_id) == (3, True)
     assert not args_of().trust_exif_image_id
+    budgets = args_of("--encoder-patch-budget", "4096", "--encoder-cache-bytes", "1000000")
+    assert (budgets.encoder_patch_budget, budgets.encoder_cache_bytes) == (4096, 1_000_000)
     assert args_of("--allowed-media-domains", "[::1]:81").allowed_media_domains == ("[::1]:81",)
     assert args_of("--served-model-name", "x").resolved_served_model_name == "x"
 
@@ -75,6 +77,9 @@ def test_every_flag_reaches_its_field(tmp_path: Path) -> None:
         (["--port", "70000"], "--port"),
         (["--max-concurrent-media-fetches", "0"], "--max-concurrent-media-fetches"),
         (["--allowed-media-domains", "a.example:http"], "--allowed-media-domains"),
+        (["--encoder-patch-budget", "0"], "--encoder-patch-budget"),
+        (["--encoder-cache-bytes", "-5"], "--encoder-cache-bytes"),
+        (["--encoder-cache-size", "8", "--encoder-cache-bytes", "9"], "--encoder-cache"),
     ],
 )
 def test_invalid_values_name_the_flag(argv: list[str], flag: str) -> None:
@@ -102,6 +107,8 @@ def test_serve_help_explains_flags_without_heavy_imports() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     ).stdout
     assert "--encoder-cache-size" in out and "embedding slots" in out
+    assert "--encoder-patch-budget" in out and "Input patches" in out
+    assert "--encoder-cache-bytes" in out
     assert "HEAVY []" in out
 
 

@@ -107,3 +107,22 @@ def test_the_doc_lists_every_series():
         assert f"`{exported}`" in doc or f"`{exported}{{" in doc, exported
     for vllm_name in VLLM_COUNTERPARTS:
         assert f"`{vllm_name}`" in doc, vllm_name
+
+
+def _by_modality(families, name: str) -> dict[str, float]:
+    samples = families[f"mmserve_{name}"].samples
+    return {s.labels["modality"]: s.value for s in samples if s.name.endswith("_total")}
+
+
+def test_encoder_counters_carry_a_modality_label_from_the_start():
+    metrics = EngineMetrics()
+    families = _families(metrics)
+    # a dashboard finds both series before any video arrives
+    assert _by_modality(families, "encoder_forward_calls") == {"image": 0, "video": 0}
+    metrics.inc("encoder_forward_calls", modality="image")
+    metrics.inc("encoder_forward_calls", modality="video")
+    metrics.inc("encoder_items_encoded", 2, modality="image")
+    metrics.inc("encoder_items_encoded", 1, modality="video")
+    families = _families(metrics)
+    assert _by_modality(families, "encoder_forward_calls") == {"image": 1, "video": 1}
+    assert _by_modality(families, "encoder_items_encoded") == {"image": 2, "video": 1}

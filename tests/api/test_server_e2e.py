@@ -127,7 +127,7 @@ def test_same_image_three_times_is_encoded_once(server: Server, model_name: str)
             extra_body={"cache_salt": salt},
         )
     after = read_metrics(server.url)
-    encoded = "mmserve_encoder_items_encoded_total"
+    encoded = 'mmserve_encoder_items_encoded_total{modality="image"}'
     hits = "mmserve_encoder_cache_hits_total"
     assert after[encoded] - before[encoded] == 1
     assert after[hits] - before[hits] == 2

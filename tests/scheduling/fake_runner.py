@@ -77,6 +77,7 @@ class FakeRunner:
         self.fail_ids: set[str] = set()
         self.num_items_encoded = 0
         self.last_step_encoded_embeds = 0
+        self.last_step_encoded_patches = 0
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in out.finished_req_ids | out.preempted_req_ids:
@@ -110,6 +111,7 @@ class FakeRunner:
 
     def _encode(self, out: SchedulerOutput) -> None:
         self.last_step_encoded_embeds = 0
+        self.last_step_encoded_patches = 0
         for request_id, item_idxs in out.scheduled_encoder_inputs.items():
             for item_idx in item_idxs:
                 feature = self.requests[request_id].mm_features[item_idx]
@@ -117,6 +119,7 @@ class FakeRunner:
                 self.encoder_cache[feature.identifier] = feature.num_embeds
                 self.num_items_encoded += 1
                 self.last_step_encoded_embeds += feature.num_embeds
+                self.last_step_encoded_patches += feature.num_patches
         assert sum(self.encoder_cache.values()) <= self.encoder_cache_size
 
     def _content_keys(self, state: _RunnerRequest, end: int) -> None:

@@ -38,7 +38,7 @@ def _run_alone(scheduler: Scheduler, runner: FakeRunner, request) -> tuple[int, 
 
 
 def _pair(scheduler: Scheduler, first, second) -> int:
-    runner = FakeRunner(scheduler.encoder_cache_manager.cache_size, BS)
+    runner = FakeRunner(scheduler.scheduler_config.effective_encoder_cache_size, BS)
     _run_alone(scheduler, runner, first)
     hit, _ = _run_alone(scheduler, runner, second)
     return hit
@@ -106,7 +106,7 @@ def test_cache_salt_separates_every_block():
         return make_request(rid, 80, [("img-x", 20, 40)], max_tokens=1, cache_salt=salt)
 
     scheduler = _scheduler()
-    runner = FakeRunner(scheduler.encoder_cache_manager.cache_size, BS)
+    runner = FakeRunner(scheduler.scheduler_config.effective_encoder_cache_size, BS)
     plain, salted, other, same = (
         req("p", None),
         req("s", "tenant-1"),
@@ -143,13 +143,13 @@ def test_disabled_prefix_caching_never_reuses():
 
 def test_image_inside_the_hit_is_not_encoded_and_straddling_image_is():
     scheduler = _scheduler()
-    runner = FakeRunner(scheduler.encoder_cache_manager.cache_size, BS)
+    runner = FakeRunner(scheduler.scheduler_config.effective_encoder_cache_size, BS)
     # Blocks of 16: X [4, 20) lies inside a 48-token hit, Y [28, 60) straddles its end.
     images = [("img-x", 4, 16), ("img-y", 28, 32)]
     _run_alone(scheduler, runner, make_request("a", 70, images, max_tokens=1))
     # Make room for a cache-sized item: both outputs are evicted (logically, then physically).
     big = make_request("z", 256, [("img-z", 0, 256)])
-    assert scheduler.encoder_cache_manager.can_allocate(big, 0, 256, 0)
+    assert scheduler.encoder_cache_manager.can_allocate(big, 0, 4 * 256, 0)  # patches
     assert not scheduler.encoder_cache_manager.cached
     b = make_request("b", 70, images, max_tokens=1)
     b.prompt_token_ids[62] = 5  # diverge in block 3: blocks 0-2 hit

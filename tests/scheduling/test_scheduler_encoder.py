@@ -12,12 +12,15 @@ from tests.scheduling.fake_runner import FakeRunner, make_request, run_step
 
 def _setup(**scheduler_kwargs) -> tuple[Scheduler, FakeRunner]:
     scheduler_kwargs.setdefault("max_model_len", 4096)
-    scheduler = Scheduler(
-        SchedulerConfig(**scheduler_kwargs),
-        CacheConfig(num_blocks=1000, block_size=16),
-        bytes_per_encoder_slot=3584 * 2,  # Qwen2-VL-7B hidden size x bf16
+    scheduler_kwargs.setdefault("encoder_embed_bytes", 3584 * 2)  # Qwen2-VL-7B hidden x bf16
+    # the fake items have 4 input patches per embedding, as Qwen2-VL's do
+    scheduler_kwargs.setdefault(
+        "max_patches_per_mm_item", 4 * scheduler_kwargs.get("max_tokens_per_mm_item", 0)
     )
-    runner = FakeRunner(scheduler.encoder_cache_manager.cache_size, 16)
+    scheduler = Scheduler(
+        SchedulerConfig(**scheduler_kwargs), CacheConfig(num_blocks=1000, block_size=16)
+    )
+    runner = FakeRunner(scheduler.scheduler_config.effective_encoder_cache_size, 16)
     return scheduler, runner
 
 
@@ -32,7 +35,7 @@ def _img_req(rid: str, identifier: str, text_before: int, num_embeds: int, **kwa
 
 def test_8192_slot_cache_holds_five_1369_token_images_and_the_sixth_is_delayed_not_refused():
     scheduler, runner = _setup(max_num_batched_tokens=8192, max_tokens_per_mm_item=1369)
-    assert scheduler.encoder_cache_manager.cache_size == 8192
+    assert scheduler.encoder_cache_manager.capacity_bytes == 8192 * 3584 * 2
     for i in range(6):
         scheduler.add_request(_img_req(f"r{i}", f"img-{i}", 10, 1369))
 
@@ -41,12 +44,13 @@ def test_8192_slot_cache_holds_five_1369_token_images_and_the_sixth_is_delayed_n
     assert sorted(out.scheduled_encoder_inputs) == ["r0", "r1", "r2", "r3", "r4"]
     assert out.num_scheduled_tokens["r5"] == 10
     assert runner.last_step_encoded_embeds == 5 * 1369
-    assert scheduler.encoder_cache_manager.num_free_slots == 1347
+    assert scheduler.encoder_cache_manager.num_free_bytes == 1347 * 3584 * 2
     stats = scheduler.make_stats()
     # After the step their images are consumed: resident (a later hit is free) but reclaimable.
     assert stats.encoder_cache_resident_slots == 6845
     assert stats.encoder_cache_used_slots == 0
     assert stats.encoder_cache_used_bytes == 0
+    assert scheduler.encoder_cache_manager.num_used_bytes == 6845 * 3584 * 2
     assert (stats.num_running, stats.num_waiting) == (6, 0)
 
     # The five are decoding; their images are consumed, so they are resident but freeable.
@@ -141,16 +145,68 @@ def test_disable_chunked_mm_input_refuses_configs_and_items_that_can_never_fit_a
             max_tokens_per_mm_item=100,
             disable_chunked_mm_input=True,
         )
-    scheduler, _ = _setup(max_num_batched_tokens=64, disable_chunked_mm_input=True)
+    scheduler, _ = _setup(
+        max_num_batched_tokens=64, disable_chunked_mm_input=True, encoder_patch_budget=1000
+    )
     with pytest.raises(EncoderItemTooLargeError, match="disable-chunked-mm-input"):
         scheduler.add_request(_img_req("a", "img-x", 0, 65))
     assert not scheduler.has_unfinished_requests()
 
 
 def test_item_larger_than_the_encoder_cache_is_refused_not_left_waiting():
-    scheduler, _ = _setup(max_num_batched_tokens=2048, max_tokens_per_mm_item=1369)
-    with pytest.raises(EncoderItemTooLargeError, match="2048"):
+    scheduler, _ = _setup(
+        max_num_batched_tokens=2048, max_tokens_per_mm_item=1369, encoder_patch_budget=10**6
+    )
+    with pytest.raises(EncoderItemTooLargeError) as refused:
         scheduler.add_request(_img_req("a", "img-4k", 0, 2049))
+    message = str(refused.value)
+    assert "image 1 of the prompt" in message and "--encoder-cache-bytes" in message
+    assert f"{2049 * 3584 * 2} bytes" in message and f"holds {2048 * 3584 * 2} bytes" in message
+    assert refused.value.param == "messages"
     with pytest.raises(PromptTooLongError, match="max_model_len"):
         scheduler.add_request(make_request("b", 4097))
     assert scheduler.get_num_unfinished_requests() == 0
+
+
+def test_item_over_the_patch_budget_is_refused_naming_the_flag_and_delayed_when_it_fits_alone():
+    """The per-step budget counts input patches: 4 per embedding of the fake items."""
+    scheduler, runner = _setup(
+        max_num_batched_tokens=512, encoder_patch_budget=1000, max_patches_per_mm_item=800
+    )
+    assert scheduler.scheduler_config.effective_encoder_patch_budget == 1000
+    with pytest.raises(EncoderItemTooLargeError) as refused:
+        scheduler.add_request(
+            make_request("big", 300, [("img-a", 0, 10), ("img-b", 20, 251)], max_tokens=1)
+        )
+    message = str(refused.value)
+    assert "image 2 of the prompt is 1004 input patches" in message
+    assert "at most 1000 per step" in message and "--encoder-patch-budget" in message
+    # 200 embeddings = 800 patches each: two cannot share a step, so the second waits.
+    scheduler.add_request(_img_req("a", "img-a", 4, 200, max_tokens=1))
+    scheduler.add_request(_img_req("b", "img-b", 4, 200, max_tokens=1))
+    out, _ = run_step(scheduler, runner)
+    assert out.scheduled_encoder_inputs == {"a": [0]} and out.num_scheduled_tokens["b"] == 4
+    out, _ = run_step(scheduler, runner)
+    assert out.scheduled_encoder_inputs == {"b": [0]}
+
+
+def test_budget_floors_cover_the_largest_item_of_every_modality():
+    config = SchedulerConfig(
+        max_model_len=4096,
+        max_num_batched_tokens=64,
+        max_tokens_per_mm_item=3000,  # e.g. a maximal video
+        max_patches_per_mm_item=12000,
+        encoder_cache_size=16,
+        encoder_patch_budget=32,
+        encoder_embed_bytes=128,
+    )
+    assert config.effective_encoder_patch_budget == 12000
+    assert config.effective_encoder_cache_bytes == 3000 * 128
+    assert config.effective_encoder_cache_size == 3000
+    by_bytes = SchedulerConfig(max_model_len=64, encoder_cache_bytes=1000, encoder_embed_bytes=64)
+    assert (by_bytes.effective_encoder_cache_bytes, by_bytes.effective_encoder_cache_size) == (
+        1000,
+        15,
+    )
+    with pytest.raises(ValueError, match="give only one"):
+        SchedulerConfig(max_model_len=64, encoder_cache_size=8, encoder_cache_bytes=1000)

@@ -94,7 +94,9 @@ def test_preemption_frees_the_newest_and_it_resumes_with_its_generated_tokens():
 
 
 def test_abort_frees_blocks_and_encoder_references_in_the_same_call():
-    scheduler = _setup(max_num_batched_tokens=40, max_tokens_per_mm_item=50)
+    scheduler = _setup(
+        max_num_batched_tokens=40, max_tokens_per_mm_item=50, max_patches_per_mm_item=200
+    )
     runner = FakeRunner(50, 16)
     scheduler.add_request(make_request("a", 100, [("img-a", 10, 50)], max_tokens=5))
     scheduler.add_request(make_request("w", 30, max_tokens=5))

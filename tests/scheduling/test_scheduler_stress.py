@@ -67,6 +67,7 @@ def test_random_workload_finishes_within_budgets_and_returns_every_resource(name
         max_num_batched_tokens=c["budget"],
         max_num_seqs=6,
         max_tokens_per_mm_item=c["item_cap"],
+        max_patches_per_mm_item=4 * c["item_cap"],  # the fake items: 4 patches per embed
         disable_chunked_mm_input=c["chunk_off"],
         encoder_cache_size=c["cache"],
     )
@@ -103,7 +104,7 @@ def test_random_workload_finishes_within_budgets_and_returns_every_resource(name
 
         out, updates = run_step(scheduler, runner)
         assert out.total_num_scheduled_tokens <= sched_config.max_num_batched_tokens
-        assert runner.last_step_encoded_embeds <= sched_config.effective_encoder_compute_budget
+        assert runner.last_step_encoded_patches <= sched_config.effective_encoder_patch_budget
         assert len(out.num_scheduled_tokens) <= sched_config.max_num_seqs
         assert len(scheduler.running) <= sched_config.max_num_seqs
         num_preemptions += len(out.preempted_req_ids)
@@ -116,7 +117,7 @@ def test_random_workload_finishes_within_budgets_and_returns_every_resource(name
     assert set(finished) == added and len(added) > 120
     assert scheduler.kv_cache_manager.num_free_blocks == c["blocks"]
     encoder = scheduler.encoder_cache_manager
-    assert encoder.num_freeable_slots == encoder.cache_size
+    assert encoder.num_freeable_bytes == encoder.capacity_bytes
     assert all(not holders for holders in encoder.cached.values())
     scheduler.schedule()  # drain the last frees to the runner
     assert set(runner.encoder_cache) <= set(encoder.cached)

@@ -92,6 +92,29 @@ def engine_core_request(num_images: int = 2, *, with_pixels: bool = True) -> Eng
     )
 
 
+def video_and_image_request() -> EngineCoreRequest:
+    """An image then a 4-frame video (grid_t 2) with its seconds per temporal patch."""
+    img = feature(0, offset=3)
+    vid = WireMMFeature(identifier(1), "video", img.end + 2, 2 * 4 * 6 // 4, (2, 4, 6))
+    num_tokens = vid.end + 5
+    inputs = [
+        encoder_input(img, 0),
+        WireEncoderInput(vid.identifier, "video", vid.grid_thw, pixels(vid.grid_thw, 1), 1.0),
+    ]
+    return EngineCoreRequest(
+        "chatcmpl-v",
+        [(13 * i) % 1000 for i in range(num_tokens)],
+        [img, vid],
+        inputs,
+        WireSamplingParams(temperature=0.0),
+        positions(num_tokens, delta=-9),
+        -9,
+        None,
+        None,
+        1.5,
+    )
+
+
 def scheduler_output() -> WireSchedulerOutput:
     """A typical mixed step: one new image request and sixteen decodes."""
     f = feature(9, offset=4, grid_thw=(1, 32, 32))
@@ -142,6 +165,10 @@ def engine_stats(**overrides) -> EngineStats:
         encoder_cache_hits=10,
         counters={"encoder_items_encoded": 30, "encoder_forward_calls": 12},
         gauges={"kv_blocks_total": 1000.0},
+        modality_counters={
+            "encoder_items_encoded": {"image": 26, "video": 4},
+            "encoder_forward_calls": {"image": 9, "video": 3},
+        },
     )
     return EngineStats(**{**fields, **overrides})
 
@@ -170,6 +197,7 @@ def all_messages() -> list[tuple[str, Message]]:
     messages: list[tuple[str, Message]] = [
         ("request_two_images", engine_core_request(2)),
         ("request_text_only", engine_core_request(0)),
+        ("request_video_and_image", video_and_image_request()),
         ("request_images_held", engine_core_request(2, with_pixels=False)),
         (
             "request_minimal",
@@ -185,7 +213,12 @@ def all_messages() -> list[tuple[str, Message]]:
         ("outputs", EngineCoreOutputs(outputs, engine_stats())),
         ("outputs_none", EngineCoreOutputs([])),
         ("stats", engine_stats()),
-        ("stats_zero", engine_stats(counters={}, gauges={}, num_running=0, num_waiting=0)),
+        (
+            "stats_zero",
+            engine_stats(
+                counters={}, gauges={}, modality_counters={}, num_running=0, num_waiting=0
+            ),
+        ),
         ("dead", EngineDead("the engine core exited with signal 9")),
         (
             "ready",

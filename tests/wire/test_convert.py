@@ -16,7 +16,12 @@ import pytest
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import FailureKind, InvalidRequestError, RequestFailure
 from mmserve.metrics import EngineMetrics
-from mmserve.multimodal import MultiModalFeature, ProcessedImage, ProcessedPrompt
+from mmserve.multimodal import (
+    MultiModalFeature,
+    PlaceholderRange,
+    ProcessedImage,
+    ProcessedPrompt,
+)
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling import (
     CachedRequestData,
@@ -36,6 +41,7 @@ from mmserve.wire import (
     EngineCoreRequest,
     EngineStats,
     WireCachedRequestData,
+    WireEncoderInput,
     WireError,
     WireGrammarBitmask,
     WireModelRunnerOutput,
@@ -75,7 +81,7 @@ def _through_wire(msg):
         (WireNewRequestData, NewRequestData, set()),
         (WireSchedulerOutput, SchedulerOutput, {"encoder_inputs"}),
         (WireModelRunnerOutput, ModelRunnerOutput, set()),
-        (EngineStats, SchedulerStats, {"counters", "gauges"}),
+        (EngineStats, SchedulerStats, {"counters", "gauges", "modality_counters"}),
     ],
 )
 def test_a_field_added_in_process_must_be_added_to_its_wire_twin(wire, local, extra):
@@ -146,6 +152,22 @@ def test_a_request_round_trips_with_one_pixel_frame_per_distinct_item():
         assert got.data.grid_thw == want.data.grid_thw
 
 
+def test_a_video_crosses_with_its_modality_and_seconds_per_temporal_patch():
+    rng = np.random.default_rng(3)
+    pixels = rng.standard_normal((2 * 2 * 4, PIXEL_WIDTH)).astype(np.float32)
+    video = MultiModalFeature(
+        "v" * 64, "video", PlaceholderRange(2, 4), ProcessedImage(pixels, (2, 2, 4), 1.0), (2, 2, 4)
+    )
+    prompt = ProcessedPrompt(list(range(10)), [video], positions(10), 0)
+    msg = convert.request_to_wire("r", prompt, SamplingParams(), arrival_time_s=0.0)
+    (got,) = convert.request_from_wire(_through_wire(msg)).prompt.mm_features
+    assert (got.modality, got.grid_thw, got.data.second_per_grid_t) == ("video", (2, 2, 4), 1.0)
+    np.testing.assert_array_equal(got.data.pixel_values, pixels)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(WireError, match="second_per_grid_t"):
+            WireEncoderInput("v" * 64, "video", (2, 2, 4), pixels, bad)
+
+
 def test_items_the_engine_holds_travel_without_pixels():
     msg = convert.request_to_wire(
         "r1", _prompt(), SamplingParams(), arrival_time_s=0.0, held_identifiers={"a" * 64}
@@ -199,7 +221,10 @@ def test_updates_round_trip(update):
 def test_stats_round_trip_and_reach_the_exported_metrics():
     stats = SchedulerStats(6, 2, 40, 12, 12 * 7168, 30, 1000, 400, 20, 5)
     counters = {"encoder_items_encoded": 15, "encoder_forward_calls": 7, "num_preemptions": 3}
-    msg = _through_wire(convert.stats_to_wire(stats, counters, {"kv_blocks_total": 64.0}))
+    by_modality = {"encoder_forward_calls": {"image": 5, "video": 2}}
+    msg = _through_wire(
+        convert.stats_to_wire(stats, counters, {"kv_blocks_total": 64.0}, by_modality)
+    )
     assert convert.stats_from_wire(msg) == stats
     metrics = EngineMetrics()
     convert.apply_stats(msg, metrics)
@@ -210,6 +235,7 @@ def test_stats_round_trip_and_reach_the_exported_metrics():
     assert snap.gauges["encoder_cache_used_slots"] == 12
     assert snap.gauges["encoder_cache_resident_slots"] == 30
     assert snap.gauges["kv_blocks_total"] == 64
+    assert snap.modality_counters["encoder_forward_calls"] == {"image": 5, "video": 2}
     assert snap.counters["prefix_cache_queries"] == 1000
     assert snap.counters["prefix_cache_hits"] == 400
     assert snap.counters["encoder_cache_queries"] == 20

@@ -27,8 +27,10 @@ COUNTER_HELP = {
     "processor_cache_hits": "Processor-cache lookups that found the processed image (items).",
     "encoder_cache_queries": "Images looked up in the encoder cache (items).",
     "encoder_cache_hits": "Encoder-cache lookups that found the image's embeddings (items).",
-    "encoder_items_encoded": "Images run through the vision encoder (items).",
-    "encoder_forward_calls": "Forward passes of the vision encoder (calls).",
+    "encoder_items_encoded": "Images and videos run through the vision encoder, by modality "
+    "(items).",
+    "encoder_forward_calls": "Forward passes of the vision encoder, by the modality of its "
+    "batch (calls).",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache (tokens).",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache (tokens).",
     "embedding_transfer_bytes": "Image embeddings sent between processes (bytes).",
@@ -75,8 +77,14 @@ class EngineMetricsCollector(Collector):
         model = [self._model_name]
         for name, value in snapshot.counters.items():
             # CounterMetricFamily appends `_total` to the sample name.
-            family = CounterMetricFamily(PREFIX + name, COUNTER_HELP[name], labels=["model_name"])
-            family.add_metric(model, value)
+            by_modality = snapshot.modality_counters.get(name)
+            labels = ["model_name"] if by_modality is None else ["model_name", "modality"]
+            family = CounterMetricFamily(PREFIX + name, COUNTER_HELP[name], labels=labels)
+            if by_modality is None:
+                family.add_metric(model, value)
+            else:
+                for modality, count in by_modality.items():
+                    family.add_metric([*model, modality], count)
             yield family
         success = CounterMetricFamily(
             PREFIX + "request_success",

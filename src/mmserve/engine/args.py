@@ -94,7 +94,9 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
-    encoder_cache_size: int | None = None
+    encoder_cache_size: int | None = None  # embedding slots
+    encoder_cache_bytes: int | None = None  # or bytes; None: from encoder_cache_size
+    encoder_patch_budget: int | None = None  # input patches per step; None: from the token budget
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     hash_algorithm: str = "blake3"
@@ -157,6 +159,8 @@ class EngineArgs:
         for name in (
             "max_model_len",
             "encoder_cache_size",
+            "encoder_cache_bytes",
+            "encoder_patch_budget",
             "num_gpu_blocks_override",
             "kv_cache_memory_bytes",
         ):
@@ -164,6 +168,11 @@ class EngineArgs:
                 _check_positive(name, getattr(self, name))
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        if self.encoder_cache_size is not None and self.encoder_cache_bytes is not None:
+            raise ValueError(
+                "--encoder-cache-size (embedding slots) and --encoder-cache-bytes both size the "
+                "encoder cache; give only one of them"
+            )
         if self.num_gpu_blocks_override is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError(
                 "--num-gpu-blocks-override and --kv-cache-memory-bytes both size the KV pool; "

@@ -137,6 +137,7 @@ class CoreLoop:
             self.core.scheduler.make_stats(),
             {name: snap.counters[name] for name in CORE_COUNTERS},
             {name: snap.gauges[name] for name in CORE_GAUGES},
+            snap.modality_counters,
         )
         if stats == self._last_stats:
             return None

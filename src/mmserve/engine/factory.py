@@ -37,7 +37,7 @@ from mmserve.metrics import EngineMetrics
 from mmserve.models.config import ModelConfig, load_model_config
 from mmserve.models.loader import load_model
 from mmserve.processing.image_decode import default_max_image_pixels
-from mmserve.processing.image_processor import ImageProcessorConfig, max_tokens_per_item
+from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.media import MediaConfig, MediaLoader
 from mmserve.processing.tokenizer import Tokenizer
@@ -67,9 +67,10 @@ class ResolvedConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     max_tokens_per_mm_item: int
+    max_patches_per_mm_item: int
     encoder_cache_slots: int
     encoder_cache_bytes: int
-    encoder_compute_budget: int
+    encoder_patch_budget: int
     chunked_mm_input: bool
     attention_backend: str
     layer_ops: str  # who computes the decoder's norms, SwiGLU and rotary: torch or triton
@@ -130,13 +131,30 @@ def resolve_shape(args: EngineArgs) -> EngineShape:
     )
     tokenizer = Tokenizer.from_pretrained(args.tokenizer or model_dir)
     eos_token_ids = tuple(dict.fromkeys([*tokenizer.stop_token_ids, *model_config.eos_token_ids]))
+    # The input processor knows every modality the server accepts and its caps: the floors
+    # of the encoder budgets come from its worst case, so a maximal video fits alone too.
+    limits = InputProcessor.from_pretrained(
+        model_dir,
+        max_model_len=max_model_len,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        mm_processor_kwargs=args.mm_processor_kwargs,
+        mm_processor_cache_gb=0,
+        tokenizer=tokenizer,
+    )
+    merge = model_config.spatial_merge_size
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
-        max_tokens_per_mm_item=max_tokens_per_item(image_config),
+        max_tokens_per_mm_item=limits.max_tokens_per_mm_item,
+        max_patches_per_mm_item=limits.max_patches_per_mm_item,
         disable_chunked_mm_input=args.disable_chunked_mm_input,
         encoder_cache_size=args.encoder_cache_size,
+        encoder_cache_bytes=args.encoder_cache_bytes,
+        encoder_patch_budget=args.encoder_patch_budget,
+        # one embedding in the runner's cache: [hidden] in the model's dtype
+        encoder_embed_bytes=model_config.hidden_size * dtype.itemsize,
+        patches_per_embed=merge * merge,
     )
     return EngineShape(
         model_dir,
@@ -218,11 +236,8 @@ def build_core(
         shape.model_dir, device=device, dtype=dtype, layer_ops=layer_ops
     )
     scheduler_config = shape.scheduler_config
-    merge = model_config.spatial_merge_size
     # the per-step encoder budget, in input patches (what activation memory scales with)
-    max_patches_per_call = scheduler_config.effective_encoder_compute_budget * merge * merge
-    element_bytes = torch.empty((), dtype=dtype).element_size()
-    bytes_per_slot = model_config.hidden_size * element_bytes
+    max_patches_per_call = scheduler_config.effective_encoder_patch_budget
     bytes_per_block = kv_cache_bytes_per_block(model_config, args.block_size, dtype)
     gpu = None
     if at_start is not None:
@@ -235,7 +250,7 @@ def build_core(
             block_size=args.block_size,
         )
         gpu = GpuProfile(model, model_config, attention_backend, profile, at_start, device, dtype)
-    num_blocks = _num_kv_blocks(args, shape, bytes_per_block, bytes_per_slot, gpu)
+    num_blocks = _num_kv_blocks(args, shape, bytes_per_block, gpu)
     cache_config = CacheConfig(
         num_blocks=num_blocks,
         block_size=args.block_size,
@@ -245,10 +260,10 @@ def build_core(
     scheduler = Scheduler(
         scheduler_config,
         cache_config,
-        bytes_per_encoder_slot=bytes_per_slot,
         eos_token_ids=shape.eos_token_ids,
         pixel_store_bytes=int(args.mm_reencode_cache_gb * (1 << 30)),
     )
+    _log_encoder_budget(scheduler_config)
     embed, encoder_cuda_graph = make_encoder_embed(
         model,
         enable_encoder_cuda_graph=args.enable_encoder_cuda_graph,
@@ -305,7 +320,6 @@ def build_core(
         scheduler_config,
         cache_config,
         bytes_per_block,
-        bytes_per_slot,
         shape.max_model_len,
         attention_backend.name,
         layer_ops.name,
@@ -343,11 +357,25 @@ def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngin
     return engine, resolved
 
 
+def _log_encoder_budget(sched: SchedulerConfig) -> None:
+    logger.info(
+        "encoder: at most %d input patches per step (largest item %d; --encoder-patch-budget), "
+        "cache %d bytes (%.1f MiB = %d embeddings of %d bytes; largest item %d embeddings; "
+        "--encoder-cache-bytes or --encoder-cache-size)",
+        sched.effective_encoder_patch_budget,
+        sched.max_patches_per_mm_item,
+        sched.effective_encoder_cache_bytes,
+        sched.effective_encoder_cache_bytes / (1 << 20),
+        sched.effective_encoder_cache_size,
+        sched.encoder_embed_bytes,
+        sched.max_tokens_per_mm_item,
+    )
+
+
 def _num_kv_blocks(
     args: EngineArgs,
     shape: EngineShape,
     bytes_per_block: int,
-    bytes_per_encoder_slot: int,
     gpu: GpuProfile | None,
 ) -> int:
     sched = shape.scheduler_config
@@ -361,7 +389,7 @@ def _num_kv_blocks(
             CudaMemory(shape.device),
             utilization=args.gpu_memory_utilization,
             bytes_per_block=bytes_per_block,
-            encoder_cache_bytes=sched.effective_encoder_cache_size * bytes_per_encoder_slot,
+            encoder_cache_bytes=sched.effective_encoder_cache_bytes,
             has_cuda_graphs=not args.enforce_eager,
         )
     else:
@@ -390,7 +418,6 @@ def _describe(
     sched: SchedulerConfig,
     cache: CacheConfig,
     bytes_per_block: int,
-    bytes_per_slot: int,
     max_model_len: int,
     attention_backend: str,
     layer_ops: str,
@@ -408,9 +435,10 @@ def _describe(
         max_num_batched_tokens=sched.max_num_batched_tokens,
         max_num_seqs=sched.max_num_seqs,
         max_tokens_per_mm_item=sched.max_tokens_per_mm_item,
+        max_patches_per_mm_item=sched.max_patches_per_mm_item,
         encoder_cache_slots=sched.effective_encoder_cache_size,
-        encoder_cache_bytes=sched.effective_encoder_cache_size * bytes_per_slot,
-        encoder_compute_budget=sched.effective_encoder_compute_budget,
+        encoder_cache_bytes=sched.effective_encoder_cache_bytes,
+        encoder_patch_budget=sched.effective_encoder_patch_budget,
         chunked_mm_input=not sched.disable_chunked_mm_input,
         attention_backend=attention_backend,
         layer_ops=layer_ops,

@@ -44,6 +44,11 @@ class EncoderRunner:
     def __len__(self) -> int:
         return len(self._cache)
 
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the embeddings held: what the scheduler's ledger counts for them."""
+        return sum(t.nbytes for t in self._cache.values())
+
     def get(self, identifier: str) -> torch.Tensor | None:
         return self._cache.get(identifier)
 
@@ -96,8 +101,9 @@ class EncoderRunner:
         for f, emb in zip(batch, outputs, strict=True):
             self._cache[f.identifier] = emb
         if self._metrics is not None:
-            self._metrics.inc("encoder_items_encoded", len(batch))
-            self._metrics.inc("encoder_forward_calls")
+            modality = batch[0].modality  # a batch never mixes modalities
+            self._metrics.inc("encoder_items_encoded", len(batch), modality=modality)
+            self._metrics.inc("encoder_forward_calls", modality=modality)
 
 
 def _as_tensor(array: np.ndarray) -> torch.Tensor:

@@ -233,7 +233,7 @@ class ModelRunner:
                 try:
                     self.encoder.encode([feature])
                 except Exception as item_exc:  # noqa: BLE001 - reported to that request only
-                    logger.exception("request %s: encoding an image failed", request_id)
+                    logger.exception("request %s: encoding a multimodal item failed", request_id)
                     errors[request_id] = RequestFailure(
                         f"encoding multimodal item failed: {type(item_exc).__name__}",
                         FailureKind.INTERNAL,

@@ -112,6 +112,11 @@ class InputProcessor:
         """The scheduler's floor for encoder budgets (server-wide configuration)."""
         return max_tokens_per_item(self.image_config)
 
+    @property
+    def max_patches_per_mm_item(self) -> int:
+        """Input patches of the largest item (the floor of the per-step encoder patch budget)."""
+        return max_tokens_per_item(self.image_config) * self.image_config.merge_size**2
+
     # ---- entry points -------------------------------------------------------------------
 
     def process(

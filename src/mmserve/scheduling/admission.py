@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import EncoderItemTooLargeError, InvalidRequestError, PromptTooLongError
+from mmserve.multimodal import MultiModalFeature
 from mmserve.scheduling.request import Request
 
 
@@ -17,9 +18,9 @@ def validate_request(
         raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
     if num_prompt > max_model_len:
         raise PromptTooLongError(
-            f"the prompt is {num_prompt} tokens (images included) but max_model_len is "
-            f"{max_model_len}; shorten the prompt, send fewer or smaller images (lower "
-            f"max_pixels), or raise --max-model-len",
+            f"the prompt is {num_prompt} tokens (images and videos included) but max_model_len "
+            f"is {max_model_len}; shorten the prompt, send fewer or smaller images or shorter "
+            f"videos (lower max_pixels, fps or max_frames), or raise --max-model-len",
             param="messages",
         )
     if request.max_tokens < 1:
@@ -31,9 +32,8 @@ def validate_request(
 
 
 def _validate_items(request: Request, config: SchedulerConfig) -> None:
-    cache_size = config.effective_encoder_cache_size
-    compute_budget = config.effective_encoder_compute_budget
     prev_end = 0
+    ordinals: dict[str, int] = {}
     for feature in request.mm_features:
         offset, length = feature.placeholder.offset, feature.placeholder.length
         if length <= 0 or offset < prev_end or offset + length > request.num_prompt_tokens:
@@ -44,24 +44,38 @@ def _validate_items(request: Request, config: SchedulerConfig) -> None:
                 param="messages",
             )
         prev_end = offset + length
-        limit = min(cache_size, compute_budget)
-        if config.disable_chunked_mm_input:
-            limit = min(limit, config.max_num_batched_tokens)
-        if length > limit:
-            raise EncoderItemTooLargeError(
-                f"one {feature.modality} item needs {length} encoder embeddings but at most "
-                f"{limit} fit "
-                f"(encoder cache {cache_size} slots, encoder budget {compute_budget} per step"
-                + (
-                    f", --max-num-batched-tokens {config.max_num_batched_tokens} with "
-                    f"--disable-chunked-mm-input"
-                    if config.disable_chunked_mm_input
-                    else ""
-                )
-                + "); send a smaller image (lower max_pixels) or raise --encoder-cache-size / "
-                "--max-num-batched-tokens",
-                param="messages",
-            )
+        ordinals[feature.modality] = ordinals.get(feature.modality, 0) + 1
+        _check_item_fits(feature, f"{feature.modality} {ordinals[feature.modality]}", config)
+
+
+def _check_item_fits(feature: MultiModalFeature, name: str, config: SchedulerConfig) -> None:
+    """An item that can never be encoded (patch budget), held (cache bytes) or, unchunked,
+    scheduled (token budget) would wait forever: refuse it now, naming the flag to raise."""
+    smaller = "send a smaller or shorter item (lower max_pixels, fps or max_frames)"
+    if config.disable_chunked_mm_input and feature.num_embeds > config.max_num_batched_tokens:
+        raise EncoderItemTooLargeError(
+            f"{name} of the prompt is {feature.num_embeds} tokens, over --max-num-batched-tokens "
+            f"{config.max_num_batched_tokens}, and --disable-chunked-mm-input forbids splitting "
+            f"it; {smaller} or raise --max-num-batched-tokens",
+            param="messages",
+        )
+    budget = config.effective_encoder_patch_budget
+    if feature.num_patches > budget:
+        raise EncoderItemTooLargeError(
+            f"{name} of the prompt is {feature.num_patches} input patches (grid_thw "
+            f"{tuple(feature.grid_thw)}) but the vision encoder processes at most {budget} per "
+            f"step; {smaller} or raise --encoder-patch-budget",
+            param="messages",
+        )
+    cache_bytes = config.effective_encoder_cache_bytes
+    item_bytes = feature.num_embeds * config.encoder_embed_bytes
+    if item_bytes > cache_bytes:
+        raise EncoderItemTooLargeError(
+            f"{name} of the prompt needs {item_bytes} bytes of encoder cache "
+            f"({feature.num_embeds} embeddings) but the cache holds {cache_bytes} bytes; "
+            f"{smaller} or raise --encoder-cache-bytes (or --encoder-cache-size)",
+            param="messages",
+        )
 
 
 def _validate_kv_capacity(

@@ -1,4 +1,4 @@
-"""Encoder-output cache bookkeeping: slots, per-request references, lazy LRU eviction."""
+"""Encoder-output cache bookkeeping: a byte ledger, per-request references, lazy LRU eviction."""
 
 from __future__ import annotations
 
@@ -8,45 +8,57 @@ from mmserve.scheduling.request import Request
 
 
 class EncoderCacheManager:
-    """Tracks which encoder outputs are resident in the runner's cache, in embedding slots.
+    """Tracks which encoder outputs are resident in the runner's cache, in bytes.
+
+    An entry costs `num_embeds * bytes_per_embed` bytes: the size of the [num_embeds, hidden]
+    tensor the runner keeps (hidden size x dtype size per embedding), so the ledger and the
+    runner's memory agree to the byte.
 
     - `cached`: identifier -> ids of the requests that still need it. An empty set means the
-      entry is resident but unreferenced: it is also in `freeable` (LRU order, oldest first)
-      and a later request with the same identifier gets it for free.
-    - Eviction is logical here (in `can_allocate`, only when free slots run short); evicted
+      entry is resident but unreferenced: it is also in `freeable` (LRU order, oldest first,
+      with its bytes) and a later request with the same identifier gets it for free.
+    - Eviction is logical here (in `can_allocate`, only when free bytes run short); evicted
       identifiers collect in `freed` until the scheduler drains them into its output, and the
       runner drops the tensors at the top of that step.
 
-    `num_free_slots` counts slots no resident entry holds; `num_freeable_slots` adds the slots
+    `num_free_bytes` counts bytes no resident entry holds; `num_freeable_bytes` adds the bytes
     of unreferenced entries (what could be had by evicting).
     """
 
-    def __init__(self, cache_size: int, bytes_per_slot: int = 0) -> None:
-        self.cache_size = cache_size
-        self.bytes_per_slot = bytes_per_slot
+    def __init__(self, capacity_bytes: int, bytes_per_embed: int = 1) -> None:
+        assert capacity_bytes >= 0 and bytes_per_embed > 0
+        self.capacity_bytes = capacity_bytes
+        self.bytes_per_embed = bytes_per_embed
         self.cached: dict[str, set[str]] = {}
         self.freeable: OrderedDict[str, int] = OrderedDict()
         self.freed: list[str] = []
-        self.num_free_slots = cache_size
-        self.num_freeable_slots = cache_size
-        self._num_embeds: dict[str, int] = {}  # identifier -> slots, for every resident entry
+        self.num_free_bytes = capacity_bytes
+        self.num_freeable_bytes = capacity_bytes
+        self._entry_bytes: dict[str, int] = {}  # identifier -> bytes, for every resident entry
         self.queries = 0  # (request, item identity) pairs that needed an encoder output
         self.hits = 0  # ... of which were already resident
 
+    def item_bytes(self, request: Request, item_idx: int) -> int:
+        return request.mm_features[item_idx].num_embeds * self.bytes_per_embed
+
+    @property
+    def num_used_bytes(self) -> int:
+        """Bytes held by resident entries, referenced or not."""
+        return self.capacity_bytes - self.num_free_bytes
+
+    @property
+    def num_referenced_bytes(self) -> int:
+        """Bytes held by entries some unfinished request still needs (not reclaimable)."""
+        return self.capacity_bytes - self.num_freeable_bytes
+
+    # Embedding-slot views of the ledger, for the slot gauges (one slot = one embedding).
     @property
     def num_used_slots(self) -> int:
-        """Slots held by resident entries, referenced or not."""
-        return self.cache_size - self.num_free_slots
+        return self.num_used_bytes // self.bytes_per_embed
 
     @property
     def num_referenced_slots(self) -> int:
-        """Slots held by entries some unfinished request still needs (not reclaimable)."""
-        return self.cache_size - self.num_freeable_slots
-
-    @property
-    def num_bytes(self) -> int:
-        """Byte cost of the whole cache (slots x hidden size x dtype size)."""
-        return self.cache_size * self.bytes_per_slot
+        return self.num_referenced_bytes // self.bytes_per_embed
 
     def check_and_update_cache(self, request: Request, item_idx: int) -> bool:
         """True if the item's output is resident; then the request holds a reference to it
@@ -58,43 +70,44 @@ class EncoderCacheManager:
         if request.request_id in holders:
             return True
         if not holders:
-            self.num_freeable_slots -= self.freeable.pop(identifier)
+            self.num_freeable_bytes -= self.freeable.pop(identifier)
         holders.add(request.request_id)
         self.queries += 1
         self.hits += 1
         return True
 
     def can_allocate(
-        self, request: Request, item_idx: int, compute_budget: int, num_embeds_to_schedule: int
+        self, request: Request, item_idx: int, patch_budget: int, num_bytes_to_schedule: int
     ) -> bool:
-        """Whether the item can be encoded this step: within the remaining compute budget, and
-        with space for it on top of `num_embeds_to_schedule` already promised this step.
-        Evicts unreferenced entries (oldest first) only when free slots alone fall short."""
-        num_embeds = request.mm_features[item_idx].num_embeds
-        if num_embeds > compute_budget:
+        """Whether the item can be encoded this step: its input patches within the step's
+        remaining `patch_budget`, and space for it on top of `num_bytes_to_schedule` already
+        promised this step. Evicts unreferenced entries (oldest first) only when free bytes
+        alone fall short."""
+        if request.mm_features[item_idx].num_patches > patch_budget:
             return False
-        num_needed = num_embeds + num_embeds_to_schedule
-        if num_needed <= self.num_free_slots:
+        num_needed = self.item_bytes(request, item_idx) + num_bytes_to_schedule
+        if num_needed <= self.num_free_bytes:
             return True
-        if num_needed > self.num_freeable_slots:
+        if num_needed > self.num_freeable_bytes:
             return False
-        while num_needed > self.num_free_slots:
-            identifier, num_slots = self.freeable.popitem(last=False)
+        while num_needed > self.num_free_bytes:
+            identifier, num_bytes = self.freeable.popitem(last=False)
             del self.cached[identifier]
-            del self._num_embeds[identifier]
+            del self._entry_bytes[identifier]
             self.freed.append(identifier)
-            self.num_free_slots += num_slots
+            self.num_free_bytes += num_bytes
         return True
 
     def allocate(self, request: Request, item_idx: int) -> None:
-        """Reserve slots for an item the runner will encode this step (after `can_allocate`)."""
-        feature = request.mm_features[item_idx]
-        assert feature.identifier not in self.cached, "allocate of a resident entry"
-        assert feature.num_embeds <= self.num_free_slots, "allocate without can_allocate"
-        self.cached[feature.identifier] = {request.request_id}
-        self._num_embeds[feature.identifier] = feature.num_embeds
-        self.num_free_slots -= feature.num_embeds
-        self.num_freeable_slots -= feature.num_embeds
+        """Reserve bytes for an item the runner will encode this step (after `can_allocate`)."""
+        identifier = request.mm_features[item_idx].identifier
+        num_bytes = self.item_bytes(request, item_idx)
+        assert identifier not in self.cached, "allocate of a resident entry"
+        assert num_bytes <= self.num_free_bytes, "allocate without can_allocate"
+        self.cached[identifier] = {request.request_id}
+        self._entry_bytes[identifier] = num_bytes
+        self.num_free_bytes -= num_bytes
+        self.num_freeable_bytes -= num_bytes
         self.queries += 1
 
     def free_encoder_input(self, request: Request, item_idx: int) -> None:
@@ -105,9 +118,9 @@ class EncoderCacheManager:
             return
         holders.discard(request.request_id)
         if not holders:
-            num_slots = self._num_embeds[identifier]
-            self.freeable[identifier] = num_slots
-            self.num_freeable_slots += num_slots
+            num_bytes = self._entry_bytes[identifier]
+            self.freeable[identifier] = num_bytes
+            self.num_freeable_bytes += num_bytes
 
     def free(self, request: Request) -> None:
         """Drop every reference the request holds (finish, abort, preemption)."""
@@ -120,13 +133,13 @@ class EncoderCacheManager:
         return freed
 
     def check_integrity(self) -> None:
-        assert set(self._num_embeds) == set(self.cached), "size table out of sync"
+        assert set(self._entry_bytes) == set(self.cached), "size table out of sync"
         for identifier, holders in self.cached.items():
             assert (not holders) == (identifier in self.freeable), identifier
-        for identifier, num_slots in self.freeable.items():
-            assert self._num_embeds.get(identifier) == num_slots, identifier
-        resident = sum(self._num_embeds.values())
-        assert self.num_free_slots == self.cache_size - resident, "free slots drifted"
-        assert 0 <= self.num_free_slots <= self.cache_size
-        assert self.num_freeable_slots == self.num_free_slots + sum(self.freeable.values())
+        for identifier, num_bytes in self.freeable.items():
+            assert self._entry_bytes.get(identifier) == num_bytes, identifier
+        resident = sum(self._entry_bytes.values())
+        assert self.num_free_bytes == self.capacity_bytes - resident, "free bytes drifted"
+        assert 0 <= self.num_free_bytes <= self.capacity_bytes
+        assert self.num_freeable_bytes == self.num_free_bytes + sum(self.freeable.values())
         assert self.hits <= self.queries

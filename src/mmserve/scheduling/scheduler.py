@@ -15,7 +15,8 @@ output resident before the step runs:
     no space       [-----)|                                    cut to stop at `offset`
     no space, at offset   |  (0 tokens)                        skip this request this step
 
-- Resident (a hit) -> nothing to encode. Otherwise the item needs compute budget and slots;
+- Resident (a hit) -> nothing to encode. Otherwise the item needs patch budget (its input
+  patches, out of the step's encoder budget) and cache bytes;
   if it cannot have them now, the window is cut to end at `offset` (text before the image
   still runs), or to zero tokens when the request already stands at (or, after a prefix-cache
   hit, inside) the item. Other requests go on.
@@ -26,7 +27,7 @@ output resident before the step runs:
 - An item's reference is dropped once `num_computed_tokens >= offset + length` (consumed);
   the entry stays resident (freeable) for later requests with the same identity. So a
   request only ever holds the items its position cuts through: those need nothing but token
-  budget to finish, which is why a waiting item always gets its slots eventually.
+  budget to finish, which is why a waiting item always gets its cache space eventually.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class _Step:
     """Scratch state of one `schedule()` call."""
 
     token_budget: int
-    encoder_budget: int
+    encoder_patch_budget: int  # input patches the encoder may still process this step
     now_s: float  # the scheduler's clock when the step was planned
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
@@ -80,7 +81,6 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         *,
-        bytes_per_encoder_slot: int = 0,
         eos_token_ids: Iterable[int] = (),
         pixel_store_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -94,7 +94,7 @@ class Scheduler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.kv_cache_manager = KVCacheManager(cache_config)
         self.encoder_cache_manager = EncoderCacheManager(
-            scheduler_config.effective_encoder_cache_size, bytes_per_encoder_slot
+            scheduler_config.effective_encoder_cache_bytes, scheduler_config.encoder_embed_bytes
         )
         self.requests: dict[str, Request] = {}  # unfinished only
         self.waiting: deque[Request] = deque()
@@ -143,7 +143,7 @@ class Scheduler:
             num_waiting=len(self.waiting),
             num_free_kv_blocks=kv.num_free_blocks,
             encoder_cache_used_slots=enc.num_referenced_slots,
-            encoder_cache_used_bytes=enc.num_referenced_slots * enc.bytes_per_slot,
+            encoder_cache_used_bytes=enc.num_referenced_bytes,
             encoder_cache_resident_slots=enc.num_used_slots,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
@@ -167,7 +167,7 @@ class Scheduler:
         order), then waiting ones while token budget, `max_num_seqs` and KV blocks last."""
         config = self.scheduler_config
         step = _Step(
-            config.max_num_batched_tokens, config.effective_encoder_compute_budget, self._clock()
+            config.max_num_batched_tokens, config.effective_encoder_patch_budget, self._clock()
         )
         self._schedule_running(step)
         # NOTE: a step that had to preempt admits nobody: the pool is known to be short.
@@ -281,7 +281,8 @@ class Scheduler:
         window_end = num_computed + num_new
         to_encode: list[int] = []
         identifiers: set[str] = set()
-        num_embeds_to_schedule = 0
+        num_bytes_to_schedule = 0
+        num_patches_to_schedule = 0
         for item_idx, feature in enumerate(request.mm_features):
             start, length = feature.placeholder.offset, feature.placeholder.length
             if start >= window_end:
@@ -298,8 +299,8 @@ class Scheduler:
                 continue  # same item twice in one request: encoded once
             if manager.check_and_update_cache(request, item_idx):
                 continue
-            budget_left = step.encoder_budget - num_embeds_to_schedule
-            if not manager.can_allocate(request, item_idx, budget_left, num_embeds_to_schedule):
+            patches_left = step.encoder_patch_budget - num_patches_to_schedule
+            if not manager.can_allocate(request, item_idx, patches_left, num_bytes_to_schedule):
                 # Text before the item still runs; at (or inside) the item: nothing this step.
                 return max(0, start - num_computed), to_encode, False
             if feature.data is None and feature.identifier in request.stashed_pixels:
@@ -308,7 +309,8 @@ class Scheduler:
                 self.pixel_store.restore(request, item_idx)
             to_encode.append(item_idx)
             identifiers.add(feature.identifier)
-            num_embeds_to_schedule += feature.num_embeds
+            num_bytes_to_schedule += manager.item_bytes(request, item_idx)
+            num_patches_to_schedule += feature.num_patches
         return num_new, to_encode, False
 
     def _fail_at_schedule(self, request: Request, identifier: str) -> None:
@@ -343,7 +345,7 @@ class Scheduler:
         return next_block < len(hashes) and hashes[next_block] in step.inflight_block_hashes
 
     def _commit(self, request: Request, num_new: int, items: list[int], step: _Step) -> None:
-        """Book a scheduled request: encoder slots, budgets, and its advanced position."""
+        """Book a scheduled request: encoder cache bytes, budgets, and its advanced position."""
         if self.cache_config.enable_prefix_caching and request.num_computed_tokens < (
             request.num_prompt_tokens
         ):
@@ -357,7 +359,7 @@ class Scheduler:
             step.inflight_block_hashes.update(request.block_hashes[first:last])
         for item_idx in items:
             self.encoder_cache_manager.allocate(request, item_idx)
-            step.encoder_budget -= request.mm_features[item_idx].num_embeds
+            step.encoder_patch_budget -= request.mm_features[item_idx].num_patches
         if items:
             step.encoder_inputs[request.request_id] = items
         step.num_scheduled_tokens[request.request_id] = num_new
@@ -453,7 +455,7 @@ class Scheduler:
         occurrence of the same identity is cut by the current position.
 
         NOTE: a later, not yet started occurrence of the same image is not a reason to hold
-        the entry: holding slots for the future can deadlock a small cache. When the window
+        the entry: holding cache space for the future can deadlock a small cache. When the window
         reaches it, the lookup hits if it is still resident and re-encodes it otherwise.
         """
         num_computed = request.num_computed_tokens

@@ -60,12 +60,15 @@ class WireEncoderInput(WireStruct):
     """What whoever encodes one item needs, and nothing else: travels only towards an encoder.
 
     pixel_values: [grid_t * grid_h * grid_w, C * T * P * P], floating point.
+    `second_per_grid_t`: a video's seconds per temporal patch (None for an image); the
+    engine's positions already include it, it travels so that the item arrives whole.
     """
 
     identifier: Identifier
     modality: str
     grid_thw: GridTHW
     pixel_values: np.ndarray
+    second_per_grid_t: float | None = None
 
     def __post_init__(self) -> None:
         pixels = self.pixel_values
@@ -79,6 +82,12 @@ class WireEncoderInput(WireStruct):
             raise WireError(
                 f"encoder input {self.identifier[:16]}: pixel_values has dtype {pixels.dtype}, "
                 "expected a floating-point dtype"
+            )
+        seconds = self.second_per_grid_t
+        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+            raise WireError(
+                f"encoder input {self.identifier[:16]}: second_per_grid_t is {seconds}, "
+                "expected a finite number > 0 (or null for an image)"
             )
 
 

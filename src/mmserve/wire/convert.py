@@ -94,7 +94,10 @@ def encoder_input_to_wire(f: MultiModalFeature) -> WireEncoderInput | None:
     """The item's pixels for an encoder, or None when the feature holds none."""
     if f.data is None:
         return None
-    return WireEncoderInput(f.identifier, f.modality, f.data.grid_thw, f.data.pixel_values)
+    data = f.data
+    return WireEncoderInput(
+        f.identifier, f.modality, data.grid_thw, data.pixel_values, data.second_per_grid_t
+    )
 
 
 def feature_from_wire(f: WireMMFeature, data: ProcessedImage | None) -> MultiModalFeature:
@@ -136,7 +139,10 @@ def failure_from_wire(w: WireRequestFailure) -> RequestFailure:
 
 
 def _pixels_by_identifier(items: Sequence[WireEncoderInput]) -> dict[str, ProcessedImage]:
-    return {i.identifier: ProcessedImage(i.pixel_values, tuple(i.grid_thw)) for i in items}
+    return {
+        i.identifier: ProcessedImage(i.pixel_values, tuple(i.grid_thw), i.second_per_grid_t)
+        for i in items
+    }
 
 
 # ------------------------------------------------------------ API <-> engine core
@@ -222,9 +228,13 @@ def stats_to_wire(
     s: SchedulerStats,
     counters: Mapping[str, int] = MappingProxyType({}),
     gauges: Mapping[str, float] = MappingProxyType({}),
+    modality_counters: Mapping[str, Mapping[str, int]] = MappingProxyType({}),
 ) -> EngineStats:
     fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
-    return EngineStats(**fields, counters=dict(counters), gauges=dict(gauges))
+    by_modality = {name: dict(counts) for name, counts in modality_counters.items()}
+    return EngineStats(
+        **fields, counters=dict(counters), gauges=dict(gauges), modality_counters=by_modality
+    )
 
 
 def stats_from_wire(w: EngineStats) -> SchedulerStats:
@@ -239,6 +249,9 @@ def apply_stats(w: EngineStats, metrics: EngineMetrics) -> None:
         metrics.set_counter(name, value)
     for name, gauge in w.gauges.items():
         metrics.set_gauge(name, gauge)
+    for name, counts in w.modality_counters.items():
+        for modality, value in counts.items():
+            metrics.set_modality_counter(name, modality, value)
 
 
 # ------------------------------------------------------------ scheduler <-> executor

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from mmserve.metrics import COUNTER_NAMES, GAUGE_NAMES
+from mmserve.metrics import COUNTER_NAMES, GAUGE_NAMES, MODALITY_COUNTERS
 from mmserve.wire.common import (
     FinishReason,
     NonNegInt,
@@ -119,7 +119,8 @@ class EngineStats(WireStruct):
 
     The first ten fields mirror `SchedulerStats`; `counters` and `gauges` carry the other
     engine-side metrics by their `mmserve.metrics` names (e.g. encoder_items_encoded,
-    kv_blocks_total).
+    kv_blocks_total); `modality_counters` the per-modality counts of MODALITY_COUNTERS
+    (name -> modality -> count).
     """
 
     num_running: NonNegInt
@@ -134,10 +135,13 @@ class EngineStats(WireStruct):
     encoder_cache_hits: NonNegInt
     counters: dict[str, NonNegInt] = {}
     gauges: dict[str, float] = {}
+    modality_counters: dict[str, dict[str, NonNegInt]] = {}
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.counters) - set(COUNTER_NAMES)) + sorted(
-            set(self.gauges) - set(GAUGE_NAMES)
+        unknown = (
+            sorted(set(self.counters) - set(COUNTER_NAMES))
+            + sorted(set(self.gauges) - set(GAUGE_NAMES))
+            + sorted(set(self.modality_counters) - set(MODALITY_COUNTERS))
         )
         if unknown:
             raise WireError(f"engine stats name unknown metrics {unknown}; see mmserve.metrics")
