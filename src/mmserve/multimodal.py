@@ -29,6 +29,7 @@ class ProcessedImage:
 
     pixel_values: np.ndarray  # [grid_t * grid_h * grid_w, C * T * P * P] float32
     grid_thw: tuple[int, int, int]
+    second_per_grid_t: float | None = None
 
     @property
     def num_patches(self) -> int:
