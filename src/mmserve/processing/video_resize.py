@@ -68,11 +68,12 @@ def _resample_axis(pixels: np.ndarray, axis: int, out_size: int) -> np.ndarray:
     """One separable pass over `axis` of a uint8 array; returns uint8."""
     in_size = pixels.shape[axis]
     aw = axis_weights(in_size, out_size)
-    moved = np.moveaxis(pixels, axis, -1).astype(np.int64)  # [..., in]
-    acc = np.full((*moved.shape[:-1], out_size), 1 << (aw.precision_bits - 1), dtype=np.int64)
+    # int32 as PyTorch: 255 x sum|w| x 2^22 < 2^31 for every cubic window
+    moved = np.moveaxis(pixels, axis, -1).astype(np.int32)  # [..., in]
+    acc = np.full((*moved.shape[:-1], out_size), 1 << (aw.precision_bits - 1), dtype=np.int32)
     for k in range(aw.weights.shape[1]):
         idx = np.minimum(aw.starts + k, in_size - 1)  # a zero weight past the end reads anything
-        acc += moved[..., idx] * aw.weights[:, k]
+        acc += moved[..., idx] * aw.weights[:, k].astype(np.int32)
     out = np.clip(acc >> aw.precision_bits, 0, 255).astype(np.uint8)
     return np.moveaxis(out, -1, axis)
 
