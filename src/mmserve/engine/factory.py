@@ -34,6 +34,7 @@ from mmserve.processing.image_processor import ImageProcessorConfig, max_tokens_
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.media import MediaConfig, MediaLoader
 from mmserve.processing.tokenizer import Tokenizer
+from mmserve.processing.video_inputs import split_processor_kwargs
 from mmserve.scheduling.scheduler import Scheduler
 from mmserve.structured_output.compiler import GrammarCompiler
 from mmserve.structured_output.manager import StructuredOutputManager
@@ -112,7 +113,7 @@ def resolve_shape(args: EngineArgs) -> EngineShape:
     dtype = resolve_dtype(args.dtype, device, model_config.dtype)
     max_model_len = args.max_model_len or model_config.text.max_position_embeddings
     image_config = ImageProcessorConfig.from_pretrained(model_dir).with_overrides(
-        args.mm_processor_kwargs
+        split_processor_kwargs(args.mm_processor_kwargs)[0]  # its video keys: InputProcessor
     )
     tokenizer = Tokenizer.from_pretrained(args.tokenizer or model_dir)
     eos_token_ids = tuple(dict.fromkeys([*tokenizer.stop_token_ids, *model_config.eos_token_ids]))

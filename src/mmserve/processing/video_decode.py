@@ -64,7 +64,7 @@ class DecodedVideo:
 
     frames: np.ndarray  # [num_frames, h, w, 3] uint8
     meta: VideoMeta
-    content: bytes  # the container's bytes, or the given frames' raw bytes
+    content: bytes | memoryview  # the container's bytes, or the given frames' raw bytes
 
 
 @dataclass(frozen=True)
