@@ -164,6 +164,12 @@ def build_input_processor(
             max_inflight_decode_bytes=args.max_inflight_decode_bytes,
             decode_wait_timeout_s=args.decode_wait_timeout,
             decode_worker_max_rss_bytes=args.decode_worker_max_rss_mb << 20,
+            max_video_bytes=args.max_video_bytes,
+            max_video_seconds=args.max_video_seconds,
+            max_video_frames_decoded=args.max_video_frames_decoded,
+            max_video_frame_pixels=args.max_video_frame_pixels,
+            max_video_decoded_pixels=args.max_video_decoded_pixels,
+            video_decode_timeout_s=args.video_decode_timeout,
         )
     )
     return InputProcessor.from_pretrained(

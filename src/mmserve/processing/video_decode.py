@@ -109,7 +109,10 @@ def _too_large(what: str, value: float, limit: float, flag: str) -> VideoTooLarg
 def _read_header(container, limits: VideoLimits) -> VideoHeader:  # av.container.InputContainer
     streams = container.streams.video
     if not streams:
-        raise VideoDecodeError("the container has no video stream", param="video_url")
+        raise VideoDecodeError(
+            "the container has no video stream: it is truncated, or holds no video",
+            param="video_url",
+        )
     stream = streams[0]
     width, height = int(stream.codec_context.width), int(stream.codec_context.height)
     if width <= 0 or height <= 0:

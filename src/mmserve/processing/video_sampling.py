@@ -106,9 +106,10 @@ class VideoConfig:
         """A request's mm_processor_kwargs applied: they may only lower the engine's values.
 
         fps, max_frames and total_pixels are the video's own: a value above the engine's is
-        refused (400 naming the key), never taken. min_pixels and max_pixels are shared with
-        images (where a request may set them freely): for a video they are clamped to the
-        engine's per-frame max_pixels, as qwen-vl-utils clamps a max_pixels over its limit.
+        refused (400 naming the key), never taken (CVE-2026-34755: a request that raises the
+        frame cap). min_pixels and max_pixels are shared with images (where a request may set
+        them freely): for a video each is clamped to the engine's own value, as qwen-vl-utils
+        clamps a max_pixels over its limit.
         """
         if not kwargs:
             return self
@@ -128,7 +129,7 @@ class VideoConfig:
         for key in ("min_pixels", "max_pixels"):
             if key in kwargs:
                 value = _check_number(key, kwargs[key], integer=True)
-                values[key] = min(value, self.max_pixels)
+                values[key] = min(value, getattr(self, key))
         new = {**self.__dict__, **values}
         new["min_pixels"] = min(new["min_pixels"], new["max_pixels"])
         new["min_frames"] = min(self.min_frames, new["max_frames"])
@@ -181,7 +182,8 @@ def frame_max_pixels(nframes: int, cfg: VideoConfig) -> int:
     """The per-frame pixel cap once `nframes` frames share the video's total pixel budget.
 
     Integer division, as transformers' `cap_pixels_per_frame=True` (qwen-vl-utils divides in
-    floats; smart_resize compares an integer area against it, so both agree).
+    floats: smart_resize's "area over the cap" test agrees, its scale-down factor may differ
+    in the last bits).
     """
     shared = cfg.total_pixels * FRAME_FACTOR // nframes
     return max(min(cfg.max_pixels, shared), int(cfg.min_pixels * MIN_PIXELS_HEADROOM))
