@@ -39,8 +39,8 @@ def huge_frame_header(side: int = 8000) -> bytes:
     return buf.getvalue().replace(struct.pack("<ii", 16, 16), struct.pack("<ii", side, side))
 
 
-def _decode(data: bytes, limits: VideoLimits = VideoLimits()):
-    return decode_video_bytes(data, CFG, IMAGE_CFG, limits)
+def _decode(data: bytes, limits: VideoLimits | None = None):
+    return decode_video_bytes(data, CFG, IMAGE_CFG, limits or VideoLimits())
 
 
 def _png() -> bytes:
