@@ -450,8 +450,8 @@ def _is_one_video(value: Any) -> bool:
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return True
     if isinstance(value, Sequence) and value:
-        first = value[0]
-        return isinstance(first, Image.Image) or hasattr(first, "shape")
+        first = value[0]  # a frame (H x W x 3, or a picture) or a whole video
+        return isinstance(first, Image.Image) or getattr(first, "ndim", 0) == 3
     return False
 
 
