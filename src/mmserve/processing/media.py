@@ -418,33 +418,33 @@ class MediaLoader:
         if root is None:
             raise MediaFetchRefusedError(
                 "file:// URLs are disabled; start the server with --allowed-local-media-path",
-                param="image_url",
+                param=f"{what}_url",
             )
-        path = _file_url_path(url)
+        path = _file_url_path(url, f"{what}_url")
         roots = (os.path.normpath(root), str(Path(root).resolve()))
         if not any(PurePosixPath(path).is_relative_to(r) for r in roots):
-            raise _outside_root()
+            raise _outside_root(f"{what}_url")
         try:
             resolved = Path(path).resolve()
         except (OSError, RuntimeError, ValueError):
             raise MediaError(
-                "file:// URL names a file that could not be read", param="image_url"
+                "file:// URL names a file that could not be read", param=f"{what}_url"
             ) from None
         if not resolved.is_relative_to(roots[1]):
-            raise _outside_root()  # a symlink under the root that points out of it
+            raise _outside_root(f"{what}_url")  # a symlink under the root that points out of it
         try:
             if not resolved.exists():
                 raise MediaError(
                     "file:// URL names no file under --allowed-local-media-path",
-                    param="image_url",
+                    param=f"{what}_url",
                 )
             if not resolved.is_file():
-                raise MediaError("file:// URL does not name a regular file", param="image_url")
+                raise MediaError("file:// URL does not name a regular file", param=f"{what}_url")
             with resolved.open("rb") as f:
                 data = f.read(self._max_bytes(what) + 1)
         except OSError:
             raise MediaError(
-                "file:// URL names a file that could not be read", param="image_url"
+                "file:// URL names a file that could not be read", param=f"{what}_url"
             ) from None
         if len(data) > self._max_bytes(what):
             raise MediaFetchRefusedError(
@@ -458,32 +458,30 @@ def _scheme(url: str) -> str:
     return url.split(":", 1)[0].lower() if ":" in url else ""
 
 
-def _file_url_path(url: str) -> str:
+def _file_url_path(url: str, param: str = "image_url") -> str:
     """The absolute, lexically normalised path a file:// URL names; 400 if it names none."""
     if "\\" in url or not url.isascii() or not url.isprintable():
         raise MediaFetchRefusedError(
             "file:// URL contains a backslash, a control character or a non-ASCII character; "
             "percent-encode the path",
-            param="image_url",
+            param=param,
         )
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
-        raise MediaFetchRefusedError("file:// URL must be file:///absolute/path", param="image_url")
+        raise MediaFetchRefusedError("file:// URL must be file:///absolute/path", param=param)
     try:
         path = unquote_to_bytes(parts.path).decode("utf-8")
     except UnicodeDecodeError:
         raise MediaFetchRefusedError(
-            "file:// URL path is not valid UTF-8 once percent-decoded", param="image_url"
+            "file:// URL path is not valid UTF-8 once percent-decoded", param=param
         ) from None
     if not path.startswith("/") or not path.isprintable():
         raise MediaFetchRefusedError(
             "file:// URL must name an absolute path without NUL or control characters",
-            param="image_url",
+            param=param,
         )
     return os.path.normpath(path)
 
 
-def _outside_root() -> MediaFetchRefusedError:
-    return MediaFetchRefusedError(
-        "file:// URL is outside --allowed-local-media-path", param="image_url"
-    )
+def _outside_root(param: str = "image_url") -> MediaFetchRefusedError:
+    return MediaFetchRefusedError("file:// URL is outside --allowed-local-media-path", param=param)
