@@ -55,7 +55,7 @@ def test_video_and_image_chat_matches_transformers_processor(
     frames = video_frames(5, 40, 32, seed=4)  # odd: the processor repeats the last frame
     image = random_image(60, 44, seed=5)
     ours = processor.process_chat(_chat(frames, image))
-    prompt = processor.render_chat(_chat(frames, image))[0]
+    prompt = processor.render_chat_parts(_chat(frames, image))[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref = _hf_processor(tiny_checkpoint)(

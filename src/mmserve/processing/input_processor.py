@@ -289,6 +289,21 @@ class InputProcessor:
         *,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[str, list[Any], list[str | None]]:
+        """Chat messages -> (prompt text, item sources in order, their uuids)."""
+        prompt, parts = self.render_chat_parts(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return prompt, [p.source for p in parts], [p.uuid for p in parts]
+
+    def render_chat_parts(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[str, list[ChatImage]]:
         """Chat messages -> (prompt text, its image and video parts in order)."""
         parsed = parse_chat_messages(messages, self.reserved_tokens)
@@ -365,8 +380,8 @@ class InputProcessor:
         add_generation_prompt: bool,
         chat_template_kwargs: Mapping[str, Any] | None,
     ) -> tuple[str, list[ChatImage]]:
-        """render_chat, then the item limits (before any media is fetched)."""
-        prompt, parts = self.render_chat(
+        """render_chat_parts, then the item limits (before any media is fetched)."""
+        prompt, parts = self.render_chat_parts(
             messages,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
