@@ -226,6 +226,10 @@ def test_videos_from_every_allowed_source(
         resp = _post_video(server, url)
         assert resp.status_code == 200, (url[:40], resp.text)
         assert resp.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    by_field = _post_video(server, f"{web.base}/clip.mp4", multi_modal_uuids={"video": ["v-9"]})
+    by_uuid = _post_video(server, "", multi_modal_uuids={"video": ["v-9"]})
+    assert by_field.status_code == by_uuid.status_code == 200, by_uuid.text
+    assert by_uuid.json()["usage"]["prompt_tokens"] == by_field.json()["usage"]["prompt_tokens"]
     # the same policy as images: a path outside the allowed directory, an unlisted host
     outside = _post_video(server, "file:///etc/passwd")
     assert outside.status_code == 400 and "allowed-local-media-path" in outside.text

@@ -110,6 +110,10 @@ def test_worker_decodes_the_same_frames_and_survives_hostile_input() -> None:
         assert info.value.param == "video_url"
         with pytest.raises(VideoDecodeError, match="truncated"):
             decode_video_in_worker(pool, data[:1500], CFG, IMAGE_CFG, VideoLimits())
+        with pytest.raises(VideoDecodeError, match="at least 2"):  # the plan refuses it
+            decode_video_in_worker(pool, video_bytes(1), CFG, IMAGE_CFG, VideoLimits())
+        with pytest.raises(VideoDecodeError, match="aspect ratio"):
+            decode_video_in_worker(pool, video_bytes(4, 640, 2), CFG, IMAGE_CFG, VideoLimits())
         again = decode_video_in_worker(pool, data, CFG, IMAGE_CFG, VideoLimits())
         np.testing.assert_array_equal(again.frames, video.frames)
         assert pool.num_started == 1  # refusals do not cost the worker

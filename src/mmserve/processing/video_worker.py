@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from mmserve.errors import MediaError, VideoDecodeError
+from mmserve.errors import InvalidRequestError, MediaError, VideoDecodeError
 from mmserve.processing.decode_budget import Release, hold_until_collected
 from mmserve.processing.decode_workers import (
     _GO,
@@ -71,6 +71,9 @@ def serve_video(conn: Connection, data: bytes, spec: bytes) -> None:
         video = decode_video_bytes(data, cfg, image_cfg, limits, admit=admit)
     except MediaError as e:  # ours, typed: the parent raises the same type
         send_error(conn, e)
+        return
+    except InvalidRequestError as e:  # the plan's refusals (one frame, aspect ratio)
+        send_error(conn, VideoDecodeError(e.message, param="video_url"))
         return
     n, h, w, _ = video.frames.shape
     send_ok(conn, _SHAPE.pack(n, h, w), video.frames.tobytes())
