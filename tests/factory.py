@@ -288,3 +288,48 @@ def flat_png(width: int, height: int, mode: str = "1") -> bytes:
         + chunk(b"IDAT", idat)
         + chunk(b"IEND", b"")
     )
+
+
+def video_frames(num_frames: int, width: int, height: int, seed: int = 0) -> np.ndarray:
+    """[T, H, W, 3] uint8 frames: a smooth gradient that moves, plus a little noise (video
+    codecs keep it recognisable, and each frame differs)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    frames = np.empty((num_frames, height, width, 3), dtype=np.uint8)
+    for t in range(num_frames):
+        base = np.stack([x * 3 + t * 9, y * 3 + t * 5, (x + y + t * 7) * 2], axis=-1)
+        frames[t] = (base + rng.integers(0, 8, base.shape)) % 256
+    return frames
+
+
+def video_bytes(
+    num_frames: int = 8,
+    width: int = 64,
+    height: int = 48,
+    fps: int = 4,
+    *,
+    codec: str = "mpeg4",
+    container: str = "mp4",
+    seed: int = 0,
+    seconds_per_frame: int | None = None,
+) -> bytes:
+    """A small real video made with PyAV. `seconds_per_frame`: frames that far apart in time
+    (a long video that stays a few KB: the 10-hour container of the hostile tests)."""
+    import io
+    from fractions import Fraction
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=container) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if seconds_per_frame is not None:
+            stream.codec_context.time_base = Fraction(1, 1)
+        for t, arr in enumerate(video_frames(num_frames, width, height, seed)):
+            frame = av.VideoFrame.from_ndarray(arr, format="rgb24")
+            if seconds_per_frame is not None:
+                frame.pts, frame.time_base = t * seconds_per_frame, Fraction(1, 1)
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode())
+    return buf.getvalue()

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from tests.factory import random_image
+from tests.factory import random_image, video_bytes
 
 # /trickle sends one byte every TRICKLE_INTERVAL_S, TRICKLE_BYTES times: ~4 s in all, longer
 # than the fetch timeouts the tests use, so a trickling fetch always runs into its deadline.
@@ -77,6 +77,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(self) -> None:
         if self.path == "/img.png":
             self._send(200, png_bytes())
+        elif self.path == "/clip.mp4":
+            self._send(200, video_bytes(8, 32, 32, fps=4))
         elif self.path == "/redirect":
             self._redirect(self.server.redirect_target)
         elif self.path == "/loop":

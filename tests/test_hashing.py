@@ -11,6 +11,7 @@ from mmserve.hashing import Hasher
 from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.item_resolver import ItemResolver
 from mmserve.processing.media import MediaLoader
+from mmserve.processing.modalities import ProcessingConfig
 from mmserve.processing.processor_cache import ProcessorCache
 from tests.factory import random_image
 
@@ -33,7 +34,8 @@ def _identity(
         model_id=model_id,
         trust_exif_image_id=trust_exif_image_id,
     )
-    return resolver.identity(resolver.plan(image, uuid, cfg, namespace), cfg, namespace)
+    pcfg = ProcessingConfig(cfg)
+    return resolver.identity(resolver.plan(image, uuid, pcfg, namespace), pcfg, namespace)
 
 
 def _encode(image: Image.Image, fmt: str, **kwargs) -> bytes:

@@ -60,6 +60,18 @@ class ImageTooLargeError(ImageDecodeError):
     code = "image_too_large"
 
 
+class VideoDecodeError(MediaError):
+    """The bytes are not a video we can decode (container, stream, frames)."""
+
+    code = "invalid_video"
+
+
+class VideoTooLargeError(VideoDecodeError):
+    """A video is over an engine ceiling: bytes, duration, frames, frame size or pixels."""
+
+    code = "video_too_large"
+
+
 class DecodeBusyError(MediaError):
     """Decoding could not start in time because other requests hold the decode-memory budget.
 

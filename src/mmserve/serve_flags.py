@@ -274,14 +274,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=_parsed(parse_mm_limits),
         default=None,
         metavar="JSON",
-        help="""Most items per modality in one prompt, e.g. '{"image": 4}' (or image=4).""",
+        help="""Most items per modality in one prompt, e.g. '{"image": 4, "video": 1}' (or """
+        """image=4,video=1). Images: no limit unless given; videos: 1 unless given.""",
     )
     a(
         "--mm-processor-kwargs",
         type=_json_object("--mm-processor-kwargs"),
         default=None,
         metavar="JSON",
-        help="""Image processor overrides, e.g. '{"max_pixels": 1003520}'.""",
+        help="""Processor overrides, e.g. '{"max_pixels": 1003520}' (images' min/max_pixels); """
+        """video keys fps, max_frames, total_pixels set the engine's video sampling.""",
     )
     a(
         "--allowed-media-domains",
@@ -327,6 +329,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "EXIF comes with the file and two different pictures can carry the same id.",
     )
     _add_decode_args(a)
+    _add_video_args(a)
     a = p.add_argument_group("Frontend (HTTP server)").add_argument
     a("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1).")
     a("--port", type=int, default=8000, help="Port to listen on (default 8000).")
@@ -376,6 +379,58 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=LOG_LEVELS,
         default="warning",
         help="uvicorn's log level (access logs appear at info).",
+    )
+
+
+def _add_video_args(a: Callable[..., Any]) -> None:
+    """Video ceilings (docs/video.md): checked from the container header, then while decoding;
+    a request's mm_processor_kwargs may lower the sampling, never these."""
+    a(
+        "--max-video-bytes",
+        type=int,
+        default=64 << 20,
+        metavar="BYTES",
+        help="Largest video container to fetch, read or decode (data: URLs are also bound by "
+        "--max-request-body-bytes). Default 64 MiB.",
+    )
+    a(
+        "--max-video-seconds",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="Longest video, by its header and by the timestamps of its frames. Default 600.",
+    )
+    a(
+        "--max-video-frames-decoded",
+        type=int,
+        default=36_000,
+        metavar="N",
+        help="Most frames the decoder may walk through in one video (every frame up to the "
+        "last one sampled, not only the kept ones). Default 36000 (10 min at 60 fps).",
+    )
+    a(
+        "--max-video-frame-pixels",
+        type=int,
+        default=4096 * 2160,
+        metavar="PIXELS",
+        help="Largest video frame (width x height), checked from the stream header before "
+        "decoding. Default 4096x2160 = 8847360.",
+    )
+    a(
+        "--max-video-decoded-pixels",
+        type=int,
+        default=8 << 30,
+        metavar="PIXELS",
+        help="Most pixels decoded from one video, all walked frames together (decoder work). "
+        "Default 8 Gi (~4000 1080p frames).",
+    )
+    a(
+        "--video-decode-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="How long a decode worker may take for a video's header, and then for its "
+        "frames, before it is killed and the request fails. Default 30.",
     )
 
 

@@ -1,5 +1,6 @@
 """Media through a real toy-model server: identities that cannot be forged, fair fetching,
-file:// answers that reveal nothing, bounded UUIDs, the host:port allowlist.
+file:// answers that reveal nothing, bounded UUIDs, the host:port allowlist; videos from every
+source under the same policy, and hostile videos that get a 4xx while the server stays up.
 
 The toy model names the shape and colour it sees, so an image answered from another image's
 cache entry shows up as a wrong answer.
@@ -20,7 +21,9 @@ from scripts.toy_data import COLOURS, Picture, Shape, draw
 
 from mmserve.engine.args import bundled_toy_model_dir
 from tests.api.harness import Server, data_url, wait_until_idle
+from tests.factory import video_bytes
 from tests.local_http import MediaServer, png_bytes, running_media_server
+from tests.processing.test_video_decode import huge_frame_header
 
 MODEL = "mmserve-toy"
 SIZE = 168
@@ -74,6 +77,7 @@ def web() -> Iterator[MediaServer]:
 def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("allowed")
     (root / "ok.png").write_bytes(png_bytes(28, 28))
+    (root / "clip.mp4").write_bytes(video_bytes(8, 32, 32, fps=4))
     return root
 
 
@@ -193,3 +197,72 @@ def test_an_allowlisted_host_is_fetched_on_its_listed_port_only(
     assert _post(server, _body({"url": f"{web.base}/redirect"})).status_code == 400
     assert web.requests_seen[before:] == ["/redirect"]  # only the listed port was contacted
     assert _post(server, _body({"url": f"{web.base}/img.png"})).status_code == 200
+
+
+SMALL = {"min_pixels": 3136, "max_pixels": 12544}  # a few tokens per video frame pair
+
+
+def _post_video(server: Server, url: str, **kwargs: object) -> httpx.Response:
+    parts = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What?"}]
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": parts}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "mm_processor_kwargs": SMALL,
+        **kwargs,
+    }
+    return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+
+
+def test_videos_from_every_allowed_source(
+    server: Server, web: MediaServer, media_dir: Path
+) -> None:
+    for url in (
+        data_url(video_bytes(8, 32, 32, fps=4), "video/mp4"),
+        (media_dir / "clip.mp4").as_uri(),
+        f"{web.base}/clip.mp4",
+    ):
+        resp = _post_video(server, url)
+        assert resp.status_code == 200, (url[:40], resp.text)
+        assert resp.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    by_field = _post_video(server, f"{web.base}/clip.mp4", multi_modal_uuids={"video": ["v-9"]})
+    by_uuid = _post_video(server, "", multi_modal_uuids={"video": ["v-9"]})
+    assert by_field.status_code == by_uuid.status_code == 200, by_uuid.text
+    assert by_uuid.json()["usage"]["prompt_tokens"] == by_field.json()["usage"]["prompt_tokens"]
+    # the same policy as images: a path outside the allowed directory, an unlisted host
+    outside = _post_video(server, "file:///etc/passwd")
+    assert outside.status_code == 400 and "allowed-local-media-path" in outside.text
+    assert outside.json()["error"]["param"] == "video_url"
+    unlisted = _post_video(server, "http://127.0.0.2:1/clip.mp4")
+    assert unlisted.status_code == 400
+
+
+@pytest.mark.parametrize(
+    ("url", "kwargs", "param", "needle"),
+    [
+        (data_url(video_bytes(11, 32, 32, fps=1, seconds_per_frame=3600), "video/mp4"), {},
+         "video_url", "--max-video-seconds"),
+        (data_url(huge_frame_header(), "video/avi"), {}, "video_url", "8000x8000"),
+        (data_url(video_bytes(8, 32, 32, fps=4), "video/mp4"),
+         {"mm_processor_kwargs": {**SMALL, "max_frames": 100_000}},
+         "mm_processor_kwargs.max_frames", "over this server's limit of 768"),
+        (data_url(video_bytes(20)[:1500], "video/mp4"), {}, "video_url", "truncated"),
+        (data_url(png_bytes(32, 32), "video/mp4"), {}, "video_url", "not a supported video"),
+        (data_url(bytes(range(256)) * 16, "video/mp4"), {}, "video_url", "not a supported"),
+        (data_url(png_bytes(32, 32)), {}, "video_url", "is not a video type"),
+    ],
+    ids=["ten-hours", "8000x8000", "max-frames-raised", "truncated", "png", "random", "mime"],
+)  # fmt: skip
+def test_hostile_videos_are_4xx_within_seconds(
+    server: Server, url: str, kwargs: dict, param: str, needle: str
+) -> None:
+    start = time.monotonic()
+    resp = _post_video(server, url, **kwargs)
+    assert time.monotonic() - start < 5.0
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and needle in error["message"]
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    normal = _post_video(server, data_url(video_bytes(8, 32, 32, fps=4, seed=1), "video/mp4"))
+    assert normal.status_code == 200, normal.text

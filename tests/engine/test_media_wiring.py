@@ -45,3 +45,31 @@ def test_explicit_caps_reach_the_loader_and_refuse_before_decoding() -> None:
         {"prompt": prompt, "multi_modal_data": {"image": [flat_png(64, 64)]}}, params
     )
     assert len(out[0].outputs[0].token_ids) == 1
+
+
+VID = "<|vision_start|><|video_pad|><|vision_end|>"
+SMALL = {"min_pixels": 3136, "max_pixels": 12544}
+
+
+def test_video_ceilings_reach_the_loader_and_videos_run_offline(tmp_path) -> None:
+    from mmserve.errors import VideoTooLargeError
+    from tests.factory import video_bytes, video_frames
+
+    llm = LLM(max_video_seconds=4.0, max_video_frames_decoded=50, max_video_bytes=1 << 20)
+    cfg = _config(llm)
+    assert (cfg.max_video_seconds, cfg.max_video_frames_decoded) == (4.0, 50)
+    assert cfg.max_video_bytes == 1 << 20 and cfg.video_decode_timeout_s == 30.0
+    assert (cfg.max_video_frame_pixels, cfg.max_video_decoded_pixels) == (4096 * 2160, 8 << 30)
+    prompt = f"<|im_start|>user\n{VID}what moves?<|im_end|>\n<|im_start|>assistant\n"
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(video_bytes(12, 32, 32, fps=4))
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    inputs = [
+        {"prompt": prompt, "multi_modal_data": {"video": video}, "mm_processor_kwargs": SMALL}
+        for video in (str(path), video_frames(4, 32, 32))
+    ]
+    for out in llm.generate(inputs, params):
+        assert out.finished and len(out.outputs[0].token_ids) == 2
+    too_long = {**inputs[0], "multi_modal_data": {"video": video_bytes(20, 32, 32, fps=4)}}
+    with pytest.raises(VideoTooLargeError, match="--max-video-seconds"):
+        llm.generate(too_long, params)

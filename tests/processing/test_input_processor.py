@@ -127,7 +127,7 @@ def test_marker_and_image_counts_must_agree(processor: InputProcessor) -> None:
         processor.process("<|image_pad|><|vision_end|>", [image])
     with pytest.raises(InvalidRequestError, match="do not wrap"):
         processor.process("<|vision_start|> stray")
-    with pytest.raises(InvalidRequestError, match="video"):
+    with pytest.raises(InvalidRequestError, match="1 video marker.*0 video"):
         processor.process("<|vision_start|><|video_pad|><|vision_end|>")
 
 
@@ -222,9 +222,12 @@ def test_http_chat_with_data_url_and_uuid_only_part(processor: InputProcessor) -
 
 def test_max_tokens_per_mm_item_follows_the_server_wide_cap(tiny_checkpoint: Path) -> None:
     proc = InputProcessor.from_pretrained(
-        tiny_checkpoint, mm_processor_kwargs={"max_pixels": 1280 * 28 * 28}
+        tiny_checkpoint,
+        mm_processor_kwargs={"max_pixels": 1280 * 28 * 28},
+        limit_mm_per_prompt={"video": 0},  # videos refused: images alone set the bound
     )
     assert proc.max_tokens_per_mm_item == 1280
+    assert proc.max_patches_per_mm_item == 1280 * 4
     with pytest.raises(InvalidRequestError, match="temporal_patch_size"):
         InputProcessor.from_pretrained(
             tiny_checkpoint, mm_processor_kwargs={"temporal_patch_size": 1}
@@ -258,8 +261,9 @@ def test_offline_uuids_are_bounded_and_checked(processor: InputProcessor) -> Non
         ({"image": [""]}, "non-empty"),
         ({"image": ["tab\there"]}, "printable"),
         ({"image": 5}, "list of uuids"),
-        ({"video": ["v"]}, "only images"),
-        (["k"], "only images"),
+        ({"audio": ["v"]}, "must look like"),
+        (["k"], "must look like"),
+        ({"video": ["v"]}, "1 video entries but 0 videos"),
     ]:
         with pytest.raises(InvalidRequestError, match=why) as info:
             generate(bad)

@@ -45,7 +45,18 @@ class ImagePart(_Body):
     uuid: str | None = None
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(_Body):
+    url: str | None = None
+    uuid: str | None = None
+
+
+class VideoPart(_Body):
+    type: Literal["video_url"]
+    video_url: VideoURL
+    uuid: str | None = None
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class ChatMessage(_Body):

@@ -115,6 +115,13 @@ class EngineArgs:
     max_inflight_decode_bytes: int = 2 << 30
     decode_wait_timeout: float = 10.0
     decode_worker_max_rss_mb: int = 1024
+    # Video ceilings (issue #17, docs/video.md): engine-wide, a request can lower none of them.
+    max_video_bytes: int = 64 << 20
+    max_video_seconds: float = 600.0
+    max_video_frames_decoded: int = 36_000
+    max_video_frame_pixels: int = 4096 * 2160
+    max_video_decoded_pixels: int = 8 << 30
+    video_decode_timeout: float = 30.0
     # The scheduler and the model in an engine process of their own (issue #14). None: the
     # entry point's default (the server: yes; the offline LLM: no).
     multiprocess: bool | None = None
@@ -263,6 +270,15 @@ class EngineArgs:
             )
 
     def _check_decode_flags(self) -> None:
+        for name in (
+            "max_video_bytes",
+            "max_video_seconds",
+            "max_video_frames_decoded",
+            "max_video_frame_pixels",
+            "max_video_decoded_pixels",
+            "video_decode_timeout",
+        ):
+            _check_positive(name, getattr(self, name))
         if self.max_image_pixels is not None:
             _check_positive("max_image_pixels", self.max_image_pixels)
         _check_positive("decode_wait_timeout", self.decode_wait_timeout)

@@ -312,16 +312,17 @@ def _dead_reason(exc: BaseException) -> str:
 def _apply_uuids(
     messages: list[dict[str, Any]], uuids: dict[str, list[str | None]]
 ) -> list[dict[str, Any]]:
-    """Copy `multi_modal_uuids={"image": [...]}` onto the image parts, in order."""
-    unknown = set(uuids) - {"image"}
+    """Copy `multi_modal_uuids={"image": [...], "video": [...]}` onto the parts, in order."""
+    unknown = set(uuids) - {"image", "video"}
     if unknown:
         raise InvalidRequestError(
-            f"multi_modal_uuids has unsupported modalities {sorted(unknown)}; only 'image'",
+            f"multi_modal_uuids has unsupported modalities {sorted(unknown)}; only 'image' "
+            "and 'video'",
             param="multi_modal_uuids",
         )
-    image_uuids = list(uuids.get("image") or [])
+    pending = {m: list(uuids.get(m) or []) for m in ("image", "video")}
+    seen = dict.fromkeys(pending, 0)
     out: list[dict[str, Any]] = []
-    k = 0
     for message in messages:
         content = message.get("content")
         if not isinstance(content, list):
@@ -329,20 +330,27 @@ def _apply_uuids(
             continue
         parts = []
         for part in content:
-            if isinstance(part, dict) and part.get("type") == "image_url" and k < len(image_uuids):
-                uuid = image_uuids[k]
-                k += 1
+            kind = part.get("type") if isinstance(part, dict) else None
+            modality = {"image_url": "image", "video_url": "video"}.get(kind or "")
+            if modality is not None and seen[modality] < len(pending[modality]):
+                k = seen[modality]
+                uuid = pending[modality][k]
+                seen[modality] += 1
                 if uuid is not None:
-                    check_media_uuid(uuid, f"multi_modal_uuids.image[{k - 1}]", "multi_modal_uuids")
-                    image_url = dict(part.get("image_url") or {})
-                    image_url.setdefault("uuid", uuid)
-                    part = {**part, "image_url": image_url}
+                    where = f"multi_modal_uuids.{modality}[{k}]"
+                    check_media_uuid(uuid, where, "multi_modal_uuids")
+                    media_url = dict(part.get(kind) or {})
+                    media_url.setdefault("uuid", uuid)
+                    part = {**part, kind: media_url}
+            elif modality is not None:
+                seen[modality] += 1
             parts.append(part)
         out.append({**message, "content": parts})
-    if k != len(image_uuids):
-        raise InvalidRequestError(
-            f"multi_modal_uuids has {len(image_uuids)} image entries but the messages have {k} "
-            "images; give one entry (or null) per image",
-            param="multi_modal_uuids",
-        )
+    for modality, given in pending.items():
+        if given and seen[modality] != len(given):
+            raise InvalidRequestError(
+                f"multi_modal_uuids has {len(given)} {modality} entries but the messages have "
+                f"{seen[modality]} {modality}s; give one entry (or null) per {modality}",
+                param="multi_modal_uuids",
+            )
     return out

@@ -41,6 +41,7 @@ from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.media import MediaConfig, MediaLoader
 from mmserve.processing.tokenizer import Tokenizer
+from mmserve.processing.video_inputs import split_processor_kwargs
 from mmserve.scheduling.scheduler import Scheduler
 from mmserve.structured_output.compiler import GrammarCompiler
 from mmserve.structured_output.manager import StructuredOutputManager
@@ -127,7 +128,7 @@ def resolve_shape(args: EngineArgs) -> EngineShape:
     dtype = resolve_dtype(args.dtype, device, model_config.dtype)
     max_model_len = args.max_model_len or model_config.text.max_position_embeddings
     image_config = ImageProcessorConfig.from_pretrained(model_dir).with_overrides(
-        args.mm_processor_kwargs
+        split_processor_kwargs(args.mm_processor_kwargs)[0]  # its video keys: InputProcessor
     )
     tokenizer = Tokenizer.from_pretrained(args.tokenizer or model_dir)
     eos_token_ids = tuple(dict.fromkeys([*tokenizer.stop_token_ids, *model_config.eos_token_ids]))
@@ -195,6 +196,12 @@ def build_input_processor(
             max_inflight_decode_bytes=args.max_inflight_decode_bytes,
             decode_wait_timeout_s=args.decode_wait_timeout,
             decode_worker_max_rss_bytes=args.decode_worker_max_rss_mb << 20,
+            max_video_bytes=args.max_video_bytes,
+            max_video_seconds=args.max_video_seconds,
+            max_video_frames_decoded=args.max_video_frames_decoded,
+            max_video_frame_pixels=args.max_video_frame_pixels,
+            max_video_decoded_pixels=args.max_video_decoded_pixels,
+            video_decode_timeout_s=args.video_decode_timeout,
         )
     )
     return InputProcessor.from_pretrained(

@@ -1,4 +1,4 @@
-"""OpenAI-style chat messages -> the chat template's input plus the ordered list of images."""
+"""OpenAI-style chat messages -> the chat template's input plus the ordered list of items."""
 
 from __future__ import annotations
 
@@ -18,18 +18,20 @@ MAX_UUID_CHARS = 256
 
 @dataclass(frozen=True, slots=True)
 class ChatImage:
-    """One image part, in prompt order. `source` is None for a UUID-only reference."""
+    """One image or video part, in prompt order. `source` is None for a UUID-only reference;
+    a video's source may also be frames (offline)."""
 
-    source: Image.Image | bytes | str | None
+    source: Image.Image | bytes | str | Any | None
     uuid: str | None = None
+    modality: str = "image"
 
 
 @dataclass(frozen=True)
 class ParsedChat:
-    """Messages in the shape the chat template expects, and the images their parts named."""
+    """Messages in the shape the chat template expects, and the items their parts named."""
 
     messages: list[dict[str, Any]]
-    images: list[ChatImage] = field(default_factory=list)
+    images: list[ChatImage] = field(default_factory=list)  # images and videos, in order
 
     @property
     def uuids(self) -> list[str | None]:
@@ -45,37 +47,45 @@ def check_user_text(text: str, reserved_tokens: Sequence[str], where: str) -> No
     for token in reserved_tokens:
         if token in text:
             raise InvalidRequestError(
-                f"{where} contains the reserved token {token!r}; send images as image_url "
-                "content parts instead of typing the model's vision tokens",
+                f"{where} contains the reserved token {token!r}; send images and videos as "
+                "image_url / video_url content parts instead of typing the model's vision tokens",
                 param="messages",
             )
 
 
-def _parse_image_part(part: Mapping[str, Any], index: str) -> ChatImage:
-    kind = part.get("type")
-    if kind == "image":  # offline API: a PIL image (or bytes/URL) directly in the part
-        source = part.get("image")
-        return ChatImage(source=source, uuid=_part_uuid(part.get("uuid"), f"{index}.uuid"))
-    image_url = part.get("image_url")
-    if isinstance(image_url, str):
-        image_url = {"url": image_url}
-    if not isinstance(image_url, Mapping):
+_EXAMPLE_URLS = {"image": "data:image/png;base64,...", "video": "data:video/mp4;base64,..."}
+
+
+def _parse_media_part(part: Mapping[str, Any], index: str, modality: str) -> ChatImage:
+    """An `image_url` / `video_url` part, or (offline API) an `image` / `video` part that
+    carries the item itself (a PIL image, frames, bytes or a URL)."""
+    if part.get("type") == modality:
+        source = part.get(modality)
+        uuid = _part_uuid(part.get("uuid"), f"{index}.uuid")
+        return ChatImage(source=source, uuid=uuid, modality=modality)
+    key = f"{modality}_url"
+    media_url = part.get(key)
+    if isinstance(media_url, str):
+        media_url = {"url": media_url}
+    if not isinstance(media_url, Mapping):
         raise InvalidRequestError(
-            f'{index}.image_url must be an object like {{"url": "data:image/png;base64,..."}}',
+            f'{index}.{key} must be an object like {{"url": "{_EXAMPLE_URLS[modality]}"}}',
             param="messages",
         )
-    url = image_url.get("url") or None
-    if image_url.get("uuid") is not None:
-        uuid = _part_uuid(image_url["uuid"], f"{index}.image_url.uuid")
+    url = media_url.get("url") or None
+    if media_url.get("uuid") is not None:
+        uuid = _part_uuid(media_url["uuid"], f"{index}.{key}.uuid")
     else:
         uuid = _part_uuid(part.get("uuid"), f"{index}.uuid")
     if url is not None and not isinstance(url, str):
-        raise InvalidRequestError(f"{index}.image_url.url must be a string", param="messages")
+        raise InvalidRequestError(f"{index}.{key}.url must be a string", param="messages")
     if url is None and uuid is None:
         raise InvalidRequestError(
-            f"{index}.image_url needs a url (or a uuid of an image sent before)", param="messages"
+            f"{index}.{key} needs a url (or a uuid of {'an' if modality == 'image' else 'a'} "
+            f"{modality} sent before)",
+            param="messages",
         )
-    return ChatImage(source=url, uuid=uuid)
+    return ChatImage(source=url, uuid=uuid, modality=modality)
 
 
 def check_media_uuid(value: Any, where: str, param: str) -> str:
@@ -105,7 +115,8 @@ def _part_uuid(value: Any, where: str) -> str | None:
 def parse_chat_messages(
     messages: Sequence[Mapping[str, Any]], reserved_tokens: Sequence[str]
 ) -> ParsedChat:
-    """Validate messages, refuse typed vision tokens, and collect image parts in order."""
+    """Validate messages, refuse typed vision tokens, and collect image and video parts in
+    order."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
     rendered: list[dict[str, Any]] = []
@@ -140,12 +151,14 @@ def parse_chat_messages(
                     raise InvalidRequestError(f"{pwhere}.text must be a string", param="messages")
                 check_user_text(text, reserved_tokens, pwhere)
                 parts.append({"type": "text", "text": text})
-            elif kind in ("image_url", "image"):
-                images.append(_parse_image_part(part, pwhere))
-                parts.append({"type": "image"})
+            elif kind in ("image_url", "image", "video_url", "video"):
+                modality = "video" if kind.startswith("video") else "image"
+                images.append(_parse_media_part(part, pwhere, modality))
+                parts.append({"type": modality})
             else:
                 raise InvalidRequestError(
-                    f"{pwhere} has unsupported type {kind!r}; use 'text' or 'image_url'",
+                    f"{pwhere} has unsupported type {kind!r}; use 'text', 'image_url' or "
+                    "'video_url'",
                     param="messages",
                 )
         rendered.append({"role": role, "content": parts})

@@ -8,7 +8,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 
-from mmserve.errors import DecodeBusyError, ImageTooLargeError
+from mmserve.errors import DecodeBusyError, ImageTooLargeError, VideoTooLargeError
 
 Release = Callable[[], None]
 
@@ -28,15 +28,17 @@ class RequestDecodeBudget:
         self.used_bytes = 0
         self._lock = threading.Lock()
 
-    def charge(self, nbytes: int) -> None:
+    def charge(self, nbytes: int, what: str = "image") -> None:
+        """`what`: "image" or "video", the kind of item charged (for the error)."""
         with self._lock:
             total = self.used_bytes + nbytes
             if self.limit_bytes and total > self.limit_bytes:
-                raise ImageTooLargeError(
-                    f"the request's images need an estimated {total} bytes of memory to decode, "
+                error = VideoTooLargeError if what == "video" else ImageTooLargeError
+                raise error(
+                    f"the request's {what}s need an estimated {total} bytes of memory to decode, "
                     f"over the {self.limit_bytes}-byte limit (--max-decode-bytes-per-request); "
-                    "send fewer or smaller images",
-                    param="image_url",
+                    f"send fewer or smaller {what}s",
+                    param=f"{what}_url",
                 )
             self.used_bytes = total
 

@@ -8,11 +8,18 @@ import os
 import queue
 import struct
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from PIL import Image
 
-from mmserve.errors import ImageDecodeError, ImageTooLargeError
+from mmserve.errors import (
+    ImageDecodeError,
+    ImageTooLargeError,
+    MediaError,
+    VideoDecodeError,
+    VideoTooLargeError,
+)
 from mmserve.processing.decode_budget import Release, hold_until_collected
 from mmserve.processing.image_decode import (
     Admit,
@@ -27,19 +34,40 @@ logger = logging.getLogger(__name__)
 #   (1) parent -> worker  <Q max_pixels>, then the encoded image bytes as a second message
 #   (2) worker -> parent  b"H" + <IIB width, height, has_transparency> + format NUL mode
 #   (3) parent -> worker  b"G" (go: decode) or b"S" (stop: the parent refused; next request)
-#   (4) worker -> parent  b"K" + <IIQQ width, height, exif_len, rss_bytes> + exif, then the
-#                         packed RGB pixels as a second message
+#   (4) worker -> parent  b"K" + <Q rss_bytes> + <IIQ width, height, exif_len> + exif, then
+#                         the packed RGB pixels as a second message
+# A video request is b"V" + its JSON spec at (1), and its own header and K body
+# (video_worker.py); the steps are the same.
 #       or, at (2) or (4): b"E" + <QB rss_bytes, error kind> + utf-8 message (ours, never
 #                          the library's)
 _MAX_PIXELS = struct.Struct("<Q")
 _HEADER = struct.Struct("<IIB")
-_OK = struct.Struct("<IIQQ")
+_RSS = struct.Struct("<Q")
+_OK = struct.Struct("<IIQ")
 _ERR = struct.Struct("<QB")  # rss_bytes, error kind (index into _ERROR_KINDS)
-_ERROR_KINDS: tuple[type[ImageDecodeError], ...] = (ImageDecodeError, ImageTooLargeError)
+_ERROR_KINDS: tuple[type[MediaError], ...] = (
+    ImageDecodeError,
+    ImageTooLargeError,
+    VideoDecodeError,
+    VideoTooLargeError,
+)
 _READY, _GO, _STOP = b"ready", b"G", b"S"
+VIDEO_REQUEST = b"V"
 
 
-class _Stopped(Exception):
+def send_error(conn: Connection, e: MediaError) -> None:
+    """Step (2) or (4) failed with the client's error: tell the parent, typed."""
+    kind = _ERROR_KINDS.index(type(e)) if type(e) in _ERROR_KINDS else 0
+    conn.send_bytes(b"E" + _ERR.pack(_rss_bytes(), kind) + e.message.encode())
+
+
+def send_ok(conn: Connection, body: bytes, payload: bytes) -> None:
+    """Step (4) succeeded: the K reply (rss first, then `body`) and the payload message."""
+    conn.send_bytes(b"K" + _RSS.pack(_rss_bytes()) + body)
+    conn.send_bytes(payload)
+
+
+class Stopped(Exception):
     """The parent refused the image after reading its header."""
 
 
@@ -57,12 +85,18 @@ def _worker_main(conn: Connection) -> None:
     conn.send_bytes(_READY)
     while True:
         try:
-            (max_pixels,) = _MAX_PIXELS.unpack(conn.recv_bytes())
+            request = conn.recv_bytes()
             data = conn.recv_bytes()
-            _serve_one(conn, data, max_pixels)
+            if request[:1] == VIDEO_REQUEST:
+                from mmserve.processing.video_worker import serve_video
+
+                serve_video(conn, data, request[1:])
+            else:
+                (max_pixels,) = _MAX_PIXELS.unpack(request)
+                _serve_one(conn, data, max_pixels)
         except (EOFError, OSError):
             return
-        except _Stopped:
+        except Stopped:
             continue
 
 
@@ -73,19 +107,18 @@ def _serve_one(conn: Connection, data: bytes, max_pixels: int) -> None:
         names = f"{header.format}\0{header.mode}".encode()
         conn.send_bytes(b"H" + _HEADER.pack(header.width, header.height, flags) + names)
         if conn.recv_bytes() != _GO:
-            raise _Stopped
+            raise Stopped
         rgb = decode_first_frame(img)
         del img
     except ImageDecodeError as e:
-        kind = _ERROR_KINDS.index(type(e)) if type(e) in _ERROR_KINDS else 0
-        conn.send_bytes(b"E" + _ERR.pack(_rss_bytes(), kind) + e.message.encode())
+        send_error(conn, e)
         return
     exif = rgb.info.get("exif") or b""
     pixels = rgb.tobytes()
     width, height = rgb.size
     del rgb
     # Measured with only the reply alive: what this worker keeps between decodes, plus one image.
-    conn.send_bytes(b"K" + _OK.pack(width, height, len(exif), _rss_bytes()) + exif)
+    conn.send_bytes(b"K" + _RSS.pack(_rss_bytes()) + _OK.pack(width, height, len(exif)) + exif)
     conn.send_bytes(pixels)
 
 
@@ -99,9 +132,9 @@ class _Worker:
             self.kill()
             raise RuntimeError("image decode worker did not start")
 
-    def recv_reply(self, timeout_s: float) -> bytes:
+    def recv_reply(self, timeout_s: float, what: str = "image") -> bytes:
         if not self.conn.poll(timeout_s):
-            raise ImageDecodeError(f"decoding the image took longer than {timeout_s:g} s")
+            raise _error_of(what)(f"decoding the {what} took longer than {timeout_s:g} s")
         return self.conn.recv_bytes()
 
     def kill(self) -> None:
@@ -148,44 +181,16 @@ class DecodeWorkerPool:
         `timeout_s` (default: the pool's) bounds each wait on the worker: for the header, and
         for the pixels once admitted.
         """
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if self._closed:
-            raise RuntimeError("DecodeWorkerPool is closed")
-        release: Release | None = None
+
+        def on_header(reply: bytes) -> Release | None:
+            return admit(_parse_header(reply)) if admit is not None else None
+
+        body, pixels, release = self.exchange(
+            _MAX_PIXELS.pack(max_pixels), data, on_header, timeout_s, "image"
+        )
         try:
-            with self._slots:
-                worker = self._checkout()
-                healthy, rss_bytes = False, 0
-                try:
-                    worker.conn.send_bytes(_MAX_PIXELS.pack(max_pixels))
-                    worker.conn.send_bytes(data)
-                    reply = worker.recv_reply(timeout_s)
-                    if reply[:1] == b"H":
-                        try:
-                            release = admit(_parse_header(reply)) if admit is not None else None
-                        except BaseException:
-                            worker.conn.send_bytes(_STOP)
-                            healthy = True
-                            raise
-                        worker.conn.send_bytes(_GO)
-                        reply = worker.recv_reply(timeout_s)
-                    if reply[:1] == b"E":
-                        rss_bytes, kind = _ERR.unpack_from(reply, 1)
-                        healthy = True
-                        raise _error(kind, reply[1 + _ERR.size :].decode())
-                    if reply[:1] != b"K":
-                        raise OSError("unexpected reply from an image decode worker")
-                    width, height, exif_len, rss_bytes = _OK.unpack_from(reply, 1)
-                    exif = reply[1 + _OK.size : 1 + _OK.size + exif_len]
-                    pixels = worker.recv_reply(timeout_s)
-                    healthy = True
-                except (EOFError, OSError):
-                    logger.warning("an image decode worker died; replacing it")
-                    raise ImageDecodeError(
-                        "the image could not be decoded (decoder failed)"
-                    ) from None
-                finally:
-                    self._give_back(worker, healthy, rss_bytes)
+            width, height, exif_len = _OK.unpack_from(body)
+            exif = body[_OK.size : _OK.size + exif_len]
             image = Image.frombytes("RGB", (width, height), pixels)
         except BaseException:
             if release is not None:
@@ -196,6 +201,61 @@ class DecodeWorkerPool:
             image.info["exif"] = exif
         hold_until_collected(image, release)
         return image
+
+    def exchange(
+        self,
+        request: bytes,
+        data: bytes,
+        on_header: Callable[[bytes], Release | None],
+        timeout_s: float | None,
+        what: str,
+    ) -> tuple[bytes, bytes, Release | None]:
+        """One decode in a worker: send (request, data); on its header reply call `on_header`
+        (which may refuse: the worker is told to stop); return the K reply's body (after its
+        rss field), the payload message, and what `on_header` returned (the caller's to
+        release). `what` names the media in errors ("image", "video")."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if self._closed:
+            raise RuntimeError("DecodeWorkerPool is closed")
+        release: Release | None = None
+        try:
+            with self._slots:
+                worker = self._checkout()
+                healthy, rss_bytes = False, 0
+                try:
+                    worker.conn.send_bytes(request)
+                    worker.conn.send_bytes(data)
+                    reply = worker.recv_reply(timeout_s, what)
+                    if reply[:1] == b"H":
+                        try:
+                            release = on_header(reply)
+                        except BaseException:
+                            worker.conn.send_bytes(_STOP)
+                            healthy = True
+                            raise
+                        worker.conn.send_bytes(_GO)
+                        reply = worker.recv_reply(timeout_s, what)
+                    if reply[:1] == b"E":
+                        rss_bytes, kind = _ERR.unpack_from(reply, 1)
+                        healthy = True
+                        raise _error(kind, reply[1 + _ERR.size :].decode())
+                    if reply[:1] != b"K":
+                        raise OSError(f"unexpected reply from a {what} decode worker")
+                    (rss_bytes,) = _RSS.unpack_from(reply, 1)
+                    payload = worker.recv_reply(timeout_s, what)
+                    healthy = True
+                except (EOFError, OSError):
+                    logger.warning("a %s decode worker died; replacing it", what)
+                    raise _error_of(what)(
+                        f"the {what} could not be decoded (decoder failed)"
+                    ) from None
+                finally:
+                    self._give_back(worker, healthy, rss_bytes)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        return reply[1 + _RSS.size :], payload, release
 
     def _give_back(self, worker: _Worker, healthy: bool, rss_bytes: int) -> None:
         """Return a worker to the idle stack, or kill it (broken, closed pool, or too big)."""
@@ -237,6 +297,12 @@ def _parse_header(reply: bytes) -> ImageHeader:
     return ImageHeader(fmt, width, height, mode, has_transparency=bool(flags))
 
 
-def _error(kind: int, message: str) -> ImageDecodeError:
+def _error(kind: int, message: str) -> MediaError:
     cls = _ERROR_KINDS[kind] if kind < len(_ERROR_KINDS) else ImageDecodeError
+    if issubclass(cls, VideoDecodeError):
+        return cls(message, param="video_url")
     return cls(message, param="image_url" if cls is ImageTooLargeError else None)
+
+
+def _error_of(what: str) -> type[MediaError]:
+    return VideoDecodeError if what == "video" else ImageDecodeError

@@ -13,7 +13,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import urljoin
 
 import httpx
@@ -97,8 +97,10 @@ class AsyncFetcher:
         self._dns = ThreadPoolExecutor(max_concurrent, thread_name_prefix="mmserve-dns")
         self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
 
-    async def fetch(self, url: str) -> bytes:
-        """GET `url`; waits at most `timeout_s` for a free slot, then at most `timeout_s` more."""
+    async def fetch(self, url: str, max_bytes: int | None = None) -> bytes:
+        """GET `url`; waits at most `timeout_s` for a free slot, then at most `timeout_s` more.
+        `max_bytes`: this fetch's byte cap instead of the policy's (videos have their own)."""
+        policy = self.policy if max_bytes is None else replace(self.policy, max_bytes=max_bytes)
         slots = self._semaphore()
         timeout_s = self.policy.timeout_s
         try:
@@ -113,7 +115,7 @@ class AsyncFetcher:
             ) from None
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._fetch(url)
+                return await self._fetch(url, policy)
         except TimeoutError:
             raise _timed_out(timeout_s) from None
         finally:
@@ -130,8 +132,7 @@ class AsyncFetcher:
             self._slots = (loop, asyncio.Semaphore(self.max_concurrent))
         return self._slots[1]
 
-    async def _fetch(self, url: str) -> bytes:
-        policy = self.policy
+    async def _fetch(self, url: str, policy: FetchPolicy) -> bytes:
         current = url
         async with _client(policy, httpx.AsyncClient) as client:
             for _ in range(policy.max_redirects + 1):

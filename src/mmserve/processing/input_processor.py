@@ -1,8 +1,10 @@
-"""Prompt text + images -> ProcessedPrompt: placeholders expanded, identities, cache, M-RoPE."""
+"""Prompt text + images and videos -> ProcessedPrompt: placeholders expanded, identities,
+cache, M-RoPE."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -13,17 +15,34 @@ from PIL import Image
 from mmserve.errors import InvalidRequestError, PromptTooLongError, TooManyItemsError
 from mmserve.hashing import DEFAULT_NAMESPACE, Hasher
 from mmserve.multimodal import ProcessedPrompt
-from mmserve.processing.chat import check_media_uuid, check_user_text, parse_chat_messages
+from mmserve.processing.chat import (
+    ChatImage,
+    check_media_uuid,
+    check_user_text,
+    parse_chat_messages,
+)
 from mmserve.processing.decode_budget import RequestDecodeBudget
 from mmserve.processing.image_processor import ImageProcessorConfig, max_tokens_per_item
 from mmserve.processing.item_resolver import ItemResolver
 from mmserve.processing.media import MediaLoader
+from mmserve.processing.modalities import ProcessingConfig
 from mmserve.processing.mrope import get_mrope_positions
-from mmserve.processing.placeholders import VisionTokenIds, expand_image_pads, find_image_pads
+from mmserve.processing.placeholders import VisionTokenIds, expand_pads, find_mm_pads
 from mmserve.processing.processor_cache import ProcessorCache
 from mmserve.processing.tokenizer import Tokenizer
+from mmserve.processing.video_decode import DecodedVideo
+from mmserve.processing.video_inputs import (
+    DEFAULT_VIDEO_LIMIT,
+    load_video_config,
+    max_patches_per_video,
+    max_tokens_per_video,
+    offline_video,
+    split_processor_kwargs,
+)
+from mmserve.processing.video_sampling import VideoConfig
 
 ImageInput = Image.Image | None  # None: a UUID-only reference to an image sent before
+VideoInput = DecodedVideo | None  # None: a UUID-only reference to a video sent before
 
 
 class InputProcessor:
@@ -43,12 +62,21 @@ class InputProcessor:
         revision: str = "",
         media_loader: MediaLoader | None = None,
         trust_exif_image_id: bool = False,
+        video_config: VideoConfig | None = None,
+        tokens_per_second: float | None = None,
     ) -> None:
+        """`tokens_per_second`: Qwen2.5-VL's temporal M-RoPE spacing of videos (None:
+        Qwen2-VL, one step per temporal patch)."""
         self.tokenizer = tokenizer
         self.image_config = image_config
+        self.video_config = video_config or VideoConfig()
+        self.tokens_per_second = tokens_per_second
         self.token_ids = token_ids
+        self.pad_ids = {"image": token_ids.image_token_id, "video": token_ids.video_token_id}
         self.max_model_len = max_model_len
-        self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})
+        # vLLM V1 allows 999 of each modality; a video costs up to the decode ceilings
+        # (docs/video.md), so without --limit-mm-per-prompt naming it, one per prompt.
+        self.limit_mm_per_prompt = {"video": DEFAULT_VIDEO_LIMIT, **(limit_mm_per_prompt or {})}
         self.cache = cache if cache is not None else ProcessorCache(0)
         self.media_loader = media_loader or MediaLoader()
         self.resolver = ItemResolver(
@@ -91,8 +119,10 @@ class InputProcessor:
         config = json.loads((model_dir / "config.json").read_text())
         text = config.get("text_config") or config
         image_config = ImageProcessorConfig.from_pretrained(model_dir).with_overrides(
-            mm_processor_kwargs
+            split_processor_kwargs(mm_processor_kwargs)[0]
         )
+        vision = config.get("vision_config") or {}
+        is_qwen2_5 = config.get("model_type") == "qwen2_5_vl"
         return cls(
             tokenizer or Tokenizer.from_pretrained(model_dir),
             image_config,
@@ -105,12 +135,43 @@ class InputProcessor:
             revision=revision,
             media_loader=media_loader,
             trust_exif_image_id=trust_exif_image_id,
+            video_config=load_video_config(model_dir, mm_processor_kwargs),
+            tokens_per_second=float(vision.get("tokens_per_second", 4)) if is_qwen2_5 else None,
         )
 
     @property
+    def accepts_video(self) -> bool:
+        return self.limit_mm_per_prompt.get("video", 0) > 0
+
+    @functools.cached_property
     def max_tokens_per_mm_item(self) -> int:
-        """The scheduler's floor for encoder budgets (server-wide configuration)."""
-        return max_tokens_per_item(self.image_config)
+        """The scheduler's floor for encoder budgets: the largest item (image, or video when
+        videos are accepted) any request may send, in embeddings; no item over
+        max_model_len can ever run, so that bounds it too. Cached: the video bound tries every
+        frame count (~10-60 ms), and nothing it reads changes after construction."""
+        tokens = max_tokens_per_item(self.image_config)
+        if self.accepts_video:
+            video = max_tokens_per_video(self.video_config, self.image_config)
+            tokens = max(tokens, min(video, self.max_model_len))
+        return tokens
+
+    @functools.cached_property
+    def max_patches_per_mm_item(self) -> int:
+        """Input patches (what the vision tower's activations scale with) of the largest item."""
+        patches = max_tokens_per_item(self.image_config) * self.image_config.merge_size**2
+        if self.accepts_video:
+            m2 = self.image_config.merge_size**2
+            video = max_patches_per_video(self.video_config, self.image_config)
+            patches = max(patches, min(video, self.max_model_len * m2))
+        return patches
+
+    def request_config(self, mm_processor_kwargs: Mapping[str, Any] | None) -> ProcessingConfig:
+        """A request's mm_processor_kwargs applied to every modality's configuration."""
+        image_kwargs, video_kwargs = split_processor_kwargs(mm_processor_kwargs)
+        return ProcessingConfig(
+            self.image_config.with_overrides(image_kwargs),
+            self.video_config.for_request(video_kwargs),
+        )
 
     @property
     def max_patches_per_mm_item(self) -> int:
@@ -124,50 +185,59 @@ class InputProcessor:
         prompt: str,
         images: Sequence[ImageInput] = (),
         *,
+        videos: Sequence[VideoInput] = (),
         mm_processor_kwargs: Mapping[str, Any] | None = None,
         multi_modal_uuids: Sequence[str | None] | None = None,
+        video_uuids: Sequence[str | None] | None = None,
         namespace: str = DEFAULT_NAMESPACE,
     ) -> ProcessedPrompt:
-        """Tokenize a prompt that carries one image marker per image, and process the images."""
+        """Tokenize a prompt that carries one marker per image and per video, and process them.
+
+        `multi_modal_uuids`: the images' uuids (one entry or None per image), `video_uuids`
+        the videos'."""
         if not isinstance(prompt, str):
             raise InvalidRequestError("prompt must be a string", param="prompt")
-        images = list(images)
-        uuids = list(multi_modal_uuids) if multi_modal_uuids is not None else [None] * len(images)
-        if len(uuids) != len(images):
-            raise InvalidRequestError(
-                f"multi_modal_uuids has {len(uuids)} image entries but {len(images)} images "
-                "were given; give one entry (or null) per image",
-                param="multi_modal_uuids",
-            )
-        for i, uuid in enumerate(uuids):
-            if uuid is not None:
-                check_media_uuid(uuid, f"multi_modal_uuids.image[{i}]", "multi_modal_uuids")
-        self._check_item_limit(len(images))
+        items = {
+            "image": _with_uuids(list(images), multi_modal_uuids, "image"),
+            "video": _with_uuids(list(videos), video_uuids, "video"),
+        }
+        self._check_item_limit({name: len(v) for name, v in items.items()})
         input_ids = self.tokenizer.encode(prompt)
-        pad_positions = find_image_pads(input_ids, len(images), self.token_ids)
-        cfg = self.image_config.with_overrides(mm_processor_kwargs)
-        plans = [
-            self.resolver.plan(img, uuid, cfg, namespace)
-            for img, uuid in zip(images, uuids, strict=True)
-        ]
+        pads = find_mm_pads(
+            input_ids, {name: len(v) for name, v in items.items()}, self.pad_ids, self.token_ids
+        )
+        cfg = self.request_config(mm_processor_kwargs)
+        taken = dict.fromkeys(items, 0)
+        plans = []
+        for _, modality in pads:  # prompt order: each modality's items in their own order
+            item, uuid = items[modality][taken[modality]]
+            taken[modality] += 1
+            plans.append(self.resolver.plan(item, uuid, cfg, namespace, modality))
         num_tokens = len(input_ids) + sum(p.num_tokens - 1 for p in plans)
         if num_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt is {num_tokens} tokens ({num_tokens - len(input_ids) + len(plans)} "
-                f"of them for {len(plans)} image(s)), over --max-model-len {self.max_model_len}; "
-                "shorten the text, send fewer images, or lower max_pixels",
+                f"of them for {len(plans)} image(s) and video(s)), over --max-model-len "
+                f"{self.max_model_len}; shorten the text, send fewer or shorter items, or lower "
+                "max_pixels (and for videos fps or max_frames)",
                 param="messages",
             )
-        items = [self.resolver.resolve(plan, cfg, namespace) for plan in plans]
-        expanded, features = expand_image_pads(
-            input_ids, pad_positions, items, self.token_ids.image_token_id
+        resolved = [self.resolver.resolve(plan, cfg, namespace) for plan in plans]
+        expanded, features = expand_pads(
+            input_ids, [pos for pos, _ in pads], resolved, self.pad_ids
         )
+        videos_done = [f for f in features if f.modality == "video"]
         mrope = get_mrope_positions(
             expanded,
-            [f.grid_thw for f in features],
+            [f.grid_thw for f in features if f.modality == "image"],
             image_token_id=self.token_ids.image_token_id,
             video_token_id=self.token_ids.video_token_id,
             spatial_merge_size=self.image_config.merge_size,
+            video_grid_thw=[f.grid_thw for f in videos_done],
+            second_per_grid_ts=[
+                f.data.second_per_grid_t or 1.0 if f.data is not None else 1.0 for f in videos_done
+            ],
+            tokens_per_second=self.tokens_per_second,
         )
         return ProcessedPrompt(
             prompt_token_ids=expanded,
@@ -180,7 +250,11 @@ class InputProcessor:
     def process_generate_input(
         self, prompt: str | Mapping[str, Any], *, namespace: str = DEFAULT_NAMESPACE
     ) -> ProcessedPrompt:
-        """Offline `LLM.generate` input: a string or {"prompt", "multi_modal_data", ...}."""
+        """Offline `LLM.generate` input: a string or {"prompt", "multi_modal_data", ...}.
+
+        multi_modal_data: {"image": PIL image | bytes | URL | list of them, "video": a file
+        path | bytes | URL | frames ([T, H, W, 3] uint8 array, or a list of HxWx3 arrays or
+        PIL images) | a list of videos}."""
         if isinstance(prompt, str):
             return self.process(prompt, namespace=namespace)
         unknown = set(prompt) - {
@@ -193,18 +267,26 @@ class InputProcessor:
             raise InvalidRequestError(f"unsupported prompt keys {sorted(unknown)}")
         mm_data = dict(prompt.get("multi_modal_data") or {})
         images = mm_data.pop("image", [])
+        videos = mm_data.pop("video", [])
         if mm_data:
             raise InvalidRequestError(
-                f"unsupported modalities {sorted(mm_data)} in multi_modal_data; only 'image'"
+                f"unsupported modalities {sorted(mm_data)} in multi_modal_data; only 'image' "
+                "and 'video'"
             )
         images = [images] if images is None or isinstance(images, Image.Image) else images
+        videos = [videos] if _is_one_video(videos) else list(videos)
         uuids = _offline_uuids(prompt.get("multi_modal_uuids"))
+        kwargs = prompt.get("mm_processor_kwargs")
+        cfg = self.request_config(kwargs)
+        self._check_item_limit({"image": len(images), "video": len(videos)})
         budget = self.media_loader.new_decode_budget()
         return self.process(
             prompt.get("prompt", ""),
             [self._load_offline(img, budget) for img in images],
-            mm_processor_kwargs=prompt.get("mm_processor_kwargs"),
-            multi_modal_uuids=uuids,
+            videos=[offline_video(v, self.media_loader, cfg, budget) for v in videos],
+            mm_processor_kwargs=kwargs,
+            multi_modal_uuids=uuids.get("image"),
+            video_uuids=uuids.get("video"),
             namespace=namespace,
         )
 
@@ -215,14 +297,29 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[str, list[Any], list[str | None]]:
-        """Chat messages -> (prompt text, image sources in order, their uuids)."""
+        """Chat messages -> (prompt text, item sources in order, their uuids)."""
+        prompt, parts = self.render_chat_parts(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return prompt, [p.source for p in parts], [p.uuid for p in parts]
+
+    def render_chat_parts(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[str, list[ChatImage]]:
+        """Chat messages -> (prompt text, its image and video parts in order)."""
         parsed = parse_chat_messages(messages, self.reserved_tokens)
         prompt = self.tokenizer.apply_chat_template(
             parsed.messages,
             add_generation_prompt=add_generation_prompt,
             template_kwargs=chat_template_kwargs,
         )
-        return prompt, [img.source for img in parsed.images], parsed.uuids
+        return prompt, parsed.images
 
     def process_chat(
         self,
@@ -234,18 +331,11 @@ class InputProcessor:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> ProcessedPrompt:
         """Offline `LLM.chat` (and any sync caller): render, load media, process."""
-        prompt, sources, uuids = self._render_checked(
-            messages, add_generation_prompt, chat_template_kwargs
-        )
+        prompt, parts = self._render_checked(messages, add_generation_prompt, chat_template_kwargs)
+        cfg = self.request_config(mm_processor_kwargs)
         budget = self.media_loader.new_decode_budget()
-        images = [self._load(src, budget) for src in sources]
-        return self.process(
-            prompt,
-            images,
-            mm_processor_kwargs=mm_processor_kwargs,
-            multi_modal_uuids=uuids,
-            namespace=namespace,
-        )
+        loaded = [self._load(part, cfg, budget) for part in parts]
+        return self._process_parts(prompt, parts, loaded, mm_processor_kwargs, namespace)
 
     async def aprocess_chat(
         self,
@@ -257,90 +347,156 @@ class InputProcessor:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> ProcessedPrompt:
         """HTTP chat: media fetched concurrently, CPU work off the event loop."""
-        prompt, sources, uuids = self._render_checked(
-            messages, add_generation_prompt, chat_template_kwargs
-        )
-
-        images = await self._aload_all(sources, self.media_loader.new_decode_budget())
+        prompt, parts = self._render_checked(messages, add_generation_prompt, chat_template_kwargs)
+        cfg = self.request_config(mm_processor_kwargs)  # a bad kwarg fails before any fetch
+        loaded = await self._aload_all(parts, cfg, self.media_loader.new_decode_budget())
         return await asyncio.to_thread(
-            self.process,
-            prompt,
-            images,
-            mm_processor_kwargs=mm_processor_kwargs,
-            multi_modal_uuids=uuids,
-            namespace=namespace,
+            self._process_parts, prompt, parts, loaded, mm_processor_kwargs, namespace
         )
 
     # ---- helpers ------------------------------------------------------------------------
+
+    def _process_parts(
+        self,
+        prompt: str,
+        parts: Sequence[ChatImage],
+        loaded: Sequence[Any],
+        mm_processor_kwargs: Mapping[str, Any] | None,
+        namespace: str,
+    ) -> ProcessedPrompt:
+        def of(modality: str) -> tuple[list[Any], list[str | None]]:
+            picked = [(x, p.uuid) for p, x in zip(parts, loaded, strict=True)]
+            kept = [pu for pu, p in zip(picked, parts, strict=True) if p.modality == modality]
+            return [x for x, _ in kept], [u for _, u in kept]
+
+        images, image_uuids = of("image")
+        videos, video_uuids = of("video")
+        return self.process(
+            prompt,
+            images,
+            videos=videos,
+            mm_processor_kwargs=mm_processor_kwargs,
+            multi_modal_uuids=image_uuids,
+            video_uuids=video_uuids,
+            namespace=namespace,
+        )
 
     def _render_checked(
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool,
         chat_template_kwargs: Mapping[str, Any] | None,
-    ) -> tuple[str, list[Any], list[str | None]]:
-        """render_chat, then the item limit (before any media is fetched)."""
-        prompt, sources, uuids = self.render_chat(
+    ) -> tuple[str, list[ChatImage]]:
+        """render_chat_parts, then the item limits (before any media is fetched)."""
+        prompt, parts = self.render_chat_parts(
             messages,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
         )
-        self._check_item_limit(len(sources))
-        return prompt, sources, uuids
+        counts = {"image": 0, "video": 0}
+        for part in parts:
+            counts[part.modality] += 1
+        self._check_item_limit(counts)
+        return prompt, parts
 
     async def _aload_all(
-        self, sources: Sequence[Any], budget: RequestDecodeBudget
-    ) -> list[ImageInput]:
-        """Load every image concurrently; when one fails, stop the others (their fetch slots
+        self, parts: Sequence[ChatImage], cfg: ProcessingConfig, budget: RequestDecodeBudget
+    ) -> list[Any]:
+        """Load every item concurrently; when one fails, stop the others (their fetch slots
         and decode threads serve other requests instead of a request that already failed)."""
+        loader = self.media_loader
 
-        async def load(src: Any) -> ImageInput:
-            return None if src is None else await self.media_loader.aload_image(src, budget)
+        async def load(part: ChatImage) -> Any:
+            if part.source is None:
+                return None
+            if part.modality == "video":
+                return await loader.aload_video(part.source, cfg.video, cfg.image, budget)
+            return await loader.aload_image(part.source, budget)
 
-        tasks = [asyncio.ensure_future(load(src)) for src in sources]
+        tasks = [asyncio.ensure_future(load(part)) for part in parts]
         try:
             return list(await asyncio.gather(*tasks))
         finally:
             for task in tasks:
                 task.cancel()
 
-    def _load(self, source: Any, budget: RequestDecodeBudget) -> ImageInput:
-        return None if source is None else self.media_loader.load_image(source, budget)
+    def _load(self, part: ChatImage, cfg: ProcessingConfig, budget: RequestDecodeBudget) -> Any:
+        if part.source is None:
+            return None
+        if part.modality == "video":
+            return offline_video(part.source, self.media_loader, cfg, budget)
+        if isinstance(part.source, Image.Image):
+            return part.source
+        return self.media_loader.load_image(part.source, budget)
 
     def _load_offline(self, image: Any, budget: RequestDecodeBudget) -> ImageInput:
         if image is None or isinstance(image, Image.Image):
             return image  # PIL: hashed as given (mode, size, pixels, EXIF id)
         return self.media_loader.load_image(image, budget)
 
-    def _check_item_limit(self, num_images: int) -> None:
-        limit = self.limit_mm_per_prompt.get("image")
-        if limit is not None and num_images > limit:
-            raise TooManyItemsError(
-                f"the prompt has {num_images} images, over --limit-mm-per-prompt "
-                f'{{"image": {limit}}}; send at most {limit} images per request',
-                param="messages",
-            )
+    def _check_item_limit(self, counts: Mapping[str, int]) -> None:
+        for modality, count in counts.items():
+            limit = self.limit_mm_per_prompt.get(modality)
+            if limit is not None and count > limit:
+                raise TooManyItemsError(
+                    f"the prompt has {count} {modality}s, over --limit-mm-per-prompt "
+                    f'{{"{modality}": {limit}}}; send at most {limit} {modality}s per request'
+                    + ("" if limit else f", or start the server with a {modality} limit"),
+                    param="messages",
+                )
 
     def check_prompt_text(self, text: str) -> None:
-        """Refuse raw text (e.g. /v1/completions) that spells a vision token without an image."""
+        """Refuse raw text (e.g. /v1/completions) that spells a vision token without an item."""
         check_user_text(text, self.reserved_tokens, "prompt")
 
 
-def _offline_uuids(value: Any) -> list[Any] | None:
-    """`multi_modal_uuids` of an offline prompt: {"image": uuid | [uuid | None, ...]}."""
+def _with_uuids(items: list[Any], uuids: Sequence[Any] | None, modality: str) -> list[tuple]:
+    """Pair items with their caller uuids (checked), one entry (or None) per item."""
+    uuids = list(uuids) if uuids is not None else [None] * len(items)
+    if len(uuids) != len(items):
+        raise InvalidRequestError(
+            f"multi_modal_uuids has {len(uuids)} {modality} entries but {len(items)} "
+            f"{modality}s were given; give one entry (or null) per {modality}",
+            param="multi_modal_uuids",
+        )
+    for i, uuid in enumerate(uuids):
+        if uuid is not None:
+            check_media_uuid(uuid, f"multi_modal_uuids.{modality}[{i}]", "multi_modal_uuids")
+    return list(zip(items, uuids, strict=True))
+
+
+def _is_one_video(value: Any) -> bool:
+    """One video (not a list of videos): a path, bytes, a frames array, or a list of frames."""
+    if value is None or isinstance(value, str | bytes | bytearray | Path | DecodedVideo):
+        return True
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return True
+    if isinstance(value, Sequence) and value:
+        first = value[0]  # a frame (H x W x 3, or a picture) or a whole video
+        return isinstance(first, Image.Image) or getattr(first, "ndim", 0) == 3
+    return False
+
+
+def _offline_uuids(value: Any) -> dict[str, list[Any]]:
+    """`multi_modal_uuids` of an offline prompt: {"image" | "video": uuid | [uuid | None]}."""
     if value is None:
-        return None
-    if not isinstance(value, Mapping) or set(value) - {"image"}:
+        return {}
+    if not isinstance(value, Mapping) or set(value) - {"image", "video"}:
         raise InvalidRequestError(
-            'multi_modal_uuids must look like {"image": ["uuid-1", null]}; only images have uuids',
+            'multi_modal_uuids must look like {"image": ["uuid-1", null], "video": ["v-1"]}',
             param="multi_modal_uuids",
         )
-    uuids = value.get("image")
-    if uuids is None or isinstance(uuids, str):
-        return None if uuids is None else [uuids]
-    if not isinstance(uuids, Sequence):
-        raise InvalidRequestError(
-            'multi_modal_uuids["image"] must be a uuid or a list of uuids (or null)',
-            param="multi_modal_uuids",
-        )
-    return list(uuids)
+    out: dict[str, list[Any]] = {}
+    for modality, uuids in value.items():
+        if uuids is None:
+            continue
+        if isinstance(uuids, str):
+            out[modality] = [uuids]
+        elif isinstance(uuids, Sequence):
+            out[modality] = list(uuids)
+        else:
+            raise InvalidRequestError(
+                f'multi_modal_uuids["{modality}"] must be a uuid or a list of uuids (or null)',
+                param="multi_modal_uuids",
+            )
+    return out

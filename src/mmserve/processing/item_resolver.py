@@ -1,66 +1,59 @@
-"""One image item -> its processing decision, identity and processed data (cache first)."""
+"""One multimodal item -> its processing decision, identity and processed data (cache first)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from PIL import Image
+from typing import Any
 
 from mmserve.errors import InvalidRequestError, UnknownMediaUUIDError
-from mmserve.hashing import (
-    ContentKey,
-    Hasher,
-    claimed_content_key,
-    mm_item_identity,
-    pixel_content_key,
-)
+from mmserve.hashing import ContentKey, Hasher, claimed_content_key, mm_item_identity
 from mmserve.multimodal import ProcessedImage
-from mmserve.processing.image_processor import ImageProcessorConfig, get_grid_thw, process_image
-from mmserve.processing.processor_cache import ProcessorCache, UUIDIndex, UUIDRecord
+from mmserve.processing.modalities import (
+    EXIF_IMAGE_UNIQUE_ID,
+    EXIF_SUB_IFD,
+    Modality,
+    Planned,
+    ProcessingConfig,
+    default_modalities,
+    exif_image_id,
+)
+from mmserve.processing.processor_cache import ProcessorCache, UUIDIndex
 
-EXIF_IMAGE_UNIQUE_ID = 0xA420
-EXIF_SUB_IFD = 0x8769
-
-
-def exif_image_id(image: Image.Image) -> str | None:
-    """The EXIF ImageUniqueID (tag 0xA420) of an image, if it carries a non-empty one."""
-    try:
-        exif = image.getexif()
-        value = exif.get(EXIF_IMAGE_UNIQUE_ID) or exif.get_ifd(EXIF_SUB_IFD).get(
-            EXIF_IMAGE_UNIQUE_ID
-        )
-    except Exception:  # noqa: BLE001 - a malformed EXIF block just means "no claimed id"
-        return None
-    if isinstance(value, bytes):
-        value = value.decode("ascii", errors="replace")
-    if isinstance(value, str) and value.strip("\x00 "):
-        return value.strip("\x00 ")
-    return None
+__all__ = ["EXIF_IMAGE_UNIQUE_ID", "EXIF_SUB_IFD", "ItemPlan", "ItemResolver", "exif_image_id"]
 
 
 @dataclass(frozen=True, slots=True)
 class ItemPlan:
     """What processing will do to an item, known from its size alone (no pixels touched)."""
 
-    image: Image.Image | None
+    modality: Modality
+    item: Any  # the decoded item, or None for a UUID-only reference
     uuid: str | None
-    record: UUIDRecord
-    grid_thw: tuple[int, int, int]
-    num_tokens: int
+    record: object
+    planned: Planned
+
+    @property
+    def grid_thw(self) -> tuple[int, int, int]:
+        return self.planned.grid_thw
+
+    @property
+    def num_tokens(self) -> int:
+        return self.planned.num_tokens
 
 
 @dataclass(frozen=True, slots=True)
 class ResolvedItem:
     identity: str
+    modality: str
     data: ProcessedImage
     grid_thw: tuple[int, int, int]
     num_tokens: int
 
 
-def _unknown_uuid(uuid: str) -> UnknownMediaUUIDError:
+def _unknown_uuid(modality: str, uuid: str) -> UnknownMediaUUIDError:
     return UnknownMediaUUIDError(
-        f"image uuid {uuid!r} is not known to this server (or its processed data was evicted); "
-        "send the image again together with its uuid",
+        f"{modality} uuid {uuid!r} is not known to this server (or its processed data was "
+        f"evicted); send the {modality} again together with its uuid",
         param="multi_modal_uuids",
     )
 
@@ -82,6 +75,7 @@ class ItemResolver:
         revision: str = "",
         uuid_index: UUIDIndex | None = None,
         trust_exif_image_id: bool = False,
+        modalities: dict[str, Modality] | None = None,
     ) -> None:
         self.hasher = hasher
         self.trust_exif_image_id = trust_exif_image_id
@@ -89,57 +83,55 @@ class ItemResolver:
         self.model_id = model_id
         self.revision = revision
         self.uuid_index = uuid_index or UUIDIndex()
+        self.modalities = modalities or default_modalities(trust_exif_image_id=trust_exif_image_id)
 
     def plan(
-        self, image: Image.Image | None, uuid: str | None, cfg: ImageProcessorConfig, namespace: str
+        self,
+        item: Any,
+        uuid: str | None,
+        cfg: ProcessingConfig,
+        namespace: str,
+        modality: str = "image",
     ) -> ItemPlan:
-        if image is None:
+        kind = self.modalities[modality]
+        if item is None:
             if uuid is None:
-                raise InvalidRequestError("an image item has neither image data nor a uuid")
+                raise InvalidRequestError(f"a {modality} item has neither data nor a uuid")
             record = self.uuid_index.lookup(namespace, uuid)
-            if record is None:
-                raise _unknown_uuid(uuid)
+            # a uuid sent before for another modality names nothing of this one
+            if record is None or not isinstance(record, kind.record_type):
+                raise _unknown_uuid(modality, uuid)
         else:
-            record = UUIDRecord(width=image.width, height=image.height, mode=image.mode)
-        grid = get_grid_thw(record.width, record.height, cfg)
-        num_tokens = grid[0] * grid[1] * grid[2] // cfg.merge_size**2
-        return ItemPlan(image, uuid, record, grid, num_tokens)
+            record = kind.record(item)
+        return ItemPlan(kind, item, uuid, record, kind.plan(record, cfg))
 
-    def identity(self, plan: ItemPlan, cfg: ImageProcessorConfig, namespace: str) -> str:
-        t, h, w = plan.grid_thw
-        decision = (h * cfg.patch_size, w * cfg.patch_size, t, h, w)
+    def identity(self, plan: ItemPlan, cfg: ProcessingConfig, namespace: str) -> str:
         return mm_item_identity(
             self.hasher,
             model_id=self.model_id,
             revision=self.revision,
-            processor_fingerprint=cfg.fingerprint(),
-            modality="image",
+            processor_fingerprint=plan.modality.fingerprint(cfg),
+            modality=plan.modality.name,
             content=self._content_key(plan, namespace),
-            decision=decision,
+            decision=plan.planned.decision,
         )
 
-    def resolve(self, plan: ItemPlan, cfg: ImageProcessorConfig, namespace: str) -> ResolvedItem:
+    def resolve(self, plan: ItemPlan, cfg: ProcessingConfig, namespace: str) -> ResolvedItem:
         identity = self.identity(plan, cfg, namespace)
+        name = plan.modality.name
         data = self.cache.get(identity)
         if data is None:
-            if plan.image is None:
-                raise _unknown_uuid(plan.uuid or "")
-            data = process_image(plan.image, cfg)
+            if plan.item is None:
+                raise _unknown_uuid(name, plan.uuid or "")
+            data = plan.modality.process(plan.item, plan.planned, cfg)
             assert data.grid_thw == plan.grid_thw, (data.grid_thw, plan.grid_thw)
             self.cache.put(identity, data)
-        if plan.uuid is not None and plan.image is not None:
+        if plan.uuid is not None and plan.item is not None:
             self.uuid_index.remember(namespace, plan.uuid, plan.record)
-        return ResolvedItem(identity, data, plan.grid_thw, plan.num_tokens)
+        return ResolvedItem(identity, name, data, plan.grid_thw, plan.num_tokens)
 
     def _content_key(self, plan: ItemPlan, namespace: str) -> ContentKey:
         if plan.uuid is not None:
             return claimed_content_key("uuid", namespace, plan.uuid)
-        image = plan.image
-        assert image is not None
-        exif_id = exif_image_id(image) if self.trust_exif_image_id else None
-        if exif_id is not None:
-            return claimed_content_key("exif", namespace, exif_id)
-        palette = image.getpalette() if image.mode == "P" else None
-        return pixel_content_key(
-            image.mode, image.size, image.tobytes(), bytes(palette) if palette else None
-        )
+        assert plan.item is not None
+        return plan.modality.content_key(plan.item, namespace)

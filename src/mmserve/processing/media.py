@@ -7,7 +7,8 @@ import base64
 import binascii
 import os
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from urllib.parse import unquote_to_bytes, urlsplit
 
@@ -23,8 +24,17 @@ from mmserve.processing.image_decode import (
     ImageHeader,
     decode_image_bytes,
 )
-from mmserve.processing.image_processor import to_rgb
+from mmserve.processing.image_processor import ImageProcessorConfig, to_rgb
 from mmserve.processing.url_guard import AllowedHost, parse_allowlist
+from mmserve.processing.video_decode import (
+    DecodedVideo,
+    VideoHeader,
+    VideoLimits,
+    decode_video_bytes,
+)
+from mmserve.processing.video_processor import VideoPlan
+from mmserve.processing.video_sampling import VideoConfig
+from mmserve.processing.video_worker import decode_video_in_worker
 
 MediaSource = Image.Image | bytes | str
 
@@ -67,6 +77,13 @@ class MediaConfig:
     max_inflight_decode_bytes: int = 2 << 30
     decode_wait_timeout_s: float = 10.0
     decode_worker_max_rss_bytes: int = 1 << 30
+    # Video ceilings (docs/video.md): a request may lower the sampling, never these.
+    max_video_bytes: int = 64 << 20
+    max_video_seconds: float = 600.0
+    max_video_frames_decoded: int = 36_000
+    max_video_frame_pixels: int = 4096 * 2160
+    max_video_decoded_pixels: int = 8 << 30
+    video_decode_timeout_s: float = 30.0
     allowlist: tuple[AllowedHost, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +103,11 @@ class MediaConfig:
         if self.max_redirects < 0 or self.decode_workers < 0:
             raise ValueError("max_redirects and decode_workers must be >= 0")
         self._check_decode_fields()
+        if self.video_decode_timeout_s <= 0:
+            raise ValueError(
+                f"video_decode_timeout_s must be positive, got {self.video_decode_timeout_s}"
+            )
+        self.video_limits  # noqa: B018 - VideoLimits checks the video ceilings
         if self.allowed_local_media_path is not None:
             root = Path(self.allowed_local_media_path)
             if not root.is_absolute():
@@ -101,6 +123,16 @@ class MediaConfig:
             timeout_s=self.fetch_timeout_s,
             max_bytes=self.max_fetch_bytes,
             max_redirects=self.max_redirects,
+        )
+
+    @property
+    def video_limits(self) -> VideoLimits:
+        return VideoLimits(
+            max_bytes=self.max_video_bytes,
+            max_duration_s=self.max_video_seconds,
+            max_frames_walked=self.max_video_frames_decoded,
+            max_frame_pixels=self.max_video_frame_pixels,
+            max_decoded_pixels=self.max_video_decoded_pixels,
         )
 
     @property
@@ -161,26 +193,118 @@ class MediaLoader:
             read = await asyncio.to_thread(self._read_source, source)
         return read if isinstance(read, Image.Image) else await self.adecode(read, budget)
 
-    def _read_source(self, source: MediaSource) -> Image.Image | bytes:
-        """An RGB image for a PIL source; the encoded bytes for every other kind."""
-        if isinstance(source, Image.Image):
+    def _read_source(self, source: MediaSource, what: str = "image") -> Image.Image | bytes:
+        """An RGB image for a PIL source; the encoded bytes for every other kind. `what`:
+        "image" or "video" (its byte cap, its data: media type, the field errors name)."""
+        if isinstance(source, Image.Image) and what == "image":
             return to_rgb(source)
         if isinstance(source, bytes | bytearray | memoryview):
             return bytes(source)
         if not isinstance(source, str):
             raise MediaError(
-                f"unsupported image source of type {type(source).__name__}; pass a PIL image, "
-                "bytes, or a data:, http(s):// or file:// URL"
+                f"unsupported {what} source of type {type(source).__name__}; pass "
+                f"{'a PIL image, ' if what == 'image' else 'frames, '}bytes, or a data:, "
+                "http(s):// or file:// URL",
+                param=f"{what}_url",
             )
         scheme = _scheme(source)
+        max_bytes = self._max_bytes(what)
         if scheme == "data":
-            return self._read_data_url(source)
+            return self._read_data_url(source, what)
         if scheme in ("http", "https"):
-            return fetch_url(source, self.config.fetch_policy)
+            return fetch_url(source, replace(self.config.fetch_policy, max_bytes=max_bytes))
         if scheme == "file":
-            return self._read_file_url(source)
+            return self._read_file_url(source, what)
         raise MediaFetchRefusedError(
-            "image URL must be a data:, http(s):// or (when enabled) file:// URL", param="image_url"
+            f"{what} URL must be a data:, http(s):// or (when enabled) file:// URL",
+            param=f"{what}_url",
+        )
+
+    def _max_bytes(self, what: str) -> int:
+        return self.config.max_video_bytes if what == "video" else self.config.max_fetch_bytes
+
+    def load_video(
+        self,
+        source: MediaSource,
+        cfg: VideoConfig,
+        image_cfg: ImageProcessorConfig,
+        budget: RequestDecodeBudget | None = None,
+    ) -> DecodedVideo:
+        """A video file's bytes (or a URL to them) -> its sampled frames, resized to the plan."""
+        data = self._read_source(source, "video")
+        assert isinstance(data, bytes)
+        return self._decode_video(data, cfg, image_cfg, budget, self.decode_gate.reserve)
+
+    async def aload_video(
+        self,
+        source: MediaSource,
+        cfg: VideoConfig,
+        image_cfg: ImageProcessorConfig,
+        budget: RequestDecodeBudget | None = None,
+    ) -> DecodedVideo:
+        """`load_video` for the server: http(s) on the event loop, decoding on a thread, and
+        a wait for decode memory on the event loop, as `adecode` does for images."""
+        if isinstance(source, str) and _scheme(source) in ("http", "https"):
+            data = await self._fetcher.fetch(source, self.config.max_video_bytes)
+        else:
+            read = await asyncio.to_thread(self._read_source, source, "video")
+            assert isinstance(read, bytes)
+            data = read
+        budget = budget if budget is not None else self.new_decode_budget()
+
+        def reserve_if_room(nbytes: int) -> Release:
+            release = self.decode_gate.try_reserve(nbytes)
+            if release is None:
+                raise _NoRoomYet(nbytes)
+            return release
+
+        try:
+            return await asyncio.to_thread(
+                self._decode_video, data, cfg, image_cfg, budget, reserve_if_room
+            )
+        except _NoRoomYet as short:
+            nbytes = short.nbytes
+        release = await self.decode_gate.areserve(nbytes)
+        uncharged = RequestDecodeBudget(0)  # the budget was charged by the first try
+
+        def reserved(n: int) -> Release:
+            assert n == nbytes, "the same bytes gave another header"
+            return release
+
+        try:
+            return await asyncio.to_thread(
+                self._decode_video, data, cfg, image_cfg, uncharged, reserved
+            )
+        except BaseException:
+            release()
+            raise
+
+    def _decode_video(
+        self,
+        data: bytes,
+        cfg: VideoConfig,
+        image_cfg: ImageProcessorConfig,
+        budget: RequestDecodeBudget | None,
+        reserve: Callable[[int], Release],
+    ) -> DecodedVideo:
+        budget = budget if budget is not None else self.new_decode_budget()
+
+        def admit(header: VideoHeader, plan: VideoPlan) -> Release:
+            nbytes = header.decode_bytes(plan)
+            budget.charge(nbytes, what="video")
+            return reserve(nbytes)
+
+        limits = self.config.video_limits
+        if self.config.decode_workers == 0:
+            return decode_video_bytes(data, cfg, image_cfg, limits, admit=admit)
+        return decode_video_in_worker(
+            self._worker_pool(),
+            data,
+            cfg,
+            image_cfg,
+            limits,
+            admit=admit,
+            timeout_s=self.config.video_decode_timeout_s,
         )
 
     def close(self) -> None:
@@ -247,31 +371,43 @@ class MediaLoader:
         cfg = self.config
         if cfg.decode_workers == 0:
             return decode_image_bytes(data, cfg.max_image_pixels, admit=admit)
+        return self._worker_pool().decode(data, cfg.max_image_pixels, admit=admit)
+
+    def _worker_pool(self) -> DecodeWorkerPool:
+        cfg = self.config
         with self._pool_lock:
             if self._pool is None:
                 self._pool = DecodeWorkerPool(
                     cfg.decode_workers, cfg.decode_timeout_s, cfg.decode_worker_max_rss_bytes
                 )
-            pool = self._pool
-        return pool.decode(data, cfg.max_image_pixels, admit=admit)
+            return self._pool
 
-    def _read_data_url(self, url: str) -> bytes:
+    def _read_data_url(self, url: str, what: str = "image") -> bytes:
         header, sep, payload = url.partition(",")
+        example = "image/png" if what == "image" else "video/mp4"
         if not sep or not header.lower().endswith(";base64"):
-            raise MediaError("data: URL must look like data:image/png;base64,<base64 data>")
+            raise MediaError(
+                f"data: URL must look like data:{example};base64,<base64 data>",
+                param=f"{what}_url",
+            )
         media_type = header[5:-7].strip().lower()
-        if media_type and not media_type.startswith("image/"):
-            raise MediaError(f"data: URL media type {media_type!r} is not an image type")
-        if len(payload) * 3 // 4 > self.config.max_fetch_bytes:
+        if media_type and not media_type.startswith(f"{what}/"):
+            raise MediaError(
+                f"data: URL media type {media_type!r} is not {'an' if what == 'image' else 'a'} "
+                f"{what} type",
+                param=f"{what}_url",
+            )
+        max_bytes = self._max_bytes(what)
+        if len(payload) * 3 // 4 > max_bytes:
             raise MediaFetchRefusedError(
-                f"image is larger than the {self.config.max_fetch_bytes}-byte limit"
+                f"{what} is larger than the {max_bytes}-byte limit", param=f"{what}_url"
             )
         try:
             return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
             raise MediaError("data: URL payload is not valid base64") from None
 
-    def _read_file_url(self, url: str) -> bytes:
+    def _read_file_url(self, url: str, what: str = "image") -> bytes:
         """Read a file:// URL under --allowed-local-media-path.
 
         Decided on the lexical path first (no disk access), so the answer for a path outside
@@ -282,38 +418,38 @@ class MediaLoader:
         if root is None:
             raise MediaFetchRefusedError(
                 "file:// URLs are disabled; start the server with --allowed-local-media-path",
-                param="image_url",
+                param=f"{what}_url",
             )
-        path = _file_url_path(url)
+        path = _file_url_path(url, f"{what}_url")
         roots = (os.path.normpath(root), str(Path(root).resolve()))
         if not any(PurePosixPath(path).is_relative_to(r) for r in roots):
-            raise _outside_root()
+            raise _outside_root(f"{what}_url")
         try:
             resolved = Path(path).resolve()
         except (OSError, RuntimeError, ValueError):
             raise MediaError(
-                "file:// URL names a file that could not be read", param="image_url"
+                "file:// URL names a file that could not be read", param=f"{what}_url"
             ) from None
         if not resolved.is_relative_to(roots[1]):
-            raise _outside_root()  # a symlink under the root that points out of it
+            raise _outside_root(f"{what}_url")  # a symlink under the root that points out of it
         try:
             if not resolved.exists():
                 raise MediaError(
                     "file:// URL names no file under --allowed-local-media-path",
-                    param="image_url",
+                    param=f"{what}_url",
                 )
             if not resolved.is_file():
-                raise MediaError("file:// URL does not name a regular file", param="image_url")
+                raise MediaError("file:// URL does not name a regular file", param=f"{what}_url")
             with resolved.open("rb") as f:
-                data = f.read(self.config.max_fetch_bytes + 1)
+                data = f.read(self._max_bytes(what) + 1)
         except OSError:
             raise MediaError(
-                "file:// URL names a file that could not be read", param="image_url"
+                "file:// URL names a file that could not be read", param=f"{what}_url"
             ) from None
-        if len(data) > self.config.max_fetch_bytes:
+        if len(data) > self._max_bytes(what):
             raise MediaFetchRefusedError(
-                f"image is larger than the {self.config.max_fetch_bytes}-byte limit",
-                param="image_url",
+                f"{what} is larger than the {self._max_bytes(what)}-byte limit",
+                param=f"{what}_url",
             )
         return data
 
@@ -322,32 +458,30 @@ def _scheme(url: str) -> str:
     return url.split(":", 1)[0].lower() if ":" in url else ""
 
 
-def _file_url_path(url: str) -> str:
+def _file_url_path(url: str, param: str = "image_url") -> str:
     """The absolute, lexically normalised path a file:// URL names; 400 if it names none."""
     if "\\" in url or not url.isascii() or not url.isprintable():
         raise MediaFetchRefusedError(
             "file:// URL contains a backslash, a control character or a non-ASCII character; "
             "percent-encode the path",
-            param="image_url",
+            param=param,
         )
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
-        raise MediaFetchRefusedError("file:// URL must be file:///absolute/path", param="image_url")
+        raise MediaFetchRefusedError("file:// URL must be file:///absolute/path", param=param)
     try:
         path = unquote_to_bytes(parts.path).decode("utf-8")
     except UnicodeDecodeError:
         raise MediaFetchRefusedError(
-            "file:// URL path is not valid UTF-8 once percent-decoded", param="image_url"
+            "file:// URL path is not valid UTF-8 once percent-decoded", param=param
         ) from None
     if not path.startswith("/") or not path.isprintable():
         raise MediaFetchRefusedError(
             "file:// URL must name an absolute path without NUL or control characters",
-            param="image_url",
+            param=param,
         )
     return os.path.normpath(path)
 
 
-def _outside_root() -> MediaFetchRefusedError:
-    return MediaFetchRefusedError(
-        "file:// URL is outside --allowed-local-media-path", param="image_url"
-    )
+def _outside_root(param: str = "image_url") -> MediaFetchRefusedError:
+    return MediaFetchRefusedError("file:// URL is outside --allowed-local-media-path", param=param)

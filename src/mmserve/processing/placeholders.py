@@ -1,4 +1,4 @@
-"""Image markers in token ids: validation and expansion to one placeholder id per embedding."""
+"""Item markers in token ids: validation and expansion to one placeholder id per embedding."""
 
 from __future__ import annotations
 
@@ -38,19 +38,28 @@ class VisionTokenIds:
         )
 
 
-def find_image_pads(input_ids: list[int], num_images: int, t: VisionTokenIds) -> list[int]:
-    """Positions of the image pads; each must sit as <vision_start><image_pad><vision_end>."""
-    if t.video_token_id in input_ids:
-        raise InvalidRequestError("video input is not supported yet", param="prompt")
-    pads = [i for i, tok in enumerate(input_ids) if tok == t.image_token_id]
-    if len(pads) != num_images:
-        raise InvalidRequestError(
-            f"the prompt has {len(pads)} image marker(s) but {num_images} image(s) were "
-            "given; put exactly one <|vision_start|><|image_pad|><|vision_end|> per image",
-            param="prompt",
-        )
+def find_mm_pads(
+    input_ids: list[int], expected: Mapping[str, int], pad_ids: Mapping[str, int], t: VisionTokenIds
+) -> list[tuple[int, str]]:
+    """(position, modality) of every item marker, in prompt order; each must sit as
+    <vision_start><pad><vision_end>, and there must be `expected[modality]` of each kind.
+
+    `pad_ids`: every modality the model knows, by name, with its pad token id (a marker of a
+    modality that has no items is an error too)."""
+    by_id = {tok: name for name, tok in pad_ids.items()}
+    pads = [(i, by_id[tok]) for i, tok in enumerate(input_ids) if tok in by_id]
+    for name in pad_ids:
+        found = sum(1 for _, m in pads if m == name)
+        wanted = expected.get(name, 0)
+        if found != wanted:
+            marker = f"<|vision_start|><|{name}_pad|><|vision_end|>"
+            raise InvalidRequestError(
+                f"the prompt has {found} {name} marker(s) but {wanted} {name}(s) were "
+                f"given; put exactly one {marker} per {name}",
+                param="prompt",
+            )
     n = len(input_ids)
-    for i in pads:
+    for i, name in pads:
         if not (
             i > 0
             and input_ids[i - 1] == t.vision_start_token_id
@@ -58,28 +67,28 @@ def find_image_pads(input_ids: list[int], num_images: int, t: VisionTokenIds) ->
             and input_ids[i + 1] == t.vision_end_token_id
         ):
             raise InvalidRequestError(
-                "each <|image_pad|> must appear as <|vision_start|><|image_pad|><|vision_end|>",
+                f"each <|{name}_pad|> must appear as <|vision_start|><|{name}_pad|><|vision_end|>",
                 param="prompt",
             )
     starts = sum(1 for tok in input_ids if tok == t.vision_start_token_id)
     ends = sum(1 for tok in input_ids if tok == t.vision_end_token_id)
-    if starts != num_images or ends != num_images:
+    if starts != len(pads) or ends != len(pads):
         raise InvalidRequestError(
-            "the prompt has <|vision_start|>/<|vision_end|> tokens that do not wrap an image",
+            "the prompt has <|vision_start|>/<|vision_end|> tokens that do not wrap an item",
             param="prompt",
         )
     return pads
 
 
-def expand_image_pads(
+def expand_pads(
     input_ids: Sequence[int],
     pad_positions: Sequence[int],
     items: Sequence[ResolvedItem],
-    image_token_id: int,
+    pad_ids: Mapping[str, int],
 ) -> tuple[list[int], list[MultiModalFeature]]:
-    """Replace each single <|image_pad|> by its item's num_tokens copies; record the ranges.
+    """Replace each single pad by its item's num_tokens copies; record the ranges.
 
-    ids:       ... <vs> <pad> <ve> ...           one pad per image
+    ids:       ... <vs> <pad> <ve> ...           one pad per item
     expanded:  ... <vs> <pad> x num_tokens <ve>  PlaceholderRange(offset, num_tokens)
     """
     expanded: list[int] = []
@@ -88,11 +97,11 @@ def expand_image_pads(
     for pos, item in zip(pad_positions, items, strict=True):
         expanded += input_ids[prev:pos]
         placeholder = PlaceholderRange(offset=len(expanded), length=item.num_tokens)
-        expanded += [image_token_id] * item.num_tokens
+        expanded += [pad_ids[item.modality]] * item.num_tokens
         features.append(
             MultiModalFeature(
                 identifier=item.identity,
-                modality="image",
+                modality=item.modality,
                 placeholder=placeholder,
                 data=item.data,
                 grid_thw=item.grid_thw,

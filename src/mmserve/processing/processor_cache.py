@@ -115,7 +115,8 @@ class UUIDRecord:
 
 
 class UUIDIndex:
-    """LRU (namespace, uuid) -> the original image's size and mode, bounded in bytes.
+    """LRU (namespace, uuid) -> what planning needs of the item (an image's `UUIDRecord`, a
+    video's `VideoMeta`), bounded in bytes.
 
     An entry costs the two key strings as Python holds them plus a fixed overhead, so that
     long uuids take their share of the budget instead of hiding behind an entry count.
@@ -126,7 +127,7 @@ class UUIDIndex:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
-        self._records: OrderedDict[tuple[str, str], tuple[UUIDRecord, int]] = OrderedDict()
+        self._records: OrderedDict[tuple[str, str], tuple[object, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -136,7 +137,7 @@ class UUIDIndex:
     def entry_bytes(namespace: str, uuid: str) -> int:
         return sys.getsizeof(namespace) + sys.getsizeof(uuid) + UUID_ENTRY_OVERHEAD_BYTES
 
-    def remember(self, namespace: str, uuid: str, record: UUIDRecord) -> None:
+    def remember(self, namespace: str, uuid: str, record: object) -> None:
         cost = self.entry_bytes(namespace, uuid)
         if cost > self.capacity_bytes:
             return
@@ -151,7 +152,7 @@ class UUIDIndex:
             self._records[key] = (record, cost)
             self.used_bytes += cost
 
-    def lookup(self, namespace: str, uuid: str) -> UUIDRecord | None:
+    def lookup(self, namespace: str, uuid: str) -> object | None:
         with self._lock:
             key = (namespace, uuid)
             entry = self._records.get(key)

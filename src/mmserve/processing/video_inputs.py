@@ -1,0 +1,179 @@
+"""What a video may arrive as, and the engine-wide video settings and bounds.
+
+Offline (`LLM.generate` multi_modal_data, `LLM.chat` video parts): a file path, bytes, a URL,
+or frames (a [T, H, W, 3] uint8 array, a list of H x W x 3 uint8 arrays or PIL images),
+frames counting as already sampled at 2 per second. Over HTTP: `video_url` parts only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from mmserve.errors import InvalidRequestError, VideoTooLargeError
+from mmserve.processing.decode_budget import RequestDecodeBudget
+from mmserve.processing.image_processor import (
+    OVERRIDABLE_KEYS,
+    ImageProcessorConfig,
+    max_tokens_per_item,
+)
+from mmserve.processing.media import MediaLoader
+from mmserve.processing.modalities import ProcessingConfig
+from mmserve.processing.video_decode import DecodedVideo, VideoLimits
+from mmserve.processing.video_processor import VideoMeta
+from mmserve.processing.video_sampling import FPS, VIDEO_KEYS, VideoConfig, frame_max_pixels
+
+# Videos per prompt when --limit-mm-per-prompt does not name "video" (vLLM V1 allows 999 of
+# every modality): each video may cost up to the decode ceilings, so one unless raised.
+DEFAULT_VIDEO_LIMIT = 1
+VIDEO_CONFIG_FILE = "video_preprocessor_config.json"
+
+
+def split_processor_kwargs(
+    kwargs: Mapping[str, Any] | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """mm_processor_kwargs -> (the image processor's keys, the video processor's keys).
+
+    min_pixels / max_pixels go to both; fps, max_frames, total_pixels to videos only."""
+    if not kwargs:
+        return {}, {}
+    if not isinstance(kwargs, Mapping):
+        raise InvalidRequestError(
+            'mm_processor_kwargs must be an object such as {"max_pixels": 1003520}',
+            param="mm_processor_kwargs",
+        )
+    known = (*OVERRIDABLE_KEYS, *VIDEO_KEYS)
+    unknown = sorted(str(k) for k in kwargs if k not in known)
+    if unknown:
+        raise InvalidRequestError(
+            f"mm_processor_kwargs: unsupported key(s) {unknown}; only "
+            f"{sorted(set(known))} can be set per request",
+            param="mm_processor_kwargs",
+        )
+    image = {k: v for k, v in kwargs.items() if k in OVERRIDABLE_KEYS}
+    video = {k: v for k, v in kwargs.items() if k in VIDEO_KEYS}
+    return image, video
+
+
+def load_video_config(
+    model_dir: str | Path, server_kwargs: Mapping[str, Any] | None
+) -> VideoConfig:
+    """The checkpoint's video_preprocessor_config.json (else qwen-vl-utils' defaults), with
+    --mm-processor-kwargs' video keys over it."""
+    path = Path(model_dir) / VIDEO_CONFIG_FILE
+    cfg = VideoConfig.from_dict(json.loads(path.read_text())) if path.is_file() else VideoConfig()
+    return cfg.with_server_overrides(server_kwargs)
+
+
+def max_tokens_per_video(cfg: VideoConfig, image_cfg: ImageProcessorConfig) -> int:
+    """An upper bound on the placeholder tokens of any one video a request may send.
+
+    Requests only lower these values (VideoConfig.for_request), and every frame count from
+    one to max_frames is tried: the per-frame cap falls as frames share the total budget."""
+    return max(
+        _tokens_per_patch(n, cfg, image_cfg) * math.ceil(n / image_cfg.temporal_patch_size)
+        for n in range(1, cfg.max_frames + 1)
+    )
+
+
+def max_patches_per_video(cfg: VideoConfig, image_cfg: ImageProcessorConfig) -> int:
+    """Input patches of the largest video (merge_size**2 per placeholder token)."""
+    return max_tokens_per_video(cfg, image_cfg) * image_cfg.merge_size**2
+
+
+def _tokens_per_patch(nframes: int, cfg: VideoConfig, image_cfg: ImageProcessorConfig) -> int:
+    cap = frame_max_pixels(nframes, cfg)
+    frame_cfg = ImageProcessorConfig(
+        min_pixels=min(cfg.min_pixels, cap),
+        max_pixels=cap,
+        patch_size=image_cfg.patch_size,
+        merge_size=image_cfg.merge_size,
+    )
+    return max_tokens_per_item(frame_cfg)
+
+
+def video_from_frames(frames: Any, cfg: VideoConfig, limits: VideoLimits) -> DecodedVideo:
+    """Frames given by the caller (already sampled) -> a DecodedVideo, checked."""
+    if isinstance(frames, np.ndarray):
+        count = frames.shape[0] if frames.ndim == 4 else 0
+    else:
+        count = len(frames)
+    if count > cfg.max_frames:
+        raise InvalidRequestError(
+            f"the video has {count} frames, over the limit of {cfg.max_frames} (max_frames); "
+            "send fewer frames",
+            param="multi_modal_data",
+        )
+    if not isinstance(frames, np.ndarray):
+        frames = np.stack([_frame_array(f) for f in frames]) if count else np.empty((0,))
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3 or count == 0:
+        raise InvalidRequestError(
+            "video frames must be a non-empty [T, H, W, 3] uint8 array, or a list of H x W x 3 "
+            f"uint8 arrays or PIL images; got shape {frames.shape}, dtype {frames.dtype}",
+            param="multi_modal_data",
+        )
+    _, height, width, _ = frames.shape
+    if width * height > limits.max_frame_pixels:
+        raise VideoTooLargeError(
+            f"the video's frames are {width}x{height} pixels, over the limit of "
+            f"{limits.max_frame_pixels} (--max-video-frame-pixels); downscale them",
+            param="multi_modal_data",
+        )
+    frames = np.ascontiguousarray(frames)
+    meta = VideoMeta(width, height, count, FPS, is_sampled=True)
+    return DecodedVideo(frames, meta, memoryview(frames).cast("B"))
+
+
+def _frame_array(frame: Any) -> np.ndarray:
+    if isinstance(frame, Image.Image):
+        return np.asarray(frame.convert("RGB"))
+    if isinstance(frame, np.ndarray):
+        return frame
+    raise InvalidRequestError(
+        f"a video frame must be a uint8 array or a PIL image, got {type(frame).__name__}",
+        param="multi_modal_data",
+    )
+
+
+def offline_video(
+    source: Any,
+    loader: MediaLoader,
+    cfg: ProcessingConfig,
+    budget: RequestDecodeBudget,
+    *,
+    trusted_paths: bool = True,
+) -> DecodedVideo | None:
+    """Any offline video source -> its decoded frames. `trusted_paths`: a plain file path is
+    read as given (the offline caller's own files); URLs follow the server's URL policy."""
+    if source is None or isinstance(source, DecodedVideo):
+        return source
+    if isinstance(source, PathLike) or (
+        trusted_paths and isinstance(source, str) and ":" not in source.split("/", 1)[0]
+    ):
+        source = _read_path(Path(source), loader.config.max_video_bytes)
+    if isinstance(source, str | bytes | bytearray | memoryview):
+        return loader.load_video(source, cfg.video, cfg.image, budget)
+    return video_from_frames(source, cfg.video, loader.config.video_limits)
+
+
+def _read_path(path: Path, max_bytes: int) -> bytes:
+    try:
+        with path.open("rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError:
+        raise InvalidRequestError(
+            f"the video file {str(path)[:200]!r} could not be read", param="multi_modal_data"
+        ) from None
+    if len(data) > max_bytes:
+        raise VideoTooLargeError(
+            f"the video file is larger than the {max_bytes}-byte limit (--max-video-bytes)",
+            param="multi_modal_data",
+        )
+    return data

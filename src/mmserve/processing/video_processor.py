@@ -1,0 +1,131 @@
+"""One video -> its plan (frames, frame size, grid, tokens) and its encoder input (patches).
+
+Patches are laid out exactly as transformers' Qwen2VLVideoProcessor lays out
+`pixel_values_videos` (called with `do_sample_frames=False` on the same sampled frames and
+`cap_pixels_per_frame=True`, its flag for qwen-vl-utils' per-frame cap):
+
+    frames [n, H, W, C] uint8 --resize--> [n, h, w, C] --pad to a multiple of T (last frame)-->
+    rows [grid_t, h/P/m, w/P/m, m, m] (a merge block's patches contiguous), each row
+    [C, T, P, P] flattened, values (level - mean * 255) / (std * 255) in float32
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from mmserve.errors import InvalidRequestError
+from mmserve.multimodal import ProcessedImage
+from mmserve.processing.image_processor import ImageProcessorConfig, smart_resize
+from mmserve.processing.video_resize import resize_frames
+from mmserve.processing.video_sampling import (
+    FPS,
+    VideoConfig,
+    frame_max_pixels,
+    num_sampled_frames,
+    sample_indices,
+    second_per_grid_t,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class VideoMeta:
+    """What is known of a video before its frames are decoded (its container's header), and
+    what a UUID-only reference keeps to plan the video again under another request's kwargs.
+
+    `is_sampled`: the frames were given as an array, already sampled (at FPS); then
+    `total_frames` is their count and `video_fps` is FPS.
+    """
+
+    width: int
+    height: int
+    total_frames: int
+    video_fps: float
+    is_sampled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class VideoPlan:
+    """What processing does to a video, known from its meta alone (no frame decoded)."""
+
+    frame_indices: tuple[int, ...]  # the frames kept, in the video's own numbering
+    resized_hw: tuple[int, int]
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    second_per_grid_t: float
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.frame_indices)
+
+
+def plan_video(meta: VideoMeta, cfg: VideoConfig, image_cfg: ImageProcessorConfig) -> VideoPlan:
+    """Frames to keep, their size, and the grid: qwen-vl-utils' rules (video_sampling.py)."""
+    if meta.is_sampled:
+        nframes = meta.total_frames
+        if nframes > cfg.max_frames:
+            raise InvalidRequestError(
+                f"the video has {nframes} frames, over the limit of {cfg.max_frames} "
+                "(max_frames); send fewer frames",
+                param="multi_modal_data",
+            )
+        indices = tuple(range(nframes))
+        seconds = image_cfg.temporal_patch_size / FPS
+    else:
+        nframes = num_sampled_frames(meta.total_frames, meta.video_fps, cfg)
+        indices = tuple(sample_indices(meta.total_frames, nframes))
+        seconds = second_per_grid_t(nframes, meta.total_frames, meta.video_fps)
+    resized_h, resized_w = smart_resize(
+        meta.height,
+        meta.width,
+        factor=image_cfg.factor,
+        min_pixels=cfg.min_pixels,
+        max_pixels=frame_max_pixels(nframes, cfg),
+    )
+    t = image_cfg.temporal_patch_size
+    grid = (
+        math.ceil(nframes / t),
+        resized_h // image_cfg.patch_size,
+        resized_w // image_cfg.patch_size,
+    )
+    num_tokens = grid[0] * grid[1] * grid[2] // image_cfg.merge_size**2
+    return VideoPlan(indices, (resized_h, resized_w), grid, num_tokens, seconds)
+
+
+def _value_table(cfg: ImageProcessorConfig) -> np.ndarray:
+    """[3 * 256] float32: the value of every uint8 level per channel, in transformers' video
+    arithmetic (rescale fused into normalise: (level - mean / r) / (std / r), float32)."""
+    levels = np.broadcast_to(np.arange(256, dtype=np.float32), (3, 256))
+    if cfg.do_normalize:
+        scale = np.float32(1.0 / cfg.rescale_factor) if cfg.do_rescale else np.float32(1.0)
+        mean = (np.asarray(cfg.image_mean, dtype=np.float32) * scale)[:, None]
+        std = (np.asarray(cfg.image_std, dtype=np.float32) * scale)[:, None]
+        table = (levels - mean) / std
+    elif cfg.do_rescale:
+        table = levels * np.float32(cfg.rescale_factor)
+    else:
+        table = levels
+    return np.ascontiguousarray(table, dtype=np.float32).ravel()
+
+
+def process_video(frames: np.ndarray, plan: VideoPlan, cfg: ImageProcessorConfig) -> ProcessedImage:
+    """[n, H, W, 3] uint8 sampled frames -> patches [grid_t * grid_h * grid_w, C * T * P * P]."""
+    assert frames.dtype == np.uint8 and frames.ndim == 4 and frames.shape[3] == 3, frames.shape
+    assert frames.shape[0] == plan.num_frames, (frames.shape, plan.num_frames)
+    h, w = plan.resized_hw
+    frames = resize_frames(frames, h, w)
+    t, p, m = cfg.temporal_patch_size, cfg.patch_size, cfg.merge_size
+    if pad := -frames.shape[0] % t:
+        frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
+    grid_t, grid_h, grid_w = plan.grid_thw
+    # [gt, T, gh/m, m, P, gw/m, m, P, C] -> [gt, gh/m, gw/m, m, m, C, T, P, P]
+    blocks = frames.reshape(grid_t, t, grid_h // m, m, p, grid_w // m, m, p, 3)
+    blocks = blocks.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    channel = np.arange(3, dtype=np.intp).reshape(1, 1, 1, 1, 1, 3, 1, 1, 1) * 256
+    values = _value_table(cfg)[blocks + channel]  # float32, same shape
+    rows = values.reshape(grid_t * grid_h * grid_w, 3 * t * p * p)
+    return ProcessedImage(
+        pixel_values=rows, grid_thw=plan.grid_thw, second_per_grid_t=plan.second_per_grid_t
+    )
