@@ -173,11 +173,6 @@ class InputProcessor:
             self.video_config.for_request(video_kwargs),
         )
 
-    @property
-    def max_patches_per_mm_item(self) -> int:
-        """Input patches of the largest item (the floor of the per-step encoder patch budget)."""
-        return max_tokens_per_item(self.image_config) * self.image_config.merge_size**2
-
     # ---- entry points -------------------------------------------------------------------
 
     def process(
