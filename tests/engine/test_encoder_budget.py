@@ -11,8 +11,11 @@ from mmserve import LLM, SamplingParams
 from mmserve.errors import EncoderItemTooLargeError
 from mmserve.multimodal import MultiModalFeature, PlaceholderRange, ProcessedPrompt
 
-# Images of at most 4 merged tokens (16 patches): the floors stay far below the test item.
-SMALL_IMAGES = {"mm_processor_kwargs": {"min_pixels": 56 * 56, "max_pixels": 56 * 56}}
+# Images and video frames of at most 4 merged tokens (16 patches), videos of at most 4 frames:
+# the floors (the largest item a request may send, videos included) stay far below the test item.
+SMALL_IMAGES = {
+    "mm_processor_kwargs": {"min_pixels": 56 * 56, "max_pixels": 56 * 56, "max_frames": 4}
+}
 
 
 def _video_prompt(num_embeds: int, video_token_id: int) -> ProcessedPrompt:
