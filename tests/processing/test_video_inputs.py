@@ -218,6 +218,12 @@ def test_server_wide_video_settings(tiny_checkpoint: Path) -> None:
     assert (proc.video_config.max_frames, proc.video_config.fps) == (16, 1.0)
     with pytest.raises(InvalidRequestError, match="over this server's limit of 16"):
         proc.request_config({"max_frames": 32})
-    # the largest video: 8 temporal patches at the per-frame cap (the budget never binds)
-    assert proc.max_tokens_per_mm_item == 8 * 768
-    assert proc.max_patches_per_mm_item == 8 * 768 * 4
+    # the image cap also lowers the video frames' bounds (it never raises them)
+    assert (proc.video_config.min_pixels, proc.video_config.max_pixels) == (3136, 3136)
+    # so the largest video, 8 temporal patches, is far below 8 at the default cap of 768
+    assert proc.max_tokens_per_mm_item < 8 * 768
+    assert proc.max_patches_per_mm_item == proc.max_tokens_per_mm_item * 4
+    generous = InputProcessor.from_pretrained(
+        tiny_checkpoint, max_model_len=8192, mm_processor_kwargs={"max_pixels": 1 << 30}
+    )
+    assert generous.video_config.max_pixels == 768 * 28 * 28  # a larger image cap: unchanged

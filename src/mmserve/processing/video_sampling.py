@@ -93,10 +93,22 @@ class VideoConfig:
 
     def with_server_overrides(self, overrides: Mapping[str, Any] | None) -> VideoConfig:
         """`--mm-processor-kwargs`: its video keys (fps, max_frames, total_pixels) set the
-        engine's values; min/max_pixels there are the image processor's."""
-        picked = {k: v for k, v in (overrides or {}).items() if k in ("fps", "max_frames")}
-        if (overrides or {}).get("total_pixels") is not None:
-            picked["total_pixels"] = overrides["total_pixels"]  # type: ignore[index]
+        engine's values. min_pixels / max_pixels there are shared with the image processor
+        (as a Hugging Face processor's top-level kwargs are): for videos they can only lower
+        the per-frame bounds, so capping images never lets a frame grow past its video
+        default (768 x 28 x 28 pixels)."""
+        overrides = overrides or {}
+        picked = {k: v for k, v in overrides.items() if k in ("fps", "max_frames")}
+        if overrides.get("total_pixels") is not None:
+            picked["total_pixels"] = overrides["total_pixels"]
+        for key in ("min_pixels", "max_pixels"):
+            value = overrides.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                picked[key] = min(value, getattr(self, key))
+        if "max_pixels" in picked:
+            picked["min_pixels"] = min(
+                picked.get("min_pixels", self.min_pixels), picked["max_pixels"]
+            )
         try:
             return replace(self, **picked) if picked else self
         except (TypeError, ValueError) as exc:
