@@ -105,10 +105,17 @@ async def test_a_nan_temperature_is_a_400_naming_temperature(served: Served) -> 
 
 
 async def test_a_tiny_temperature_is_answered(served: Served) -> None:
+    # NOTE: 1e-300 is raised to 0.01 (vLLM's floor), which is not greedy on this tiny random
+    # checkpoint (its top logits can differ by 0.003): the answer is checked against the same
+    # seeded request again, not against greedy, whose equality depended on the draw.
     resp = await _with_innocent(served, _completion(temperature=1e-300, seed=3))
     assert resp.status_code == 200, resp.text
-    greedy = await served.client.post("/v1/completions", json=_completion())
-    assert resp.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+    again = await served.client.post(
+        "/v1/completions", json=_completion(temperature=1e-300, seed=3)
+    )
+    choice = resp.json()["choices"][0]
+    assert choice["text"] == again.json()["choices"][0]["text"]
+    assert resp.json()["usage"]["completion_tokens"] == 6 or choice["finish_reason"] == "stop"
 
 
 async def test_a_failed_step_is_a_500_naming_the_request_once_in_the_log(
