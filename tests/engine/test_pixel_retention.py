@@ -12,7 +12,12 @@ IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 # Images of 16 tokens and an encoder cache of the minimum (the largest item at max_pixels, 56
 # tokens): a request's second image evicts its first, so a resumed request encodes it again.
-SMALL_ENCODER_CACHE = {"mm_processor_kwargs": {"max_pixels": 112 * 112}, "encoder_cache_size": 1}
+# The cache is floored at the largest item a request may send: no videos, so that is an image.
+SMALL_ENCODER_CACHE = {
+    "mm_processor_kwargs": {"max_pixels": 112 * 112},
+    "encoder_cache_size": 1,
+    "limit_mm_per_prompt": {"video": 0},
+}
 # 6 requests of ~70 tokens need ~105 blocks of 4: 60 forces preemptions; without the prefix
 # cache a resumed request recomputes its prompt.
 TIGHT = {"block_size": 4, "num_gpu_blocks_override": 60, "enable_prefix_caching": False}
