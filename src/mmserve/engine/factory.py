@@ -402,7 +402,8 @@ def _num_kv_blocks(
             bytes_per_block=bytes_per_block,
             encoder_cache_bytes=sched.effective_encoder_cache_bytes,
             input_buffer_bytes=buffer_bytes,
-            has_cuda_graphs=not args.enforce_eager,
+            # decode graphs are captured with the Triton backend only (`graph_sizes_for`)
+            has_cuda_graphs=not args.enforce_eager and gpu.attention_backend.name == "triton",
             has_encoder_cuda_graphs=args.enable_encoder_cuda_graph and not args.enforce_eager,
         )
     else:
