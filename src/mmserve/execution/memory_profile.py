@@ -154,7 +154,8 @@ def _run_lm(
     hidden = model(None, positions, metadata, kv_caches, inputs_embeds=embeds)
     num_rows = min(shape.max_num_seqs, num_tokens)
     logits = model.compute_logits(hidden[-num_rows:])  # [num_rows, vocab]
-    del hidden, embeds
+    # as in a step: the forward's embeddings are gone, its hidden states live through sampling
+    del embeds
     _run_sampler(logits, shape.max_logprobs, device)
     return num_rows
 
