@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.suite.llm_session import ENGINE_FIELDS, open_llm
+from benchmarks.suite.llm_session import ENGINE_FIELDS, open_llm, resolved_fields
 from benchmarks.suite.profile import Profile
 from benchmarks.suite.timing import synchronize
 
@@ -94,9 +94,14 @@ def measure_decode(
                 if limit_ms:
                     row["x_weight_read_limit"] = ms / limit_ms
             rows.append(row)
+        resolved = resolved_fields(llm)
+    return {
+        "engine_args": engine_extra,
+        "batches": rows,
         # the decode graphs the engine captured at start-up (empty: every step ran eagerly)
-        graph_sizes = list(getattr(llm.config, "cuda_graph_sizes", ()))
-    return {"engine_args": engine_extra, "batches": rows, "cuda_graph_sizes": graph_sizes}
+        "cuda_graph_sizes": list(resolved["cuda_graph_sizes"] or ()),
+        "resolved": resolved,
+    }
 
 
 def decode_section(profile: Profile, model_dir: Path, checkpoint: dict, peaks: dict) -> dict:

@@ -13,8 +13,55 @@ from benchmarks.suite.timing import release_memory
 
 from mmserve import LLM
 from mmserve.engine.args import EngineArgs
+from mmserve.engine.factory import ResolvedConfig
 
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineArgs))
+RESOLVED_FIELDS = tuple(f.name for f in dataclasses.fields(ResolvedConfig))
+# What an engine of a section ran with, from its resolved configuration (recorded beside its
+# figures): the kernels, the graphs and the encoder budget they were measured under.
+RECORDED_FIELDS = (
+    "attention_backend",
+    "layer_ops",
+    "cuda_graph_sizes",
+    "encoder_cuda_graph",
+    "encoder_patch_budget",
+    "max_num_seqs",
+    "num_kv_blocks",
+)
+
+
+def resolved_fields(llm: LLM) -> dict[str, Any]:
+    config = llm.config.as_dict()
+    return {name: config.get(name) for name in RECORDED_FIELDS}
+
+
+def engine_defaults(profile: Profile) -> dict[str, Any]:
+    """What an engine on this profile's device picks without flags, before any is built: the
+    attention backend, the layer ops, the decode graph sizes at the decode section's largest
+    batch, the encoder graphs (off unless asked)."""
+    import torch
+
+    from mmserve.execution.cuda_graphs import graph_sizes_for
+    from mmserve.layers.attention import select_backend
+    from mmserve.layers.fused import select_layer_ops
+
+    device = torch.device(profile.device)
+    args = EngineArgs(max_num_seqs=max(profile.decode_batches))
+    backend = select_backend(args.attention_backend, device, block_size=args.block_size)
+    sizes = graph_sizes_for(
+        enforce_eager=args.enforce_eager,
+        device=device,
+        backend_name=backend.name,
+        max_num_seqs=args.max_num_seqs,
+        requested=args.cuda_graph_sizes,
+    )
+    return {
+        "attention_backend": backend.name,
+        "layer_ops": select_layer_ops(backend.name).name,
+        "cuda_graph_sizes": list(sizes),
+        "encoder_cuda_graph": args.enable_encoder_cuda_graph,
+        "resolved_config_fields": list(RESOLVED_FIELDS),
+    }
 
 
 @contextmanager

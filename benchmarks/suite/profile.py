@@ -136,7 +136,7 @@ GPU = Profile(
     },
     compare_requests=32,
     compare_output_len=32,
-    gpu_tests_timeout_s=150.0,
+    gpu_tests_timeout_s=150.0,  # the most; the section gets what the others left
     layer_ops_shape={
         "hidden_size": 3584,
         "intermediate_size": 18944,
@@ -145,16 +145,29 @@ GPU = Profile(
         "head_dim": 128,
         "num_layers": 28,
     },
+    # From the shapes (H200: ~800 TFLOP/s, ~4.2 TB/s; 16.6 GB of 7B and 4.4 GB of 2B weights,
+    # each 7B load ~10 s with its engine's start, Triton's first compiles ~20 s once):
+    #   peaks       1.1 TFLOP x 160 matmuls + 4 GiB x 20 copies                 ~3 s
+    #   vit         1024^2 (12 TFLOP) and 4K (346 TFLOP) x (1 + 3), tower built  ~15 s
+    #   layer_ops   3 ops x 3 token counts x 2 paths, compiles                    ~15 s
+    #   checkpoints 21 GB written in bf16                                         ~45 s
+    #   decode      two 7B engines (torch, triton + 11 graphs), 3 batches x 2 x
+    #               (4 + 36) steps                                                ~80 s
+    #   parity      toy, 2B (+ fp32), 7B: mmserve and transformers each           ~90 s
+    #   compare_hf  a 7B mmserve and a 7B transformers run of 32 x 32 tokens      ~60 s
+    #   graphs      one eager 7B engine (the graphs' run is decode's), the tower
+    #               with graphs, two 2B engines on images                        ~60 s
+    # ~370 s with the environment: the gpu tests get the rest, at least 30 s.
     estimates_s={
         "peaks": 10,
-        "layer_ops": 10,
         "vit": 20,
-        "checkpoints": 60,
-        "decode": 60,
+        "layer_ops": 15,
+        "checkpoints": 45,
+        "decode": 80,
         "parity": 90,
-        "compare_hf": 80,
-        "gpu_tests": 60,
-        "graphs": 80,
+        "compare_hf": 60,
+        "graphs": 60,
+        "gpu_tests": 30,
     },
 )
 

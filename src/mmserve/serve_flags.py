@@ -151,8 +151,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a(
         "--enforce-eager",
         action="store_true",
-        help="Never capture CUDA graphs: every step runs eagerly. Without it, decode steps "
-        "replay graphs captured at start-up (CUDA with the triton attention backend only).",
+        help="Turn off the decode CUDA graphs (captured at start-up, CUDA with the triton "
+        "attention backend only) and the encoder CUDA graphs (--enable-encoder-cuda-graph): "
+        "every step runs eagerly, and the KV sizing keeps no CUDA graph reserve.",
     )
     a(
         "--cuda-graph-sizes",

@@ -150,7 +150,7 @@ def test_a_vllm_docs_command_line_serves_a_local_checkpoint(tmp_path: Path) -> N
         server.stop()
     log = server.log_path.read_text()
     assert "--trust-remote-code: accepted" in log and "never runs code" in log
-    assert "--enforce-eager: no CUDA graphs; every step runs eagerly" in log
+    assert "--enforce-eager: decode CUDA graphs and encoder CUDA graphs off" in log
     assert "--gpu-memory-utilization applies to CUDA devices only" in log
 
 

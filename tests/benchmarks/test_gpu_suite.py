@@ -83,7 +83,17 @@ def test_figures_are_measured(smoke: dict) -> None:
         == tied["lm_bytes"]
         == parts["decoder"] + parts["embedding"]
     )
-    rows = next(iter(s["decode"]["backends"].values()))["batches"]
+    # what engines pick without flags on this device, and the resolved fields they report
+    defaults = s["environment"]["engine_defaults"]
+    assert (defaults["attention_backend"], defaults["layer_ops"]) == ("torch", "torch")
+    assert defaults["cuda_graph_sizes"] == [] and defaults["encoder_cuda_graph"] is False
+    for field in ("encoder_patch_budget", "cuda_graph_sizes", "layer_ops", "encoder_cuda_graph"):
+        assert field in defaults["resolved_config_fields"]
+    decode = next(iter(s["decode"]["backends"].values()))
+    assert decode["resolved"]["layer_ops"] == "torch"
+    assert decode["resolved"]["encoder_patch_budget"] > 0
+    assert decode["resolved"]["max_num_seqs"] == 64
+    rows = decode["batches"]
     assert [row["batch"] for row in rows] == [1, 8, 64]
     assert any(row["ms_per_step"] for row in rows)  # a tiny CPU model can drown one in noise
     assert s["decode"]["weight_read_limit"]["limit_ms"] > 0
@@ -163,6 +173,17 @@ def test_a_section_past_the_budget_is_stopped_and_later_ones_skipped(tmp_path: P
     assert sections["checkpoints"]["wall_s"] < 10
     assert sections["peaks"]["status"] == "skipped"
     assert sections["peaks"]["reason"].startswith("time budget")
+
+
+def test_the_gpu_estimates_fit_the_budget_and_leave_the_gpu_tests_time() -> None:
+    from benchmarks.suite.profile import GPU
+
+    timed = [name for name in gpu_suite.SECTIONS if name != "environment"]
+    assert set(GPU.estimates_s) == set(timed)
+    assert gpu_suite.SECTIONS[-1] == "gpu_tests"  # what is left over, never ahead of a goal
+    before_tests = sum(GPU.estimates_s[name] for name in timed if name != "gpu_tests")
+    # the environment takes a few seconds; the gpu tests need their minimum after the rest
+    assert before_tests + 10 + GPU.estimates_s["gpu_tests"] <= GPU.budget_s <= 8 * 60
 
 
 def test_vit_flops_formula_on_a_hand_count() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from mmserve.engine.kv_sizing import (
     CUDA_GRAPH_RESERVE_BYTES,
@@ -39,7 +40,7 @@ def _figures(**overrides: int) -> MemoryFigures:
         "non_torch_bytes": 1 * GIB,
     }
     values.update(overrides)
-    return MemoryFigures(**values, encoder_grids=((1, 2, 2),), lm_seq_lens=(8,))
+    return MemoryFigures(**values, encoder_grids=((1, 2, 2),), lm_seq_lens=(8,), num_sampled_rows=8)
 
 
 def test_the_kv_cache_gets_utilization_times_total_less_every_other_figure() -> None:
@@ -48,16 +49,18 @@ def test_the_kv_cache_gets_utilization_times_total_less_every_other_figure() -> 
         utilization=0.9,
         bytes_per_block=MIB,
         encoder_cache_bytes=512 * MIB,
+        input_buffer_bytes=128 * MIB,
         cuda_graph_reserve_bytes=256 * MIB,
     )
-    # 72 GiB - 16 - 3 - 1 - 0.5 - 0.25 = 51.25 GiB
-    assert sizing.num_blocks == 51 * 1024 + 256
+    # 72 GiB - 16 - 3 - 1 - 0.5 - 0.125 - 0.25 = 51.125 GiB
+    assert sizing.num_blocks == 51 * 1024 + 128
     assert sizing.kv_cache_bytes == sizing.num_blocks * MIB
     assert not sizing.is_limited_by_free_memory
     text = sizing.describe()
     for figure in ("0.90 x 81920 MiB total", "weights 16384 MiB", "activation peak 3072 MiB"):
         assert figure in text
-    assert "52480 blocks = 52480 MiB" in text and "CUDA graph reserve 256 MiB" in text
+    assert "52352 blocks = 52352 MiB" in text and "CUDA graph reserve 256 MiB" in text
+    assert "input buffers 128.0 MiB" in text
 
 
 def test_never_more_than_is_free_when_another_process_holds_memory() -> None:
@@ -66,10 +69,12 @@ def test_never_more_than_is_free_when_another_process_holds_memory() -> None:
         utilization=0.9,
         bytes_per_block=3 * MIB,
         encoder_cache_bytes=0,
+        input_buffer_bytes=GIB,
         cuda_graph_reserve_bytes=GIB,
     )
     assert sizing.is_limited_by_free_memory
-    assert sizing.num_blocks == (20 - 3 - 1) * GIB // (3 * MIB)  # less activations and reserve
+    # less what is still to come: activations, input buffers, graph reserve
+    assert sizing.num_blocks == (20 - 3 - 1 - 1) * GIB // (3 * MIB)
     assert "limited by free memory" in sizing.describe()
 
 
@@ -80,10 +85,12 @@ def test_no_block_left_fails_start_up_saying_what_to_lower() -> None:
             utilization=0.9,
             bytes_per_block=MIB,
             encoder_cache_bytes=0,
+            input_buffer_bytes=0,
             cuda_graph_reserve_bytes=0,
         )
     message = str(excinfo.value)
-    for flag in ("--max-num-batched-tokens", "--max-model-len", "--gpu-memory-utilization"):
+    flags = ("--max-num-batched-tokens", "--max-model-len", "--max-num-seqs")
+    for flag in (*flags, "--gpu-memory-utilization"):
         assert flag in message
     assert "activation peak 61440 MiB" in message
 
@@ -140,6 +147,23 @@ class RecordedMemory:
         self.events.append("empty_cache")
 
 
+class SamplerOps(TorchFunctionMode):
+    """Records the sampler's costly calls, with their shapes, into the profile's event list."""
+
+    def __init__(self, events: list[str]) -> None:
+        super().__init__()
+        self.events = events
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("sort", "log_softmax", "topk"):
+            shape = list(args[0].shape)
+            k = f" k={args[1]}" if name == "topk" else ""
+            self.events.append(f"{name} {shape}{k}")
+        return func(*args, **kwargs)
+
+
 def _gpu_profile(checkpoint: Path, events: list[str], at_start: MemorySnapshot) -> GpuProfile:
     model, config = load_model(checkpoint, dtype=torch.float32)
     # Hooks (not stand-ins): the real towers run, and say when.
@@ -152,6 +176,7 @@ def _gpu_profile(checkpoint: Path, events: list[str], at_start: MemorySnapshot) 
         max_patches_per_call=4 * 20,
         max_tokens_per_mm_item=12,
         block_size=16,
+        max_logprobs=5,
     )
     return GpuProfile(
         model, config, TorchAttentionBackend(), shape, at_start, torch.device("cpu"), torch.float32
@@ -165,16 +190,18 @@ def test_the_profile_run_reads_the_peak_of_the_vit_and_the_lm_at_their_budgets(
     after = MemorySnapshot(free_bytes=50 * GIB, total_bytes=80 * GIB, reserved_bytes=19 * GIB)
     memory = RecordedMemory([16 * GIB, 16 * GIB + MIB], peak=20 * GIB, snapshot=after)
     gpu = _gpu_profile(tiny_checkpoint, memory.events, at_start)
-    figures = profile_memory(
-        gpu.model,
-        gpu.model_config,
-        gpu.attention_backend,
-        gpu.shape,
-        memory,
-        at_start,
-        device=gpu.device,
-        dtype=gpu.dtype,
-    )
+    with SamplerOps(memory.events):
+        figures = profile_memory(
+            gpu.model,
+            gpu.model_config,
+            gpu.attention_backend,
+            gpu.shape,
+            memory,
+            at_start,
+            device=gpu.device,
+            dtype=gpu.dtype,
+        )
+    vocab = gpu.model_config.vocab_size
     assert memory.events == [
         "synchronize",
         "allocated",  # the weights
@@ -182,6 +209,12 @@ def test_the_profile_run_reads_the_peak_of_the_vit_and_the_lm_at_their_budgets(
         "reset_peak",
         "vit",
         "lm",
+        # the sampler over max_num_seqs rows, inside the peak's window: logprobs at
+        # --max-logprobs, then top-k and the top-p sort over the whole vocabulary
+        f"log_softmax [4, {vocab}]",
+        f"topk [4, {vocab}] k=5",
+        f"topk [4, {vocab}] k=50",
+        f"sort [4, {vocab}]",
         "synchronize",
         "peak",
         "empty_cache",
@@ -194,6 +227,7 @@ def test_the_profile_run_reads_the_peak_of_the_vit_and_the_lm_at_their_budgets(
     assert (figures.free_bytes, figures.total_bytes) == (50 * GIB, 80 * GIB)
     assert figures.encoder_grids == ((1, 6, 8), (1, 4, 8))  # 12 + 8 tokens: the 20-token budget
     assert figures.lm_seq_lens == (24, 16)
+    assert figures.num_sampled_rows == 4
 
 
 def test_profiled_budget_logs_each_figure(qwen2_vl_dir: Path, caplog) -> None:
@@ -208,13 +242,18 @@ def test_profiled_budget_logs_each_figure(qwen2_vl_dir: Path, caplog) -> None:
             utilization=0.5,
             bytes_per_block=MIB,
             encoder_cache_bytes=GIB,
+            input_buffer_bytes=64 * MIB,
             has_cuda_graphs=True,
+            has_encoder_cuda_graphs=True,
         )
-    # 40 GiB - weights 16 - peak 2 - non-torch 1 - encoder cache 1 - graph reserve
-    assert kv_bytes == 20 * GIB - CUDA_GRAPH_RESERVE_BYTES
+    # 40 GiB - weights 16 - peak 2 - non-torch 1 - encoder cache 1 - buffers - graph reserve
+    assert kv_bytes == 20 * GIB - 64 * MIB - CUDA_GRAPH_RESERVE_BYTES
     log = caplog.text
     assert "activation peak 2048 MiB" in log and "0.50 x 81920 MiB total" in log
     assert "LM over 24+16 new tokens" in log
+    assert "sampler (top-k, top-p, penalties, 5 logprobs) on 4 rows" in log
+    assert "encoder CUDA graphs: captured lazily in one shared pool" in log
+    assert "input buffers 64.0 MiB" in log
 
 
 def test_kv_cache_memory_is_vllms_other_name_for_the_bytes_flag() -> None:

@@ -27,6 +27,7 @@ SHAPE = ProfileShape(
     max_patches_per_call=4 * 2048,
     max_tokens_per_mm_item=1024,
     block_size=16,
+    max_logprobs=20,
 )
 
 
@@ -53,6 +54,7 @@ def test_the_figures_are_sane_and_the_kv_cache_leaves_the_peak_free(qwen2_vl_dir
         utilization=0.25,  # other GPU tests may run beside this one
         bytes_per_block=bytes_per_block,
         encoder_cache_bytes=0,
+        input_buffer_bytes=0,
         cuda_graph_reserve_bytes=CUDA_GRAPH_RESERVE_BYTES,
     )
     assert sizing.num_blocks > 0

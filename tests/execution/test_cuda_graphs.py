@@ -16,9 +16,11 @@ from mmserve.execution.cuda_graphs import (
     DUMMY_BLOCK,
     DecodeGraphs,
     EagerGraph,
+    GraphMemory,
     capture_sizes,
     graph_sizes_for,
     padded_size,
+    report_graph_memory,
 )
 from tests.engine.conftest import DIVERSE
 from tests.factory import random_image, write_tiny_checkpoint
@@ -52,10 +54,29 @@ def test_graphs_are_off_with_a_reason_unless_triton_on_cuda(caplog) -> None:
         assert graph_sizes_for(enforce_eager=True, device=cuda, backend_name="triton", **args) == ()
         assert graph_sizes_for(enforce_eager=False, device=cpu, backend_name="triton", **args) == ()
         assert graph_sizes_for(enforce_eager=False, device=cuda, backend_name="torch", **args) == ()
-    assert "--enforce-eager: no CUDA graphs" in caplog.text
+    assert "--enforce-eager: decode CUDA graphs and encoder CUDA graphs off" in caplog.text
     assert "they need a CUDA device" in caplog.text and "not capturable" in caplog.text
     on = graph_sizes_for(enforce_eager=False, device=cuda, backend_name="triton", **args)
     assert on == (1, 2, 4, 8)
+
+
+def test_what_the_capture_took_is_logged_beside_the_reserve_and_warned_past_it(caplog) -> None:
+    mib = 1 << 20
+    with caplog.at_level(logging.INFO, logger="mmserve.execution.cuda_graphs"):
+        assert report_graph_memory(GraphMemory(40 * mib, 42 * mib), 256 * mib)
+    (record,) = caplog.records
+    assert record.levelno == logging.INFO
+    assert "took 42.0 MiB (pool 40.0 MiB, device 42.0 MiB) of the 256 MiB" in record.message
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mmserve.execution.cuda_graphs"):
+        # the pool grew past the reserve though the device figure (another process) did not
+        assert not report_graph_memory(GraphMemory(300 * mib, 10 * mib), 256 * mib)
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "took 300.0 MiB" in record.message
+    for flag in ("--cuda-graph-sizes", "--max-num-seqs", "--gpu-memory-utilization"):
+        assert flag in record.message
+    assert "--enforce-eager" in record.message
 
 
 def test_the_sizes_flag_reaches_engine_args_and_is_checked() -> None:

@@ -68,3 +68,13 @@ def test_the_sizes_cross_to_the_engine_process(checkpoint: str) -> None:
         assert llm.config.cuda_graph_sizes == (1, 4)
         out = llm.generate(_prompts(3), GREEDY, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 12 for o in out)
+
+
+def test_the_capture_logs_what_the_graphs_took_beside_the_reserve(checkpoint: str, caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="mmserve.execution.cuda_graphs"):
+        _greedy(checkpoint, _prompts(2), dtype="bfloat16", multiprocess=False)
+    (line,) = [r for r in caplog.records if "decode CUDA graphs took" in r.message]
+    assert "of the 256 MiB CUDA graph reserve" in line.message
+    assert line.levelno == logging.INFO  # a tiny model's graphs fit the reserve

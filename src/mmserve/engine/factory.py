@@ -23,6 +23,7 @@ from mmserve.execution.device_memory import CudaMemory
 from mmserve.execution.encoder_graphs import make_encoder_embed
 from mmserve.execution.encoder_runner import EncoderRunner
 from mmserve.execution.executor import InProcessExecutor
+from mmserve.execution.input_batch import input_buffer_bytes
 from mmserve.execution.memory_profile import ProfileShape
 from mmserve.execution.model_runner import ModelRunner
 from mmserve.generation_config import load_sampling_defaults
@@ -246,6 +247,11 @@ def build_core(
     # the per-step encoder budget, in input patches (what activation memory scales with)
     max_patches_per_call = scheduler_config.effective_encoder_patch_budget
     bytes_per_block = kv_cache_bytes_per_block(model_config, args.block_size, dtype)
+    limits = BatchLimits(
+        max_num_tokens=scheduler_config.max_num_batched_tokens,
+        max_num_seqs=scheduler_config.max_num_seqs,
+        max_blocks_per_seq=-(-shape.max_model_len // args.block_size),
+    )
     gpu = None
     if at_start is not None:
         profile = ProfileShape(
@@ -255,9 +261,10 @@ def build_core(
             max_patches_per_call=max_patches_per_call,
             max_tokens_per_mm_item=scheduler_config.max_tokens_per_mm_item,
             block_size=args.block_size,
+            max_logprobs=args.max_logprobs,
         )
         gpu = GpuProfile(model, model_config, attention_backend, profile, at_start, device, dtype)
-    num_blocks = _num_kv_blocks(args, shape, bytes_per_block, gpu)
+    num_blocks = _num_kv_blocks(args, shape, bytes_per_block, input_buffer_bytes(limits), gpu)
     cache_config = CacheConfig(
         num_blocks=num_blocks,
         block_size=args.block_size,
@@ -295,11 +302,7 @@ def build_core(
         device=device,
         seed=args.seed,
         attention_backend=attention_backend,
-        limits=BatchLimits(
-            max_num_tokens=scheduler_config.max_num_batched_tokens,
-            max_num_seqs=scheduler_config.max_num_seqs,
-            max_blocks_per_seq=-(-shape.max_model_len // args.block_size),
-        ),
+        limits=limits,
     )
     graph_sizes = start_decode_graphs(runner, args)
     metrics.set_gauge("kv_blocks_total", num_blocks)
@@ -383,6 +386,7 @@ def _num_kv_blocks(
     args: EngineArgs,
     shape: EngineShape,
     bytes_per_block: int,
+    buffer_bytes: int,
     gpu: GpuProfile | None,
 ) -> int:
     sched = shape.scheduler_config
@@ -397,7 +401,10 @@ def _num_kv_blocks(
             utilization=args.gpu_memory_utilization,
             bytes_per_block=bytes_per_block,
             encoder_cache_bytes=sched.effective_encoder_cache_bytes,
-            has_cuda_graphs=not args.enforce_eager,
+            input_buffer_bytes=buffer_bytes,
+            # decode graphs are captured with the Triton backend only (`graph_sizes_for`)
+            has_cuda_graphs=not args.enforce_eager and gpu.attention_backend.name == "triton",
+            has_encoder_cuda_graphs=args.enable_encoder_cuda_graph and not args.enforce_eager,
         )
     else:
         budget = CPU_KV_CACHE_BYTES

@@ -2,17 +2,23 @@
 
 vLLM's rule: this process may use `--gpu-memory-utilization` of the device's memory; the
 weights, the profile run's activation peak, the memory held outside torch's allocator, the
-encoder cache and a reserve for CUDA graphs come off it, and the KV cache gets the rest. It
-never gets more than is free now less the activations and the reserve (another process may
-hold memory too).
+encoder cache, the runner's input buffers and a reserve for CUDA graphs come off it, and the KV
+cache gets the rest. It never gets more than is free now less what is still to be allocated
+(another process may hold memory too).
 
-    utilization x total ─┬─ weights (and persistent buffers)
+    utilization x total ─┬─ weights
                          ├─ activation peak (the profile run: ViT at the encoder budget,
-                         │                    LM at --max-num-batched-tokens)
+                         │                    LM at --max-num-batched-tokens, the sampler
+                         │                    over --max-num-seqs rows at its costliest)
                          ├─ non-torch (cuBLAS workspaces, ... grown since start-up)
                          ├─ encoder cache (embeddings kept on the device, full)
-                         ├─ CUDA graph reserve
+                         ├─ input buffers (the runner's persistent device buffers, built later)
+                         ├─ CUDA graph reserve (decode graphs, captured after the KV cache)
                          └─ KV cache  = num_blocks x bytes_per_block (+ < 1 block unused)
+
+NOTE: the encoder CUDA graphs (--enable-encoder-cuda-graph) are captured lazily, later, in one
+shared pool; their largest budget is the full encoder budget, which the profile's ViT run
+covers, so its peak bounds them and they need no reserve of their own.
 """
 
 from __future__ import annotations
@@ -23,15 +29,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mmserve.execution.cuda_graphs import CUDA_GRAPH_RESERVE_BYTES
 from mmserve.execution.device_memory import DeviceMemory, MemorySnapshot
 from mmserve.execution.memory_profile import MemoryFigures, ProfileShape, profile_memory
 from mmserve.layers.attention import AttentionBackend
 from mmserve.models.config import ModelConfig
 
+__all__ = ["CUDA_GRAPH_RESERVE_BYTES", "GpuProfile", "profiled_kv_budget", "size_kv_cache"]
+
 MIB = 1 << 20
-# Kept free for the decode CUDA graphs' memory pool (unless --enforce-eager) until their capture
-# measures it: a decode step's activations at the largest captured batch are tens of MiB.
-CUDA_GRAPH_RESERVE_BYTES = 256 * MIB
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +49,7 @@ class KVCacheSizing:
     figures: MemoryFigures
     utilization: float
     encoder_cache_bytes: int
+    input_buffer_bytes: int
     cuda_graph_reserve_bytes: int
     bytes_per_block: int
     kv_cache_bytes: int  # num_blocks x bytes_per_block
@@ -60,7 +67,9 @@ class KVCacheSizing:
             f"- activation peak {f.activation_peak_bytes // MIB} MiB "
             f"- non-torch {f.non_torch_bytes // MIB} MiB "
             f"- encoder cache {self.encoder_cache_bytes // MIB} MiB "
-            f"- CUDA graph reserve {self.cuda_graph_reserve_bytes // MIB} MiB; "
+            f"- input buffers {self.input_buffer_bytes / MIB:.1f} MiB "
+            f"- CUDA graph reserve {self.cuda_graph_reserve_bytes // MIB} MiB "
+            "(decode graphs; measured after capture); "
             f"{f.free_bytes // MIB} MiB free after the profile run"
         )
 
@@ -71,31 +80,28 @@ def size_kv_cache(
     utilization: float,
     bytes_per_block: int,
     encoder_cache_bytes: int,
+    input_buffer_bytes: int,
     cuda_graph_reserve_bytes: int,
 ) -> KVCacheSizing:
     """The module docstring's rule; ValueError naming what to lower when no block fits."""
     assert 0 < utilization <= 1 and bytes_per_block > 0
-    held_bytes = (
-        figures.weights_bytes
-        + figures.activation_peak_bytes
-        + figures.non_torch_bytes
+    to_allocate_bytes = (
+        figures.activation_peak_bytes
         + encoder_cache_bytes
+        + input_buffer_bytes
         + cuda_graph_reserve_bytes
     )
+    held_bytes = figures.weights_bytes + figures.non_torch_bytes + to_allocate_bytes
     by_utilization = int(utilization * figures.total_bytes) - held_bytes
     # The weights are already out of the free figure; what runs later must still fit.
-    by_free_memory = (
-        figures.free_bytes
-        - figures.activation_peak_bytes
-        - encoder_cache_bytes
-        - cuda_graph_reserve_bytes
-    )
+    by_free_memory = figures.free_bytes - to_allocate_bytes
     kv_bytes = min(by_utilization, by_free_memory)
     num_blocks = max(0, kv_bytes) // bytes_per_block
     sizing = KVCacheSizing(
         figures=figures,
         utilization=utilization,
         encoder_cache_bytes=encoder_cache_bytes,
+        input_buffer_bytes=input_buffer_bytes,
         cuda_graph_reserve_bytes=cuda_graph_reserve_bytes,
         bytes_per_block=bytes_per_block,
         kv_cache_bytes=num_blocks * bytes_per_block,
@@ -107,8 +113,9 @@ def size_kv_cache(
             f"no KV cache block ({bytes_per_block} bytes) fits on the GPU: {sizing.describe()}. "
             "Lower --max-num-batched-tokens (the activation peak scales with it) or "
             "--max-model-len, shrink the encoder budget (--encoder-cache-size, "
-            "--mm-processor-kwargs max_pixels), raise --gpu-memory-utilization, or free the "
-            "memory other processes hold on this GPU"
+            "--mm-processor-kwargs max_pixels) or --max-num-seqs (the sampler's peak scales "
+            "with it), raise --gpu-memory-utilization, or free the memory other processes "
+            "hold on this GPU"
         )
     return sizing
 
@@ -134,7 +141,9 @@ def profiled_kv_budget(
     utilization: float,
     bytes_per_block: int,
     encoder_cache_bytes: int,
+    input_buffer_bytes: int,
     has_cuda_graphs: bool,
+    has_encoder_cuda_graphs: bool,
 ) -> int:
     """The profile run (`execution/memory_profile.py`), then `size_kv_cache`; logs the figures."""
     figures = profile_memory(
@@ -148,19 +157,27 @@ def profiled_kv_budget(
         dtype=gpu.dtype,
     )
     logger.info(
-        "profile run on %s: ViT on grids %s, LM over %s new tokens and its head on %d rows: "
-        "activation peak %d MiB",
+        "profile run on %s: ViT on grids %s, LM over %s new tokens, its head and the sampler "
+        "(top-k, top-p, penalties, %d logprobs) on %d rows: activation peak %d MiB",
         gpu.device,
         list(figures.encoder_grids),
         "+".join(map(str, figures.lm_seq_lens)),
-        min(gpu.shape.max_num_seqs, sum(figures.lm_seq_lens)),
+        gpu.shape.max_logprobs,
+        figures.num_sampled_rows,
         figures.activation_peak_bytes // MIB,
     )
+    if has_encoder_cuda_graphs:
+        logger.info(
+            "encoder CUDA graphs: captured lazily in one shared pool, at most the full encoder "
+            "budget (%d patches): the profile's ViT peak above bounds them, no reserve kept",
+            gpu.shape.max_patches_per_call,
+        )
     sizing = size_kv_cache(
         figures,
         utilization=utilization,
         bytes_per_block=bytes_per_block,
         encoder_cache_bytes=encoder_cache_bytes,
+        input_buffer_bytes=input_buffer_bytes,
         cuda_graph_reserve_bytes=CUDA_GRAPH_RESERVE_BYTES if has_cuda_graphs else 0,
     )
     logger.info("%s", sizing.describe())

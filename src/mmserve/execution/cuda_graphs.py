@@ -26,10 +26,11 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
+from mmserve.execution.device_memory import CudaMemory
 from mmserve.execution.input_batch import StepBatch
 from mmserve.layers.attention import AttentionMetadata
 from mmserve.layers.attention.triton_backend import TritonAttentionBackend, TritonPlan
@@ -39,6 +40,13 @@ if TYPE_CHECKING:
     from mmserve.execution.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+MIB = 1 << 20
+# Kept free by the KV sizing for the decode graphs' memory pool (unless --enforce-eager): they
+# are captured after the KV cache exists, so no profile can measure them first. A decode step's
+# activations at the largest captured batch are tens of MiB; the capture measures what they
+# took and warns when it is more (`report_graph_memory`).
+CUDA_GRAPH_RESERVE_BYTES = 256 * MIB
 
 # Padding rows read block 0: any block serves, since they store nothing and their rows are
 # dropped; reading a real sequence's block changes nothing for that sequence.
@@ -216,7 +224,10 @@ def graph_sizes_for(
 ) -> tuple[int, ...]:
     """The sizes to capture at start-up, or () with the reason logged once."""
     if enforce_eager:
-        logger.info("--enforce-eager: no CUDA graphs; every step runs eagerly")
+        logger.info(
+            "--enforce-eager: decode CUDA graphs and encoder CUDA graphs off; every step runs "
+            "eagerly and the KV sizing keeps no CUDA graph reserve"
+        )
         return ()
     if device.type != "cuda":
         logger.info("decode CUDA graphs: off (device %s; they need a CUDA device)", device)
@@ -242,7 +253,12 @@ def start_decode_graphs(runner: ModelRunner, args: EngineArgs) -> tuple[int, ...
     )
     if not sizes:
         return ()
+    memory = CudaMemory(runner.device)
+    memory.synchronize()
+    before = memory.snapshot()
     seconds = runner.capture_decode_graphs(sizes, cuda_graph_factory())
+    memory.synchronize()
+    after = memory.snapshot()
     logger.info(
         "decode CUDA graphs: captured %d batch sizes %s in %.2f s (--enforce-eager turns "
         "them off, --cuda-graph-sizes picks the sizes)",
@@ -250,4 +266,43 @@ def start_decode_graphs(runner: ModelRunner, args: EngineArgs) -> tuple[int, ...
         list(sizes),
         seconds,
     )
+    report_graph_memory(
+        GraphMemory(
+            pool_bytes=after.reserved_bytes - before.reserved_bytes,
+            device_bytes=before.free_bytes - after.free_bytes,
+        ),
+        CUDA_GRAPH_RESERVE_BYTES,
+    )
     return sizes
+
+
+class GraphMemory(NamedTuple):
+    """What capturing the decode graphs took, in bytes."""
+
+    pool_bytes: int  # torch's allocator grew by this: the graphs' pool and their fixed buffers
+    device_bytes: int  # the device's free memory shrank by this: the pool and the graphs
+
+    @property
+    def used_bytes(self) -> int:
+        return max(self.pool_bytes, self.device_bytes)
+
+
+def report_graph_memory(taken: GraphMemory, reserve_bytes: int) -> bool:
+    """Log what the capture took beside the reserve the KV sizing kept; a warning naming the
+    flags to lower when it took more. True when it fit."""
+    fits = taken.used_bytes <= reserve_bytes
+    text = (
+        f"decode CUDA graphs took {taken.used_bytes / MIB:.1f} MiB (pool "
+        f"{taken.pool_bytes / MIB:.1f} MiB, device {taken.device_bytes / MIB:.1f} MiB) of the "
+        f"{reserve_bytes // MIB} MiB CUDA graph reserve"
+    )
+    if fits:
+        logger.info("%s", text)
+    else:
+        logger.warning(
+            "%s: the KV cache left too little for them, and a later allocation may run out of "
+            "memory. Lower --cuda-graph-sizes (the largest captured batch), --max-num-seqs or "
+            "--gpu-memory-utilization, or pass --enforce-eager (no CUDA graphs)",
+            text,
+        )
+    return fits

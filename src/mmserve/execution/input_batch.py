@@ -101,6 +101,17 @@ class InputBuffers:
             self._sent.record()
 
 
+def input_buffer_bytes(limits: BatchLimits) -> int:
+    """The device bytes `InputBuffers(limits, cuda)` allocates (and as much pinned host memory):
+    what the KV sizing leaves for them, since the runner builds them after it."""
+    n, s, b = limits.max_num_tokens, limits.max_num_seqs, limits.max_blocks_per_seq
+    int64_elements = n + 3 * n + s  # input ids, positions [3, n], sample rows
+    int64_elements += n + 2 * s  # slot mapping; torch's decode groups (sequence, token)
+    int32_elements = s * b + s + (s + 1)  # block tables, seq lens, query start locations
+    int32_elements += 2 * n  # Triton's query tiles: sequence and first token of each
+    return 8 * int64_elements + 4 * int32_elements
+
+
 def prepare_batch(
     so: SchedulerOutput,
     states: Mapping[str, RequestState],

@@ -1,5 +1,6 @@
-"""The start-up profile run: the ViT at the encoder budget and the LM at the token budget, once,
-to read the activation peak that the KV cache must leave free (`engine/kv_sizing.py`)."""
+"""The start-up profile run: the ViT at the encoder budget, the LM at the token budget and the
+sampler over the largest batch at its most expensive settings, once, to read the activation
+peak that the KV cache must leave free (`engine/kv_sizing.py`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,22 @@ import torch
 from torch import nn
 
 from mmserve.execution.device_memory import DeviceMemory, MemorySnapshot
+from mmserve.execution.sampler import SamplingRow, make_device_generator
+from mmserve.execution.sampling_step import sample_step
 from mmserve.layers.attention import AttentionBackend, allocate_kv_caches
 from mmserve.models.config import ModelConfig
+from mmserve.sampling_params import SamplingParams
+
+# The sampler's costliest settings: temperature, top-k and top-p (a full-vocabulary sort), and
+# every penalty (per-row token counts over the vocabulary); logprobs at --max-logprobs.
+_PROFILE_SAMPLING = dict(
+    temperature=0.7,
+    top_k=50,
+    top_p=0.9,
+    presence_penalty=0.5,
+    frequency_penalty=0.5,
+    repetition_penalty=1.1,
+)
 
 
 @dataclass(frozen=True)
@@ -24,6 +39,7 @@ class ProfileShape:
     max_patches_per_call: int  # the encoder's per-call budget, in input patches
     max_tokens_per_mm_item: int  # in merged tokens
     block_size: int
+    max_logprobs: int  # --max-logprobs: the widest logprobs table a row may ask for
 
 
 @dataclass(frozen=True)
@@ -37,6 +53,7 @@ class MemoryFigures:
     non_torch_bytes: int  # this process's growth outside torch's allocator since start-up
     encoder_grids: tuple[tuple[int, int, int], ...]  # what the ViT ran
     lm_seq_lens: tuple[int, ...]  # what the LM ran: one prefill per entry
+    num_sampled_rows: int  # what the LM head and the sampler ran on
 
 
 def encoder_profile_grids(
@@ -97,7 +114,7 @@ def profile_memory(
     embeds = model.embed_multimodal(pixels, grids)
     del pixels, embeds
     seq_lens = lm_profile_seq_lens(shape.max_num_batched_tokens, shape.max_model_len)
-    _run_lm(model, attention_backend, kv_caches, seq_lens, shape, device)
+    num_rows = _run_lm(model, attention_backend, kv_caches, seq_lens, shape, device)
     memory.synchronize()
     activation_peak_bytes = max(0, memory.peak_allocated_bytes() - live_before_bytes)
     del kv_caches
@@ -111,6 +128,7 @@ def profile_memory(
         non_torch_bytes=max(0, after.outside_torch_bytes - at_start.outside_torch_bytes),
         encoder_grids=tuple(grids),
         lm_seq_lens=tuple(seq_lens),
+        num_sampled_rows=num_rows,
     )
 
 
@@ -121,9 +139,9 @@ def _run_lm(
     seq_lens: list[int],
     shape: ProfileShape,
     device: torch.device,
-) -> None:
-    """One forward over `seq_lens` fresh prefills, then the LM head on as many rows as a step
-    samples at most."""
+) -> int:
+    """One forward over `seq_lens` fresh prefills, then the LM head and the sampler on as many
+    rows as a step samples at most; the number of rows."""
     tables = [[0] * -(-n // shape.block_size) for n in seq_lens]  # every entry: the one block
     metadata = attention_backend.build_metadata(
         seq_lens, seq_lens, tables, shape.block_size, device
@@ -135,4 +153,17 @@ def _run_lm(
     embeds = model.embed_input_ids(input_ids)  # [num_tokens, hidden]
     hidden = model(None, positions, metadata, kv_caches, inputs_embeds=embeds)
     num_rows = min(shape.max_num_seqs, num_tokens)
-    model.compute_logits(hidden[-num_rows:])  # [num_rows, vocab]
+    logits = model.compute_logits(hidden[-num_rows:])  # [num_rows, vocab]
+    # as in a step: the forward's embeddings are gone, its hidden states live through sampling
+    del embeds
+    _run_sampler(logits, shape.max_logprobs, device)
+    return num_rows
+
+
+def _run_sampler(logits: torch.Tensor, max_logprobs: int, device: torch.device) -> None:
+    """One sampler pass over every row at `_PROFILE_SAMPLING`: its float32 copy of the logits,
+    the sort, the penalties' counts and the logprobs table are all live at its peak."""
+    params = SamplingParams(**_PROFILE_SAMPLING, logprobs=max_logprobs)
+    # a short history: the penalties' [num_rows, vocab] counts do not grow with it
+    rows = [SamplingRow(f"profile-{i}", params, None, 0, (), (0, 1)) for i in range(len(logits))]
+    sample_step(logits, rows, make_device_generator(0, device), None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -102,11 +103,6 @@ class TritonAttentionBackend:
         if plan.num_tiles == 0:
             return out
         assert query.stride(2) == 1 and kv_cache.is_contiguous()
-        group = num_heads // num_kv_heads
-        group_pad = _next_power_of_two(group)
-        head_pad = max(16, _next_power_of_two(head_dim))
-        # A tile's float32 accumulator is rows x head_pad: more warps keep it in registers.
-        num_warps = 8 if plan.tokens_per_tile * group_pad * head_pad > 8192 else 4
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         self.kernels.paged_attention[(plan.num_tiles, num_kv_heads)](
             out,
@@ -127,17 +123,56 @@ class TritonAttentionBackend:
             key_cache.stride(1),
             key_cache.stride(2),
             metadata.block_tables.stride(0),
-            GROUP=group,
-            GROUP_PAD=group_pad,
-            BLOCK_Q=plan.tokens_per_tile,
-            BLOCK_SIZE=block_size,
-            HEAD_DIM=head_dim,
-            HEAD_PAD=head_pad,
-            DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-            DOT_IN_FP32=self.kernels.is_interpreted and kv_cache.dtype == torch.bfloat16,
-            num_warps=num_warps,
+            **paged_attention_specialisation(
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                block_size,
+                plan.tokens_per_tile,
+                kv_cache.dtype,
+                is_interpreted=self.kernels.is_interpreted,
+            ),
         )
         return out
+
+
+def paged_attention_specialisation(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    tokens_per_tile: int,
+    dtype: torch.dtype,
+    *,
+    is_interpreted: bool,
+) -> dict[str, Any]:
+    """The constexprs and `num_warps` of one paged attention launch (what it is compiled
+    for; tests/layers/aot_compile.py lowers the same ones for sm_90 without a GPU)."""
+    group = num_heads // num_kv_heads
+    group_pad = _next_power_of_two(group)
+    head_pad = max(16, _next_power_of_two(head_dim))
+    return {
+        "GROUP": group,
+        "GROUP_PAD": group_pad,
+        "BLOCK_Q": tokens_per_tile,
+        "BLOCK_SIZE": block_size,
+        "HEAD_DIM": head_dim,
+        "HEAD_PAD": head_pad,
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "DOT_IN_FP32": is_interpreted and dtype == torch.bfloat16,
+        # A tile's float32 accumulator is rows x head_pad: more warps keep it in registers.
+        "num_warps": 8 if tokens_per_tile * group_pad * head_pad > 8192 else 4,
+    }
+
+
+def store_kv_specialisation(num_kv_heads: int, head_dim: int, block_size: int) -> dict[str, Any]:
+    """The constexprs of one KV store launch (default `num_warps`)."""
+    return {
+        "BLOCK_SIZE": block_size,
+        "HEAD_DIM": head_dim,
+        "HEAD_PAD": _next_power_of_two(head_dim),
+        "KV_HEADS_PAD": _next_power_of_two(num_kv_heads),
+    }
 
 
 def store_kv(
@@ -172,10 +207,7 @@ def store_kv(
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
-        BLOCK_SIZE=kv_cache.shape[2],
-        HEAD_DIM=head_dim,
-        HEAD_PAD=_next_power_of_two(head_dim),
-        KV_HEADS_PAD=_next_power_of_two(num_kv_heads),
+        **store_kv_specialisation(num_kv_heads, head_dim, kv_cache.shape[2]),
     )
 
 

@@ -6,6 +6,8 @@ is how the tests check them against `TorchLayerOps`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mmserve.layers.fused.triton_kernels import compile_kernels
@@ -49,7 +51,6 @@ class TritonLayerOps:
         summed2d, out2d = _rows(summed), _rows(out)
         if x2d.shape[0] == 0:
             return out, summed
-        block = _next_power_of_two(hidden_size)
         self.kernels.rms_norm[(x2d.shape[0],)](
             x2d,
             residual2d,
@@ -62,9 +63,7 @@ class TritonLayerOps:
             summed2d.stride(0),
             hidden_size,
             eps,
-            HAS_RESIDUAL=residual is not None,
-            BLOCK=block,
-            num_warps=8 if block >= 2048 else 4,
+            **rms_norm_specialisation(hidden_size, has_residual=residual is not None),
         )
         return out, summed
 
@@ -77,10 +76,10 @@ class TritonLayerOps:
         )
         if num_rows == 0:
             return out
-        columns = min(SILU_MUL_COLUMNS, _next_power_of_two(num_cols))
-        grid = (num_rows, -(-num_cols // columns))
+        spec = silu_mul_specialisation(num_cols)
+        grid = (num_rows, -(-num_cols // spec["BLOCK"]))
         self.kernels.silu_mul[grid](
-            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), num_cols, BLOCK=columns
+            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), num_cols, **spec
         )
         return out
 
@@ -94,7 +93,6 @@ class TritonLayerOps:
         assert query.stride(2) == key.stride(2) == cos.stride(1) == 1 and head_dim % 2 == 0
         if num_tokens == 0:
             return query, key
-        half = head_dim // 2
         self.kernels.rotary[(num_tokens,)](
             query,
             key,
@@ -107,11 +105,29 @@ class TritonLayerOps:
             cos.stride(0),
             num_heads,
             num_kv_heads,
-            HALF=half,
-            HALF_PAD=_next_power_of_two(half),
-            HEADS_PAD=_next_power_of_two(num_heads + num_kv_heads),
+            **rotary_specialisation(head_dim, num_heads, num_kv_heads),
         )
         return query, key
+
+
+# What each launch is compiled for: constexprs and `num_warps` (tests/layers/aot_compile.py
+# lowers the same ones for sm_90 without a GPU).
+def rms_norm_specialisation(hidden_size: int, *, has_residual: bool) -> dict[str, Any]:
+    block = _next_power_of_two(hidden_size)
+    return {"HAS_RESIDUAL": has_residual, "BLOCK": block, "num_warps": 8 if block >= 2048 else 4}
+
+
+def silu_mul_specialisation(num_cols: int) -> dict[str, Any]:
+    return {"BLOCK": min(SILU_MUL_COLUMNS, _next_power_of_two(num_cols))}
+
+
+def rotary_specialisation(head_dim: int, num_heads: int, num_kv_heads: int) -> dict[str, Any]:
+    half = head_dim // 2
+    return {
+        "HALF": half,
+        "HALF_PAD": _next_power_of_two(half),
+        "HEADS_PAD": _next_power_of_two(num_heads + num_kv_heads),
+    }
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
