@@ -18,10 +18,9 @@ from benchmarks.suite.vit import MAX_PIXELS, MIN_PIXELS
 
 from mmserve.execution.encoder_graphs import (
     EncoderGraphs,
-    cuda_graph_factory,
-    eager_graph_factory,
     smallest_budget,
 )
+from mmserve.execution.graph_capture import cuda_graph_factory, eager_graph_factory
 from mmserve.models.config import VisionConfig
 from mmserve.models.qwen2_vl_vision import VisionTransformer
 from mmserve.processing.image_processor import smart_resize

@@ -15,13 +15,13 @@ from mmserve.engine.args import EngineArgs
 from mmserve.execution.cuda_graphs import (
     DUMMY_BLOCK,
     DecodeGraphs,
-    EagerGraph,
     GraphMemory,
     capture_sizes,
     graph_sizes_for,
     padded_size,
     report_graph_memory,
 )
+from mmserve.execution.graph_capture import EagerGraph
 from tests.engine.conftest import DIVERSE
 from tests.factory import random_image, write_tiny_checkpoint
 

@@ -10,12 +10,12 @@ from mmserve.execution.encoder_graphs import (
     GRAPH_FLOOR_PATCHES,
     MAX_GRAPH_FRAMES,
     EncoderGraphs,
-    eager_graph_factory,
     graph_budgets,
     make_encoder_embed,
     padded_shape,
     smallest_budget,
 )
+from mmserve.execution.graph_capture import eager_graph_factory
 from mmserve.models.config import VisionConfig
 from mmserve.models.qwen2_vl_vision import VisionTransformer
 from mmserve.processing.image_processor import smart_resize

@@ -26,11 +26,12 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from mmserve.execution.device_memory import CudaMemory
+from mmserve.execution.graph_capture import CapturedGraph, GraphFactory, cuda_graph_factory
 from mmserve.execution.input_batch import StepBatch
 from mmserve.layers.attention import AttentionMetadata
 from mmserve.layers.attention.triton_backend import TritonAttentionBackend, TritonPlan
@@ -77,57 +78,6 @@ def padded_size(sizes: Sequence[int], num_seqs: int) -> int | None:
     """The smallest captured size that holds `num_seqs` (sizes sorted), or None."""
     i = bisect.bisect_left(sizes, num_seqs)
     return sizes[i] if i < len(sizes) else None
-
-
-class CapturedGraph(Protocol):
-    def replay(self) -> torch.Tensor:
-        """Run the captured work again on the current buffer contents; its output tensor."""
-        ...
-
-
-GraphFactory = Callable[[Callable[[], torch.Tensor]], CapturedGraph]
-
-
-class CudaGraph:
-    """`fn` captured once (after warm-up runs that compile kernels), replayed as one launch."""
-
-    def __init__(self, fn: Callable[[], torch.Tensor], pool: object) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # Triton compiles on its first launch; capture must not
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.output = fn()
-
-    def replay(self) -> torch.Tensor:
-        self.graph.replay()
-        return self.output
-
-
-def cuda_graph_factory() -> GraphFactory:
-    """A factory whose graphs share one memory pool (captured largest first, the smaller
-    ones reuse its blocks)."""
-    pool = torch.cuda.graph_pool_handle()
-    return lambda fn: CudaGraph(fn, pool)
-
-
-class EagerGraph:
-    """The stand-in the CPU tests inject: replay runs the captured callable eagerly."""
-
-    def __init__(self, fn: Callable[[], torch.Tensor]) -> None:
-        self.fn = fn
-        self.output = fn()
-
-    def replay(self) -> torch.Tensor:
-        self.output = self.fn()
-        return self.output
-
-
-def eager_graph_factory(fn: Callable[[], torch.Tensor]) -> CapturedGraph:
-    return EagerGraph(fn)
 
 
 class DecodeGraphs:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mmserve.execution.graph_capture import CapturedGraph, GraphFactory, cuda_graph_factory
 from mmserve.layers.attention.vision import VisionAttentionMetadata
 from mmserve.models.qwen2_vl_vision import VisionTransformer
 from mmserve.models.vision_metadata import (
@@ -47,18 +48,6 @@ GRAPH_FLOOR_PATCHES = 256  # a 224x224 image: 64 tokens after the 2x2 merge
 MAX_GRAPH_FRAMES = 64
 
 EmbedFn = Callable[[torch.Tensor, list[tuple[int, int, int]]], list[torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class CapturedGraph:
-    """`replay()` reruns the captured work; its result is always written into `output`."""
-
-    replay: Callable[[], None]
-    output: torch.Tensor
-
-
-# capture(fn) -> CapturedGraph: fn reads and writes only tensors that outlive the graph
-GraphFactory = Callable[[Callable[[], torch.Tensor]], CapturedGraph]
 
 
 def graph_budgets(max_patches: int, floor: int = GRAPH_FLOOR_PATCHES) -> tuple[int, ...]:
@@ -83,37 +72,6 @@ def smallest_budget(budgets: Sequence[int], num_patches: int) -> int | None:
 
 def padded_shape(budget: int, merge_unit: int) -> PaddedShape:
     return PaddedShape(budget, min(budget // merge_unit, MAX_GRAPH_FRAMES + 1))
-
-
-def cuda_graph_factory(device: torch.device) -> GraphFactory:
-    """Captures on `device`; every graph it makes shares one memory pool (see the module doc)."""
-    pool: list[object] = []  # the shared pool's handle, once the first graph made it
-
-    def capture(fn: Callable[[], torch.Tensor]) -> CapturedGraph:
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # lazy initialisation (cuBLAS handles) stays out of it
-            fn()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool[0] if pool else None):
-            output = fn()
-        if not pool:
-            pool.append(graph.pool())
-        return CapturedGraph(graph.replay, output)
-
-    return capture
-
-
-def eager_graph_factory(fn: Callable[[], torch.Tensor]) -> CapturedGraph:
-    """A stand-in with a graph's contract, for CPU tests: `replay` reruns `fn` and copies the
-    result into the same static output tensor."""
-    output = fn()
-
-    def replay() -> None:
-        output.copy_(fn())
-
-    return CapturedGraph(replay, output)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from mmserve.errors import FailureKind, RequestFailure
-from mmserve.execution.cuda_graphs import DecodeGraphs, GraphFactory
+from mmserve.execution.cuda_graphs import DecodeGraphs
 from mmserve.execution.encoder_runner import EncoderRunner
+from mmserve.execution.graph_capture import GraphFactory
 from mmserve.execution.input_batch import InputBuffers, SpliceError, StepBatch, prepare_batch
 from mmserve.execution.request_state import RequestState, RunnerPayload
 from mmserve.execution.sampler import SamplingRow, make_device_generator
