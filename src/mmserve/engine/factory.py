@@ -42,7 +42,11 @@ from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.media import MediaConfig, MediaLoader
 from mmserve.processing.tokenizer import Tokenizer
-from mmserve.processing.video_inputs import split_processor_kwargs
+from mmserve.processing.video_inputs import (
+    largest_item_tokens,
+    load_video_config,
+    split_processor_kwargs,
+)
 from mmserve.scheduling.scheduler import Scheduler
 from mmserve.structured_output.compiler import GrammarCompiler
 from mmserve.structured_output.manager import StructuredOutputManager
@@ -133,23 +137,21 @@ def resolve_shape(args: EngineArgs) -> EngineShape:
     )
     tokenizer = Tokenizer.from_pretrained(args.tokenizer or model_dir)
     eos_token_ids = tuple(dict.fromkeys([*tokenizer.stop_token_ids, *model_config.eos_token_ids]))
-    # The input processor knows every modality the server accepts and its caps: the floors
-    # of the encoder budgets come from its worst case, so a maximal video fits alone too.
-    limits = InputProcessor.from_pretrained(
-        model_dir,
-        max_model_len=max_model_len,
-        limit_mm_per_prompt=args.limit_mm_per_prompt,
-        mm_processor_kwargs=args.mm_processor_kwargs,
-        mm_processor_cache_gb=0,
-        tokenizer=tokenizer,
+    # The floors of the encoder budgets: the largest item of every modality the server
+    # accepts (what the input processor will let through), so a maximal video fits alone too.
+    max_item_tokens = largest_item_tokens(
+        image_config,
+        load_video_config(model_dir, args.mm_processor_kwargs),
+        args.limit_mm_per_prompt,
+        max_model_len,
     )
     merge = model_config.spatial_merge_size
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
-        max_tokens_per_mm_item=limits.max_tokens_per_mm_item,
-        max_patches_per_mm_item=limits.max_patches_per_mm_item,
+        max_tokens_per_mm_item=max_item_tokens,
+        max_patches_per_mm_item=max_item_tokens * merge * merge,
         disable_chunked_mm_input=args.disable_chunked_mm_input,
         encoder_cache_size=args.encoder_cache_size,
         encoder_cache_bytes=args.encoder_cache_bytes,

@@ -22,7 +22,7 @@ from mmserve.processing.chat import (
     parse_chat_messages,
 )
 from mmserve.processing.decode_budget import RequestDecodeBudget
-from mmserve.processing.image_processor import ImageProcessorConfig, max_tokens_per_item
+from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.item_resolver import ItemResolver
 from mmserve.processing.media import MediaLoader
 from mmserve.processing.modalities import ProcessingConfig
@@ -33,9 +33,8 @@ from mmserve.processing.tokenizer import Tokenizer
 from mmserve.processing.video_decode import DecodedVideo
 from mmserve.processing.video_inputs import (
     DEFAULT_VIDEO_LIMIT,
+    largest_item_tokens,
     load_video_config,
-    max_patches_per_video,
-    max_tokens_per_video,
     offline_video,
     split_processor_kwargs,
 )
@@ -145,25 +144,17 @@ class InputProcessor:
 
     @functools.cached_property
     def max_tokens_per_mm_item(self) -> int:
-        """The scheduler's floor for encoder budgets: the largest item (image, or video when
-        videos are accepted) any request may send, in embeddings; no item over
-        max_model_len can ever run, so that bounds it too. Cached: the video bound tries every
-        frame count (~10-60 ms), and nothing it reads changes after construction."""
-        tokens = max_tokens_per_item(self.image_config)
-        if self.accepts_video:
-            video = max_tokens_per_video(self.video_config, self.image_config)
-            tokens = max(tokens, min(video, self.max_model_len))
-        return tokens
+        """The scheduler's floor for encoder budgets: the largest item any request may send,
+        in embeddings. Cached: the video bound tries every frame count (~10-60 ms), and
+        nothing it reads changes after construction."""
+        return largest_item_tokens(
+            self.image_config, self.video_config, self.limit_mm_per_prompt, self.max_model_len
+        )
 
-    @functools.cached_property
+    @property
     def max_patches_per_mm_item(self) -> int:
         """Input patches (what the vision tower's activations scale with) of the largest item."""
-        patches = max_tokens_per_item(self.image_config) * self.image_config.merge_size**2
-        if self.accepts_video:
-            m2 = self.image_config.merge_size**2
-            video = max_patches_per_video(self.video_config, self.image_config)
-            patches = max(patches, min(video, self.max_model_len * m2))
-        return patches
+        return self.max_tokens_per_mm_item * self.image_config.merge_size**2
 
     def request_config(self, mm_processor_kwargs: Mapping[str, Any] | None) -> ProcessingConfig:
         """A request's mm_processor_kwargs applied to every modality's configuration."""

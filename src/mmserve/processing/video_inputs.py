@@ -83,9 +83,24 @@ def max_tokens_per_video(cfg: VideoConfig, image_cfg: ImageProcessorConfig) -> i
     )
 
 
-def max_patches_per_video(cfg: VideoConfig, image_cfg: ImageProcessorConfig) -> int:
-    """Input patches of the largest video (merge_size**2 per placeholder token)."""
-    return max_tokens_per_video(cfg, image_cfg) * image_cfg.merge_size**2
+def accepts_video(limit_mm_per_prompt: Mapping[str, int] | None) -> bool:
+    """Whether a server with this --limit-mm-per-prompt takes videos (one unless it says)."""
+    return {"video": DEFAULT_VIDEO_LIMIT, **(limit_mm_per_prompt or {})}["video"] > 0
+
+
+def largest_item_tokens(
+    image_cfg: ImageProcessorConfig,
+    video_cfg: VideoConfig,
+    limit_mm_per_prompt: Mapping[str, int] | None,
+    max_model_len: int,
+) -> int:
+    """Placeholder tokens of the largest item any request may send: an image, or a video
+    when videos are accepted (no item over max_model_len can ever run, so that bounds it).
+    Input patches are merge_size**2 per token for every modality."""
+    tokens = max_tokens_per_item(image_cfg)
+    if accepts_video(limit_mm_per_prompt):
+        tokens = max(tokens, min(max_tokens_per_video(video_cfg, image_cfg), max_model_len))
+    return tokens
 
 
 def _tokens_per_patch(nframes: int, cfg: VideoConfig, image_cfg: ImageProcessorConfig) -> int:
