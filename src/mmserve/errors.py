@@ -143,6 +143,7 @@ class FailureKind(enum.Enum):
 
     REQUEST = "request"  # its own content or parameters: the client can fix it (400)
     INTERNAL = "internal"  # the server failed (a bug, the device): 500 with the request id
+    UNAVAILABLE = "unavailable"  # a service it needs is down (the encoder pool): 503, retry
 
 
 @dataclass(frozen=True)

@@ -104,8 +104,9 @@ def raise_if_failed(output: RequestOutput) -> None:
     """Raise APIError when the engine failed, aborted or dropped the request (any of its
     samples: one failing sample fails the request).
 
-    A failure of the request's own making is a 400 that says what was wrong; any other is a
-    500 that names the request id and nothing more (the engine logged the traceback).
+    A failure of the request's own making is a 400 that says what was wrong; one caused by a
+    service being down (the remote encoder pool) a 503 that says which; any other is a 500
+    that names the request id and nothing more (the engine logged the traceback).
     """
     reasons = {c.finish_reason for c in output.outputs} if output.outputs else {"error"}
     if output.error_kind is None and "error" not in reasons:
@@ -117,6 +118,9 @@ def raise_if_failed(output: RequestOutput) -> None:
     if output.error_kind is FailureKind.REQUEST:
         message = output.error or "the request failed inside the engine"
         raise APIError(400, message, code="request_failed", param=output.error_param)
+    if output.error_kind is FailureKind.UNAVAILABLE:
+        message = output.error or "a service the request needs is unavailable"
+        raise APIError(503, message, code="service_unavailable")
     raise as_api_error(InternalRequestError(output.request_id))
 
 

@@ -32,7 +32,7 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1)]
 Identifier = Annotated[str, msgspec.Meta(min_length=1)]
 GridTHW = tuple[PosInt, PosInt, PosInt]
-FailureKind = Literal["request", "internal"]
+FailureKind = Literal["request", "internal", "unavailable"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 _PIXEL_KINDS = "f"  # encoder inputs are floating point (float16/32/64)

@@ -1,0 +1,148 @@
+"""The pool's messages: round trips, the MAC, and every malformed frame refused by name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from mmserve.disaggregation.protocol import (
+    Cancel,
+    EncodeItem,
+    EncodeResult,
+    MalformedMessage,
+    Ping,
+    Pong,
+    check_result_payload,
+    content_digest,
+    decode_message,
+    encode_message,
+    model_fingerprint,
+)
+
+SECRET = b"s3cret"
+
+
+def _item(**kw) -> EncodeItem:
+    fields = dict(
+        request_id="r1",
+        item_index=0,
+        identifier="ab" * 32,
+        attempt=1,
+        modality="image",
+        source="rgb",
+        min_pixels=3136,
+        max_pixels=12845056,
+        grid_thw=(1, 4, 4),
+        content_digest=content_digest(bytes(2 * 2 * 3)),
+        rgb_size=(2, 2),
+    )
+    fields.update(kw)
+    return EncodeItem(**fields)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_round_trip_every_kind(secret):
+    result = EncodeResult("r1", 0, "ab" * 32, 1, (1, 4, 4), "bfloat16", (4, 8))
+    for msg, payload in [
+        (_item(), bytes(12)),
+        (result, bytes(4 * 8 * 2)),
+        (Cancel(["x"], [2]), b""),
+        (Ping(7), b""),
+        (Pong(7, 100, "f" * 64), b""),
+    ]:
+        frames = encode_message(msg, payload, secret)
+        got, got_payload = decode_message([bytes(f) for f in frames], secret)
+        assert got == msg and bytes(got_payload) == payload
+
+
+def test_mac_is_checked_both_ways():
+    frames = [bytes(f) for f in encode_message(Ping(1), b"", SECRET)]
+    with pytest.raises(MalformedMessage, match="bad_mac"):
+        decode_message(frames, b"other")
+    with pytest.raises(MalformedMessage, match="unexpected_mac"):
+        decode_message(frames, None)
+    unsigned = [bytes(f) for f in encode_message(Ping(1))]
+    with pytest.raises(MalformedMessage, match="bad_mac"):
+        decode_message(unsigned, SECRET)
+    tampered = [bytes(f) for f in encode_message(_item(), bytes(12), SECRET)]
+    tampered[1] = b"\x01" + tampered[1][1:]
+    with pytest.raises(MalformedMessage, match="bad_mac"):
+        decode_message(tampered, SECRET)
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason"),
+    [
+        ([b"x"], "frame_count"),
+        ([b"\xc1garbage", b"", b""], "bad_header"),
+        ([b"\x80", b"", b""], "bad_header"),  # an empty map: no tag
+        ([bytes(70_000), b"", b""], "header_too_large"),
+    ],
+)
+def test_garbage_is_refused_by_name(frames, reason):
+    with pytest.raises(MalformedMessage, match=reason):
+        decode_message(frames)
+
+
+def test_pickle_is_never_executed():
+    import pickle
+
+    frames = [pickle.dumps(Ping(1)), b"", b""]
+    with pytest.raises(MalformedMessage, match="bad_header"):
+        decode_message(frames)
+
+
+@pytest.mark.parametrize(
+    ("kw", "payload", "reason"),
+    [
+        ({"rgb_size": (3, 2)}, bytes(12), "bad_rgb_size"),
+        ({"source": "url", "url": "http://x/a.png", "rgb_size": None}, bytes(12), "bad_source"),
+        ({"source": "bytes", "rgb_size": None}, b"", "bad_source"),
+        ({"grid_thw": (1, 0, 4)}, bytes(12), "bad_fields"),
+        ({"max_pixels": 10}, bytes(12), "bad_fields"),
+    ],
+)
+def test_inconsistent_items_are_refused(kw, payload, reason):
+    frames = [bytes(f) for f in encode_message(_item(**kw), payload)]
+    with pytest.raises(MalformedMessage, match=reason):
+        decode_message(frames)
+
+
+def test_result_payload_checks_name_the_mismatch():
+    ok = EncodeResult("r", 0, "i", 1, (1, 4, 4), "float32", (4, 8))
+    fit = dict(expected_grid=(1, 4, 4), expected_num_embeds=4, expected_hidden=8)
+    assert check_result_payload(ok, 4 * 8 * 4, **fit) is None
+    assert "payload bytes" in check_result_payload(ok, 10, **fit)
+    assert "hidden size" in check_result_payload(ok, 128, **{**fit, "expected_hidden": 16})
+    assert "placeholder tokens" in check_result_payload(
+        ok, 128, **{**fit, "expected_num_embeds": 5}
+    )
+    assert "grid" in check_result_payload(ok, 128, **{**fit, "expected_grid": (1, 2, 8)})
+    failed = [
+        bytes(f) for f in encode_message(ok.__class__(**{**_fields(ok), "error_code": "nope"}))
+    ]
+    with pytest.raises(MalformedMessage, match="bad_error_code"):
+        decode_message(failed)
+
+
+def _fields(s) -> dict:
+    return {f: getattr(s, f) for f in s.__struct_fields__}
+
+
+def test_fingerprint_follows_config_not_formatting(tmp_path):
+    (tmp_path / "config.json").write_text('{"a": 1, "b": 2}')
+    (tmp_path / "model.safetensors").write_bytes(bytes(10))
+    first = model_fingerprint(tmp_path)
+    (tmp_path / "config.json").write_text('{"b": 2,\n "a": 1}')
+    assert model_fingerprint(tmp_path) == first
+    (tmp_path / "config.json").write_text('{"a": 1, "b": 3}')
+    assert model_fingerprint(tmp_path) != first
+
+
+def test_protocol_imports_no_torch():
+    code = (
+        "import sys, mmserve.disaggregation.protocol; sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
