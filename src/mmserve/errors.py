@@ -82,6 +82,14 @@ class DecodeBusyError(MediaError):
     code = "server_busy"
 
 
+class EncoderUnavailableError(InvalidRequestError):
+    """The encoder pool could not take an item and the server may not fall back to its own
+    vision stage (--encoder-fallback fail): the server's state, not the request (503, retry)."""
+
+    status_code = 503
+    code = "encoder_unavailable"
+
+
 class PromptTooLongError(InvalidRequestError):
     code = "prompt_too_long"
 

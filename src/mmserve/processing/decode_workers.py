@@ -37,7 +37,10 @@ logger = logging.getLogger(__name__)
 #   (4) worker -> parent  b"K" + <Q rss_bytes> + <IIQ width, height, exif_len> + exif, then
 #                         the packed RGB pixels as a second message
 # A video request is b"V" + its JSON spec at (1), and its own header and K body
-# (video_worker.py); the steps are the same.
+# (video_worker.py); the steps are the same. A header-only request (a disaggregated server
+# plans images it never decodes) is b"R" + <Q max_pixels> at (1), answered at once by
+#   (4') worker -> parent  b"K" + <Q rss_bytes> + <IIB ...> + format NUL mode (step (2)'s body),
+#                          then an empty payload message; no pixel is decoded.
 #       or, at (2) or (4): b"E" + <QB rss_bytes, error kind> + utf-8 message (ours, never
 #                          the library's)
 _MAX_PIXELS = struct.Struct("<Q")
@@ -53,6 +56,7 @@ _ERROR_KINDS: tuple[type[MediaError], ...] = (
 )
 _READY, _GO, _STOP = b"ready", b"G", b"S"
 VIDEO_REQUEST = b"V"
+HEADER_REQUEST = b"R"
 
 
 def send_error(conn: Connection, e: MediaError) -> None:
@@ -87,25 +91,44 @@ def _worker_main(conn: Connection) -> None:
         try:
             request = conn.recv_bytes()
             data = conn.recv_bytes()
-            if request[:1] == VIDEO_REQUEST:
+            # Told apart by length first: a bare <Q max_pixels> may start with any byte.
+            if len(request) == _MAX_PIXELS.size:
+                (max_pixels,) = _MAX_PIXELS.unpack(request)
+                _serve_one(conn, data, max_pixels)
+            elif request[:1] == HEADER_REQUEST and len(request) == 1 + _MAX_PIXELS.size:
+                (max_pixels,) = _MAX_PIXELS.unpack_from(request, 1)
+                _serve_header(conn, data, max_pixels)
+            elif request[:1] == VIDEO_REQUEST:
                 from mmserve.processing.video_worker import serve_video
 
                 serve_video(conn, data, request[1:])
             else:
-                (max_pixels,) = _MAX_PIXELS.unpack(request)
-                _serve_one(conn, data, max_pixels)
+                raise OSError("unknown decode worker request")
         except (EOFError, OSError):
             return
         except Stopped:
             continue
 
 
+def _header_body(header: ImageHeader) -> bytes:
+    names = f"{header.format}\0{header.mode}".encode()
+    return _HEADER.pack(header.width, header.height, int(header.has_transparency)) + names
+
+
+def _serve_header(conn: Connection, data: bytes, max_pixels: int) -> None:
+    try:
+        img, header = read_header(data, max_pixels)
+        del img  # opened, never loaded
+    except ImageDecodeError as e:
+        send_error(conn, e)
+        return
+    send_ok(conn, _header_body(header), b"")
+
+
 def _serve_one(conn: Connection, data: bytes, max_pixels: int) -> None:
     try:
         img, header = read_header(data, max_pixels)
-        flags = int(header.has_transparency)
-        names = f"{header.format}\0{header.mode}".encode()
-        conn.send_bytes(b"H" + _HEADER.pack(header.width, header.height, flags) + names)
+        conn.send_bytes(b"H" + _header_body(header))
         if conn.recv_bytes() != _GO:
             raise Stopped
         rgb = decode_first_frame(img)
@@ -201,6 +224,20 @@ class DecodeWorkerPool:
             image.info["exif"] = exif
         hold_until_collected(image, release)
         return image
+
+    def read_header(
+        self, data: bytes, max_pixels: int, *, timeout_s: float | None = None
+    ) -> ImageHeader:
+        """The image's header with the pixel cap checked (`read_header` in a worker): the
+        same errors as `decode` gives before decoding, and no pixel is ever decoded."""
+
+        def no_header_step(reply: bytes) -> Release | None:
+            raise AssertionError("a header-only request is answered without a header step")
+
+        request = HEADER_REQUEST + _MAX_PIXELS.pack(max_pixels)
+        body, payload, _ = self.exchange(request, data, no_header_step, timeout_s, "image")
+        assert not payload, "a header-only request is answered without pixels"
+        return _parse_header(b"H" + body)
 
     def exchange(
         self,

@@ -5,24 +5,24 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path, PurePosixPath
-from urllib.parse import unquote_to_bytes, urlsplit
+from pathlib import Path
 
 from PIL import Image
 
 from mmserve.errors import MediaError, MediaFetchRefusedError
 from mmserve.processing.decode_budget import DecodeMemoryGate, Release, RequestDecodeBudget
 from mmserve.processing.decode_workers import DecodeWorkerPool
+from mmserve.processing.file_urls import read_file_url
 from mmserve.processing.http_fetch import AsyncFetcher, FetchPolicy, fetch_url
 from mmserve.processing.image_decode import (
     DEFAULT_MAX_IMAGE_PIXELS,
     Admit,
     ImageHeader,
     decode_image_bytes,
+    read_header,
 )
 from mmserve.processing.image_processor import ImageProcessorConfig, to_rgb
 from mmserve.processing.url_guard import AllowedHost, parse_allowlist
@@ -178,7 +178,7 @@ class MediaLoader:
         self, source: MediaSource, budget: RequestDecodeBudget | None = None
     ) -> Image.Image:
         """`budget`: the request's decode budget (`new_decode_budget`); None: this image alone."""
-        read = self._read_source(source)
+        read = self.read_source(source)
         return read if isinstance(read, Image.Image) else self._decode(read, budget)
 
     async def aload_image(
@@ -190,10 +190,10 @@ class MediaLoader:
         if isinstance(source, str) and _scheme(source) in ("http", "https"):
             read: Image.Image | bytes = await self._fetcher.fetch(source)
         else:
-            read = await asyncio.to_thread(self._read_source, source)
+            read = await asyncio.to_thread(self.read_source, source)
         return read if isinstance(read, Image.Image) else await self.adecode(read, budget)
 
-    def _read_source(self, source: MediaSource, what: str = "image") -> Image.Image | bytes:
+    def read_source(self, source: MediaSource, what: str = "image") -> Image.Image | bytes:
         """An RGB image for a PIL source; the encoded bytes for every other kind. `what`:
         "image" or "video" (its byte cap, its data: media type, the field errors name)."""
         if isinstance(source, Image.Image) and what == "image":
@@ -214,11 +214,29 @@ class MediaLoader:
         if scheme in ("http", "https"):
             return fetch_url(source, replace(self.config.fetch_policy, max_bytes=max_bytes))
         if scheme == "file":
-            return self._read_file_url(source, what)
+            return read_file_url(
+                source, self.config.allowed_local_media_path, self._max_bytes(what), what
+            )
         raise MediaFetchRefusedError(
             f"{what} URL must be a data:, http(s):// or (when enabled) file:// URL",
             param=f"{what}_url",
         )
+
+    def read_image_header(
+        self, data: bytes, budget: RequestDecodeBudget | None = None
+    ) -> ImageHeader:
+        """The header of an image this server plans but does not decode (the encoder pool
+        does): the pixel cap checked in a decode worker when there are any, the decode
+        estimate charged to the request's budget, so the same 400s as a decode; no decode
+        memory is reserved, since no pixel comes to exist here."""
+        cfg = self.config
+        if cfg.decode_workers == 0:
+            header = read_header(data, cfg.max_image_pixels)[1]
+        else:
+            header = self._worker_pool().read_header(data, cfg.max_image_pixels)
+        if budget is not None:
+            budget.charge(header.decode_bytes)
+        return header
 
     def _max_bytes(self, what: str) -> int:
         return self.config.max_video_bytes if what == "video" else self.config.max_fetch_bytes
@@ -231,7 +249,7 @@ class MediaLoader:
         budget: RequestDecodeBudget | None = None,
     ) -> DecodedVideo:
         """A video file's bytes (or a URL to them) -> its sampled frames, resized to the plan."""
-        data = self._read_source(source, "video")
+        data = self.read_source(source, "video")
         assert isinstance(data, bytes)
         return self._decode_video(data, cfg, image_cfg, budget, self.decode_gate.reserve)
 
@@ -247,7 +265,7 @@ class MediaLoader:
         if isinstance(source, str) and _scheme(source) in ("http", "https"):
             data = await self._fetcher.fetch(source, self.config.max_video_bytes)
         else:
-            read = await asyncio.to_thread(self._read_source, source, "video")
+            read = await asyncio.to_thread(self.read_source, source, "video")
             assert isinstance(read, bytes)
             data = read
         budget = budget if budget is not None else self.new_decode_budget()
@@ -407,81 +425,6 @@ class MediaLoader:
         except (binascii.Error, ValueError):
             raise MediaError("data: URL payload is not valid base64") from None
 
-    def _read_file_url(self, url: str, what: str = "image") -> bytes:
-        """Read a file:// URL under --allowed-local-media-path.
-
-        Decided on the lexical path first (no disk access), so the answer for a path outside
-        the root is the same whether or not it exists; symlinks are resolved only then, and the
-        resolved path is checked again.
-        """
-        root = self.config.allowed_local_media_path
-        if root is None:
-            raise MediaFetchRefusedError(
-                "file:// URLs are disabled; start the server with --allowed-local-media-path",
-                param=f"{what}_url",
-            )
-        path = _file_url_path(url, f"{what}_url")
-        roots = (os.path.normpath(root), str(Path(root).resolve()))
-        if not any(PurePosixPath(path).is_relative_to(r) for r in roots):
-            raise _outside_root(f"{what}_url")
-        try:
-            resolved = Path(path).resolve()
-        except (OSError, RuntimeError, ValueError):
-            raise MediaError(
-                "file:// URL names a file that could not be read", param=f"{what}_url"
-            ) from None
-        if not resolved.is_relative_to(roots[1]):
-            raise _outside_root(f"{what}_url")  # a symlink under the root that points out of it
-        try:
-            if not resolved.exists():
-                raise MediaError(
-                    "file:// URL names no file under --allowed-local-media-path",
-                    param=f"{what}_url",
-                )
-            if not resolved.is_file():
-                raise MediaError("file:// URL does not name a regular file", param=f"{what}_url")
-            with resolved.open("rb") as f:
-                data = f.read(self._max_bytes(what) + 1)
-        except OSError:
-            raise MediaError(
-                "file:// URL names a file that could not be read", param=f"{what}_url"
-            ) from None
-        if len(data) > self._max_bytes(what):
-            raise MediaFetchRefusedError(
-                f"{what} is larger than the {self._max_bytes(what)}-byte limit",
-                param=f"{what}_url",
-            )
-        return data
-
 
 def _scheme(url: str) -> str:
     return url.split(":", 1)[0].lower() if ":" in url else ""
-
-
-def _file_url_path(url: str, param: str = "image_url") -> str:
-    """The absolute, lexically normalised path a file:// URL names; 400 if it names none."""
-    if "\\" in url or not url.isascii() or not url.isprintable():
-        raise MediaFetchRefusedError(
-            "file:// URL contains a backslash, a control character or a non-ASCII character; "
-            "percent-encode the path",
-            param=param,
-        )
-    parts = urlsplit(url)
-    if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
-        raise MediaFetchRefusedError("file:// URL must be file:///absolute/path", param=param)
-    try:
-        path = unquote_to_bytes(parts.path).decode("utf-8")
-    except UnicodeDecodeError:
-        raise MediaFetchRefusedError(
-            "file:// URL path is not valid UTF-8 once percent-decoded", param=param
-        ) from None
-    if not path.startswith("/") or not path.isprintable():
-        raise MediaFetchRefusedError(
-            "file:// URL must name an absolute path without NUL or control characters",
-            param=param,
-        )
-    return os.path.normpath(path)
-
-
-def _outside_root(param: str = "image_url") -> MediaFetchRefusedError:
-    return MediaFetchRefusedError("file:// URL is outside --allowed-local-media-path", param=param)
