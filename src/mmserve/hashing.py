@@ -89,10 +89,14 @@ def mm_item_identity(
     modality: str,
     content: ContentKey,
     decision: Iterable[int],
+    domain: str = ITEM_DOMAIN,
 ) -> str:
-    """Full-width identity digest of one processed multimodal item (see the table above)."""
+    """Full-width identity digest of one processed multimodal item (see the table above).
+
+    `domain`: ITEM_DOMAIN for items processed here; a disaggregated server's images planned
+    for the encoder pool take their own (`processing.remote_items.REMOTE_ITEM_DOMAIN`)."""
     fingerprint = list(processor_fingerprint)
     decided = list(decision)
     parts: list[bytes | str | int] = [model_id, revision, len(fingerprint), *fingerprint]
     parts += [modality, len(content), *content, len(decided), *decided]
-    return hasher.digest(ITEM_DOMAIN, parts)
+    return hasher.digest(domain, parts)

@@ -15,20 +15,22 @@ from PIL import Image
 from mmserve.errors import InvalidRequestError, PromptTooLongError, TooManyItemsError
 from mmserve.hashing import DEFAULT_NAMESPACE, Hasher
 from mmserve.multimodal import ProcessedPrompt
-from mmserve.processing.chat import (
-    ChatImage,
-    check_media_uuid,
-    check_user_text,
-    parse_chat_messages,
-)
+from mmserve.processing.chat import ChatImage, check_user_text, parse_chat_messages
 from mmserve.processing.decode_budget import RequestDecodeBudget
 from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.item_resolver import ItemResolver
 from mmserve.processing.media import MediaLoader
-from mmserve.processing.modalities import ProcessingConfig
+from mmserve.processing.modalities import ProcessingConfig, default_modalities
 from mmserve.processing.mrope import get_mrope_positions
 from mmserve.processing.placeholders import VisionTokenIds, expand_pads, find_mm_pads
 from mmserve.processing.processor_cache import ProcessorCache
+from mmserve.processing.prompt_inputs import is_one_video, offline_uuids, with_uuids
+from mmserve.processing.remote_items import (
+    RemoteImage,
+    RemoteImageLoader,
+    RemoteImagePlanning,
+    remote_modalities,
+)
 from mmserve.processing.tokenizer import Tokenizer
 from mmserve.processing.video_decode import DecodedVideo
 from mmserve.processing.video_inputs import (
@@ -40,7 +42,8 @@ from mmserve.processing.video_inputs import (
 )
 from mmserve.processing.video_sampling import VideoConfig
 
-ImageInput = Image.Image | None  # None: a UUID-only reference to an image sent before
+# None: a UUID-only reference to an image sent before; RemoteImage: planned for the encoder pool
+ImageInput = Image.Image | RemoteImage | None
 VideoInput = DecodedVideo | None  # None: a UUID-only reference to a video sent before
 
 
@@ -63,9 +66,11 @@ class InputProcessor:
         trust_exif_image_id: bool = False,
         video_config: VideoConfig | None = None,
         tokens_per_second: float | None = None,
+        remote_images: RemoteImagePlanning | None = None,
     ) -> None:
         """`tokens_per_second`: Qwen2.5-VL's temporal M-RoPE spacing of videos (None:
-        Qwen2-VL, one step per temporal patch)."""
+        Qwen2-VL, one step per temporal patch). `remote_images`: a disaggregated server's
+        images become RemoteItems for the encoder pool (processing/remote_items.py)."""
         self.tokenizer = tokenizer
         self.image_config = image_config
         self.video_config = video_config or VideoConfig()
@@ -78,12 +83,17 @@ class InputProcessor:
         self.limit_mm_per_prompt = {"video": DEFAULT_VIDEO_LIMIT, **(limit_mm_per_prompt or {})}
         self.cache = cache if cache is not None else ProcessorCache(0)
         self.media_loader = media_loader or MediaLoader()
+        self.remote_images = (
+            RemoteImageLoader(self.media_loader, remote_images) if remote_images else None
+        )
+        modalities = default_modalities(trust_exif_image_id=trust_exif_image_id)
         self.resolver = ItemResolver(
             hasher or Hasher(),
             self.cache,
             model_id=model_id,
             revision=revision,
             trust_exif_image_id=trust_exif_image_id,
+            modalities=remote_modalities(modalities) if remote_images else modalities,
         )
         ids = (
             token_ids.image_token_id,
@@ -112,6 +122,7 @@ class InputProcessor:
         media_loader: MediaLoader | None = None,
         trust_exif_image_id: bool = False,
         tokenizer: Tokenizer | None = None,
+        remote_images: RemoteImagePlanning | None = None,
     ) -> InputProcessor:
         """`tokenizer`: one already loaded from `model_dir` (else it is loaded here)."""
         model_dir = Path(model_dir)
@@ -136,6 +147,7 @@ class InputProcessor:
             trust_exif_image_id=trust_exif_image_id,
             video_config=load_video_config(model_dir, mm_processor_kwargs),
             tokens_per_second=float(vision.get("tokens_per_second", 4)) if is_qwen2_5 else None,
+            remote_images=remote_images,
         )
 
     @property
@@ -184,8 +196,8 @@ class InputProcessor:
         if not isinstance(prompt, str):
             raise InvalidRequestError("prompt must be a string", param="prompt")
         items = {
-            "image": _with_uuids(list(images), multi_modal_uuids, "image"),
-            "video": _with_uuids(list(videos), video_uuids, "video"),
+            "image": with_uuids(list(images), multi_modal_uuids, "image"),
+            "video": with_uuids(list(videos), video_uuids, "video"),
         }
         self._check_item_limit({name: len(v) for name, v in items.items()})
         input_ids = self.tokenizer.encode(prompt)
@@ -260,15 +272,15 @@ class InputProcessor:
                 "and 'video'"
             )
         images = [images] if images is None or isinstance(images, Image.Image) else images
-        videos = [videos] if _is_one_video(videos) else list(videos)
-        uuids = _offline_uuids(prompt.get("multi_modal_uuids"))
+        videos = [videos] if is_one_video(videos) else list(videos)
+        uuids = offline_uuids(prompt.get("multi_modal_uuids"))
         kwargs = prompt.get("mm_processor_kwargs")
         cfg = self.request_config(kwargs)
         self._check_item_limit({"image": len(images), "video": len(videos)})
         budget = self.media_loader.new_decode_budget()
         return self.process(
             prompt.get("prompt", ""),
-            [self._load_offline(img, budget) for img in images],
+            [self._load_offline(img, cfg, budget) for img in images],
             videos=[offline_video(v, self.media_loader, cfg, budget) for v in videos],
             mm_processor_kwargs=kwargs,
             multi_modal_uuids=uuids.get("image"),
@@ -397,6 +409,8 @@ class InputProcessor:
                 return None
             if part.modality == "video":
                 return await loader.aload_video(part.source, cfg.video, cfg.image, budget)
+            if self.remote_images is not None:
+                return await self.remote_images.aload(part.source, cfg.image, budget)
             return await loader.aload_image(part.source, budget)
 
         tasks = [asyncio.ensure_future(load(part)) for part in parts]
@@ -411,12 +425,16 @@ class InputProcessor:
             return None
         if part.modality == "video":
             return offline_video(part.source, self.media_loader, cfg, budget)
-        if isinstance(part.source, Image.Image):
-            return part.source
-        return self.media_loader.load_image(part.source, budget)
+        return self._load_offline(part.source, cfg, budget)
 
-    def _load_offline(self, image: Any, budget: RequestDecodeBudget) -> ImageInput:
-        if image is None or isinstance(image, Image.Image):
+    def _load_offline(
+        self, image: Any, cfg: ProcessingConfig, budget: RequestDecodeBudget
+    ) -> ImageInput:
+        if image is None:
+            return None
+        if self.remote_images is not None:
+            return self.remote_images.load(image, cfg.image, budget)
+        if isinstance(image, Image.Image):
             return image  # PIL: hashed as given (mode, size, pixels, EXIF id)
         return self.media_loader.load_image(image, budget)
 
@@ -434,55 +452,3 @@ class InputProcessor:
     def check_prompt_text(self, text: str) -> None:
         """Refuse raw text (e.g. /v1/completions) that spells a vision token without an item."""
         check_user_text(text, self.reserved_tokens, "prompt")
-
-
-def _with_uuids(items: list[Any], uuids: Sequence[Any] | None, modality: str) -> list[tuple]:
-    """Pair items with their caller uuids (checked), one entry (or None) per item."""
-    uuids = list(uuids) if uuids is not None else [None] * len(items)
-    if len(uuids) != len(items):
-        raise InvalidRequestError(
-            f"multi_modal_uuids has {len(uuids)} {modality} entries but {len(items)} "
-            f"{modality}s were given; give one entry (or null) per {modality}",
-            param="multi_modal_uuids",
-        )
-    for i, uuid in enumerate(uuids):
-        if uuid is not None:
-            check_media_uuid(uuid, f"multi_modal_uuids.{modality}[{i}]", "multi_modal_uuids")
-    return list(zip(items, uuids, strict=True))
-
-
-def _is_one_video(value: Any) -> bool:
-    """One video (not a list of videos): a path, bytes, a frames array, or a list of frames."""
-    if value is None or isinstance(value, str | bytes | bytearray | Path | DecodedVideo):
-        return True
-    if hasattr(value, "shape") and hasattr(value, "dtype"):
-        return True
-    if isinstance(value, Sequence) and value:
-        first = value[0]  # a frame (H x W x 3, or a picture) or a whole video
-        return isinstance(first, Image.Image) or getattr(first, "ndim", 0) == 3
-    return False
-
-
-def _offline_uuids(value: Any) -> dict[str, list[Any]]:
-    """`multi_modal_uuids` of an offline prompt: {"image" | "video": uuid | [uuid | None]}."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping) or set(value) - {"image", "video"}:
-        raise InvalidRequestError(
-            'multi_modal_uuids must look like {"image": ["uuid-1", null], "video": ["v-1"]}',
-            param="multi_modal_uuids",
-        )
-    out: dict[str, list[Any]] = {}
-    for modality, uuids in value.items():
-        if uuids is None:
-            continue
-        if isinstance(uuids, str):
-            out[modality] = [uuids]
-        elif isinstance(uuids, Sequence):
-            out[modality] = list(uuids)
-        else:
-            raise InvalidRequestError(
-                f'multi_modal_uuids["{modality}"] must be a uuid or a list of uuids (or null)',
-                param="multi_modal_uuids",
-            )
-    return out

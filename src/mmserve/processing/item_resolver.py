@@ -7,7 +7,7 @@ from typing import Any
 
 from mmserve.errors import InvalidRequestError, UnknownMediaUUIDError
 from mmserve.hashing import ContentKey, Hasher, claimed_content_key, mm_item_identity
-from mmserve.multimodal import ProcessedImage
+from mmserve.multimodal import ProcessedImage, RemoteItem
 from mmserve.processing.modalities import (
     EXIF_IMAGE_UNIQUE_ID,
     EXIF_SUB_IFD,
@@ -45,7 +45,7 @@ class ItemPlan:
 class ResolvedItem:
     identity: str
     modality: str
-    data: ProcessedImage
+    data: ProcessedImage | RemoteItem
     grid_thw: tuple[int, int, int]
     num_tokens: int
 
@@ -114,6 +114,7 @@ class ItemResolver:
             modality=plan.modality.name,
             content=self._content_key(plan, namespace),
             decision=plan.planned.decision,
+            domain=plan.planned.domain,
         )
 
     def resolve(self, plan: ItemPlan, cfg: ProcessingConfig, namespace: str) -> ResolvedItem:

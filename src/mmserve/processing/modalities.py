@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 from PIL import Image
 
-from mmserve.hashing import ContentKey, claimed_content_key, pixel_content_key
-from mmserve.multimodal import ProcessedImage
+from mmserve.hashing import ITEM_DOMAIN, ContentKey, claimed_content_key, pixel_content_key
+from mmserve.multimodal import ProcessedImage, RemoteItem
 from mmserve.processing.image_processor import ImageProcessorConfig, get_grid_thw, process_image
 from mmserve.processing.processor_cache import UUIDRecord
 from mmserve.processing.video_decode import DecodedVideo
@@ -42,12 +42,13 @@ class Planned:
     num_tokens: int
     decision: tuple[int, ...]  # what processing does, for identity
     detail: VideoPlan | None = None  # a modality's own plan, for `process`
+    domain: str = ITEM_DOMAIN  # the identity's hash domain
 
 
 class Modality(Protocol):
     name: str
     placeholder_token: str  # the chat template's marker, one per item before expansion
-    record_type: type  # what `record` returns
+    record_type: type | tuple[type, ...]  # what `record` returns
 
     def record(self, item: Any) -> object: ...
 
@@ -57,7 +58,9 @@ class Modality(Protocol):
 
     def content_key(self, item: Any, namespace: str) -> ContentKey: ...
 
-    def process(self, item: Any, planned: Planned, cfg: ProcessingConfig) -> ProcessedImage: ...
+    def process(
+        self, item: Any, planned: Planned, cfg: ProcessingConfig
+    ) -> ProcessedImage | RemoteItem: ...
 
 
 def exif_image_id(image: Image.Image) -> str | None:

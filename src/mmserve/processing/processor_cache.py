@@ -7,7 +7,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from mmserve.multimodal import ProcessedImage
+from mmserve.multimodal import ProcessedImage, RemoteItem
 
 GIB = 1 << 30
 # What an entry costs beyond its pixel buffer and its key: the ndarray objects (the array and
@@ -30,13 +30,19 @@ class CacheStats:
     hits: int = 0
 
 
-def cache_entry_bytes(identity: str, item: ProcessedImage) -> int:
-    """What holding `item` under `identity` costs: its whole pixel buffer, the key, overhead."""
-    return item.buffer_bytes + sys.getsizeof(identity) + CACHE_ENTRY_OVERHEAD_BYTES
+CachedItem = ProcessedImage | RemoteItem  # a remote item: what a disaggregated server planned
+
+
+def cache_entry_bytes(identity: str, item: CachedItem) -> int:
+    """What holding `item` under `identity` costs: its whole pixel buffer (a remote item: its
+    payload and URL), the key, overhead."""
+    remote = isinstance(item, RemoteItem)
+    held = item.nbytes + len(item.url or "") if remote else item.buffer_bytes
+    return held + sys.getsizeof(identity) + CACHE_ENTRY_OVERHEAD_BYTES
 
 
 class ProcessorCache:
-    """An LRU of ProcessedImage by identity, bounded by what its entries really hold.
+    """An LRU of ProcessedImage (or RemoteItem) by identity, bounded by what entries really hold.
 
     An entry costs `cache_entry_bytes`: the pixel buffer (all of it, when the array is a view),
     the key and a fixed per-entry overhead. A capacity of 0 disables the cache: every get is a
@@ -51,7 +57,7 @@ class ProcessorCache:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.stats = CacheStats()
-        self._items: OrderedDict[str, tuple[ProcessedImage, int]] = OrderedDict()  # (item, cost)
+        self._items: OrderedDict[str, tuple[CachedItem, int]] = OrderedDict()  # (item, cost)
         self._lock = threading.Lock()
 
     @classmethod
@@ -72,7 +78,7 @@ class ProcessorCache:
         """Membership test that neither counts a query nor refreshes recency."""
         return identity in self._items
 
-    def get(self, identity: str) -> ProcessedImage | None:
+    def get(self, identity: str) -> CachedItem | None:
         with self._lock:
             self.stats.queries += 1
             entry = self._items.get(identity)
@@ -82,7 +88,7 @@ class ProcessorCache:
             self._items.move_to_end(identity)
             return entry[0]
 
-    def put(self, identity: str, item: ProcessedImage) -> None:
+    def put(self, identity: str, item: CachedItem) -> None:
         cost = cache_entry_bytes(identity, item)
         if cost > self.capacity_bytes:
             return

@@ -91,6 +91,51 @@ class WireEncoderInput(WireStruct):
             )
 
 
+RemoteSource = Literal["bytes", "rgb", "url"]
+Size = tuple[PosInt, PosInt]
+
+
+class WireRemoteItem(WireStruct):
+    """A `RemoteItem` (an image the encoder pool encodes) on its way towards the pool's client.
+
+    `payload`: the image file ("bytes") or the packed uint8 [H, W, 3] array ("rgb") as a uint8
+    [nbytes] array, so it travels as a raw frame of its own (the frame index is its array
+    reference), never inside msgpack; None for a "url" item. The other fields are
+    RemoteItem's.
+    """
+
+    identifier: Identifier
+    source: RemoteSource
+    payload: np.ndarray | None
+    url: str | None
+    rgb_size: Size | None  # (width, height) of an "rgb" payload
+    min_pixels: PosInt
+    max_pixels: PosInt
+    grid_thw: GridTHW
+    content_digest: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+
+    def __post_init__(self) -> None:
+        owner = f"remote item {self.identifier[:16]}"
+        payload = self.payload
+        if payload is not None and (payload.dtype != np.uint8 or payload.ndim != 1):
+            raise WireError(f"{owner}: payload is {payload.dtype} {payload.shape}, not uint8 [n]")
+        if (self.source == "url") != (payload is None) or (self.source == "url") != (
+            self.url is not None
+        ):
+            raise WireError(f"{owner}: a {self.source!r} item carries a payload or a URL, not both")
+        if (self.source == "rgb") != (self.rgb_size is not None):
+            raise WireError(f"{owner}: rgb_size comes exactly with an 'rgb' payload")
+        if self.rgb_size is not None and payload is not None:
+            w, h = self.rgb_size
+            if payload.size != w * h * 3:
+                raise WireError(
+                    f"{owner}: an rgb payload of {w}x{h} holds {w * h * 3} bytes, not "
+                    f"{payload.size}"
+                )
+        if self.min_pixels > self.max_pixels:
+            raise WireError(f"{owner}: min_pixels {self.min_pixels} > max_pixels {self.max_pixels}")
+
+
 class WireStructuredOutputs(WireStruct):
     """`StructuredOutputParams`: the grammar's kind and its text (compiled on each side)."""
 

@@ -16,6 +16,7 @@ from mmserve.wire.common import (
     WireError,
     WireLogprobs,
     WireMMFeature,
+    WireRemoteItem,
     WireRequestFailure,
     WireSamplingParams,
     WireStruct,
@@ -29,11 +30,12 @@ from mmserve.wire.common import (
 class EngineCoreRequest(WireStruct):
     """A processed prompt to add: token ids with expanded placeholders, items, positions.
 
-    `encoder_inputs` holds the pixels of the items the engine may have to encode; an item whose
-    identifier the engine already holds may be left out. `mrope_positions` is None for a
-    text-only prompt built without the processor (the engine derives them). `eos_token_ids`
-    None means the model's own. `arrival_time_s` is the API process's `time.monotonic()`, the
-    same clock as the engine's on one host.
+    `encoder_inputs` holds the pixels of the items the engine may have to encode, and
+    `remote_items` those the encoder pool encodes (a disaggregated server; payloads as raw
+    frames); an item whose identifier the engine already holds may be left out of both.
+    `mrope_positions` is None for a text-only prompt built without the processor (the engine
+    derives them). `eos_token_ids` None means the model's own. `arrival_time_s` is the API
+    process's `time.monotonic()`, the same clock as the engine's on one host.
     """
 
     request_id: RequestId
@@ -46,6 +48,7 @@ class EngineCoreRequest(WireStruct):
     eos_token_ids: tuple[TokenId, ...] | None
     cache_salt: str | None
     arrival_time_s: float
+    remote_items: list[WireRemoteItem] = []
 
     def __post_init__(self) -> None:
         owner = f"request {self.request_id}"
@@ -54,11 +57,19 @@ class EngineCoreRequest(WireStruct):
             check_positions(self.mrope_positions, num_tokens, owner)
         check_features(self.mm_features, num_tokens, owner)
         grids = {f.identifier: f.grid_thw for f in self.mm_features}
-        for item in self.encoder_inputs:
+        for item in [*self.encoder_inputs, *self.remote_items]:
             if grids.get(item.identifier) != item.grid_thw:
                 raise WireError(
                     f"{owner}: encoder input {item.identifier[:16]} (grid_thw "
                     f"{tuple(item.grid_thw)}) matches none of the request's items"
+                )
+        modalities = {f.identifier: f.modality for f in self.mm_features}
+        pixels = {item.identifier for item in self.encoder_inputs}
+        for item in self.remote_items:
+            if modalities[item.identifier] != "image" or item.identifier in pixels:
+                raise WireError(
+                    f"{owner}: remote item {item.identifier[:16]} is not an image item that "
+                    "travels without pixels"
                 )
 
 
