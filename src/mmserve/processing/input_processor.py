@@ -271,7 +271,8 @@ class InputProcessor:
                 f"unsupported modalities {sorted(mm_data)} in multi_modal_data; only 'image' "
                 "and 'video'"
             )
-        images = [images] if images is None or isinstance(images, Image.Image) else images
+        one = images is None or isinstance(images, Image.Image | str | bytes | bytearray)
+        images = [images] if one else images
         videos = [videos] if is_one_video(videos) else list(videos)
         uuids = offline_uuids(prompt.get("multi_modal_uuids"))
         kwargs = prompt.get("mm_processor_kwargs")

@@ -11,14 +11,14 @@ never decoded here.
 The grid is always our own smart_resize of the size (the same code the local path uses), so
 placeholder counts are known before any embedding exists. Identity has its own hash domain
 (`REMOTE_ITEM_DOMAIN`): a remote image can never share an identifier with a decoded one, and
-two servers of one model name the same bytes under the same min/max pixels alike.
+two servers of one model name the same bytes planned to the same grid alike.
 """
 
 from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import blake3
@@ -91,13 +91,11 @@ class RemoteImageModality:
     def plan(self, record: object, cfg: ProcessingConfig) -> Planned:
         if not isinstance(record, RemoteImageRecord):
             return self.local.plan(record, cfg)
-        image = cfg.image
-        t, h, w = get_grid_thw(record.width, record.height, image)
-        patch = image.patch_size
-        decision = (h * patch, w * patch, t, h, w, image.min_pixels, image.max_pixels)
-        return Planned(
-            (t, h, w), t * h * w // image.merge_size**2, decision, None, REMOTE_ITEM_DOMAIN
-        )
+        # The decision is the local one (resized size, grid), not the raw min/max pixels: the
+        # pool's pixels depend only on the image and the grid, so a cap that changes nothing
+        # for this image changes nothing in its identity, as for local items.
+        planned = self.local.plan(UUIDRecord(record.width, record.height, "RGB"), cfg)
+        return replace(planned, domain=REMOTE_ITEM_DOMAIN)
 
     def fingerprint(self, cfg: ProcessingConfig) -> tuple[str | int, ...]:
         return self.local.fingerprint(cfg)
