@@ -23,6 +23,7 @@ from mmserve.wire import (
     WireMMFeature,
     WireModelRunnerOutput,
     WireNewRequestData,
+    WireRemoteItem,
     WireRequestFailure,
     WireRunnerPayload,
     WireSamplingParams,
@@ -115,6 +116,37 @@ def video_and_image_request() -> EngineCoreRequest:
     )
 
 
+def remote_items_request() -> EngineCoreRequest:
+    """A disaggregated server's request: an inline file, an RGB array and a URL for the pool."""
+    features = [feature(i, offset=3 + 10 * i) for i in range(3)]
+    rgb = np.arange(6 * 4 * 3, dtype=np.uint8)  # a 6x4 picture, packed [H, W, 3]
+    sources = [
+        ("bytes", np.frombuffer(b"\x89PNG\r\n\x1a\n" * 9, np.uint8), None, None),
+        ("rgb", rgb, None, (6, 4)),
+        ("url", None, "https://images.example/cat.png", None),
+    ]
+    items = [
+        WireRemoteItem(
+            f.identifier, source, payload, url, size, 3136, 1003520, f.grid_thw, "ab" * 32
+        )
+        for f, (source, payload, url, size) in zip(features, sources, strict=True)
+    ]
+    num_tokens = features[-1].end + 4
+    return EngineCoreRequest(
+        "chatcmpl-remote",
+        [(11 * i) % 1000 for i in range(num_tokens)],
+        features,
+        [],
+        WireSamplingParams(temperature=0.0),
+        positions(num_tokens),
+        0,
+        None,
+        None,
+        2.5,
+        items,
+    )
+
+
 def scheduler_output() -> WireSchedulerOutput:
     """A typical mixed step: one new image request and sixteen decodes."""
     f = feature(9, offset=4, grid_thw=(1, 32, 32))
@@ -199,6 +231,7 @@ def all_messages() -> list[tuple[str, Message]]:
         ("request_text_only", engine_core_request(0)),
         ("request_video_and_image", video_and_image_request()),
         ("request_images_held", engine_core_request(2, with_pixels=False)),
+        ("request_remote_items", remote_items_request()),
         (
             "request_minimal",
             EngineCoreRequest("r", [], [], [], WireSamplingParams(), None, 0, None, None, 0.0),
