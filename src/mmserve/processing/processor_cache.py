@@ -36,8 +36,7 @@ CachedItem = ProcessedImage | RemoteItem  # a remote item: what a disaggregated 
 def cache_entry_bytes(identity: str, item: CachedItem) -> int:
     """What holding `item` under `identity` costs: its whole pixel buffer (a remote item: its
     payload and URL), the key, overhead."""
-    remote = isinstance(item, RemoteItem)
-    held = item.nbytes + len(item.url or "") if remote else item.buffer_bytes
+    held = item.nbytes + len(item.url or "") if isinstance(item, RemoteItem) else item.buffer_bytes
     return held + sys.getsizeof(identity) + CACHE_ENTRY_OVERHEAD_BYTES
 
 
