@@ -83,7 +83,7 @@ class InputProcessor:
         self.limit_mm_per_prompt = {"video": DEFAULT_VIDEO_LIMIT, **(limit_mm_per_prompt or {})}
         self.cache = cache if cache is not None else ProcessorCache(0)
         self.media_loader = media_loader or MediaLoader()
-        self.remote_images = (
+        self.remote_loader = (
             RemoteImageLoader(self.media_loader, remote_images) if remote_images else None
         )
         modalities = default_modalities(trust_exif_image_id=trust_exif_image_id)
@@ -410,8 +410,8 @@ class InputProcessor:
                 return None
             if part.modality == "video":
                 return await loader.aload_video(part.source, cfg.video, cfg.image, budget)
-            if self.remote_images is not None:
-                return await self.remote_images.aload(part.source, cfg.image, budget)
+            if self.remote_loader is not None:
+                return await self.remote_loader.aload(part.source, cfg.image, budget)
             return await loader.aload_image(part.source, budget)
 
         tasks = [asyncio.ensure_future(load(part)) for part in parts]
@@ -433,8 +433,8 @@ class InputProcessor:
     ) -> ImageInput:
         if image is None:
             return None
-        if self.remote_images is not None:
-            return self.remote_images.load(image, cfg.image, budget)
+        if self.remote_loader is not None:
+            return self.remote_loader.load(image, cfg.image, budget)
         if isinstance(image, Image.Image):
             return image  # PIL: hashed as given (mode, size, pixels, EXIF id)
         return self.media_loader.load_image(image, budget)
