@@ -12,9 +12,9 @@ import pytest
 from mmserve.errors import ImageDecodeError, ImageTooLargeError, InvalidRequestError
 from mmserve.multimodal import ProcessedImage, RemoteItem
 from mmserve.processing import image_decode
-from mmserve.processing.image_processor import to_rgb
+from mmserve.processing.decode_workers import DecodeWorkerPool
+from mmserve.processing.image_processor import get_grid_thw, to_rgb
 from mmserve.processing.input_processor import InputProcessor
-from mmserve.processing.media import MediaConfig, MediaLoader
 from tests.factory import flat_png, random_image, video_frames
 from tests.processing.remote_helpers import (
     ONE_IMAGE,
@@ -226,20 +226,32 @@ def test_the_request_decode_budget_counts_remote_images_too(
 
 
 def test_headers_are_read_in_the_isolated_decode_workers(local: InputProcessor) -> None:
-    loader = MediaLoader(MediaConfig(decode_workers=1, max_image_pixels=4096 * 4096))
+    pool = DecodeWorkerPool(1, timeout_s=30.0)
     try:
         jpeg = rotated_jpeg(90, 40, orientation=6)
-        header = loader.read_image_header(jpeg)
-        decoded = local.media_loader.load_image(jpeg)
-        assert (header.width, header.height) == decoded.size == (90, 40)
+        header = pool.read_header(jpeg, 4096 * 4096)
+        assert (header.width, header.height) == local.media_loader.load_image(jpeg).size
         with pytest.raises(ImageTooLargeError) as bomb:
-            loader.read_image_header(HOSTILE["pixel bomb"])
+            pool.read_header(HOSTILE["pixel bomb"], 4096 * 4096)
         assert "over the 16777216-pixel limit" in bomb.value.message
         with pytest.raises(ImageDecodeError, match="not a supported image"):
-            loader.read_image_header(HOSTILE["garbage"])
-        # An image in its own mode and format, and the worker served every request alive.
-        png = loader.read_image_header(encoded(random_image(8, 8).convert("P")))
+            pool.read_header(HOSTILE["garbage"], 4096 * 4096)
+        png = pool.read_header(encoded(random_image(8, 8).convert("P")), 4096 * 4096)
         assert (png.format, png.mode, png.width, png.height) == ("PNG", "P", 8, 8)
-        assert loader._pool is not None and loader._pool.num_started == 1  # errors kill none
+        assert pool.num_started == 1  # refusing a header kills no worker
     finally:
-        loader.close()
+        pool.close()
+
+
+def test_a_server_with_decode_workers_plans_from_their_headers(
+    qwen2_vl_dir: Path, media_root: Path, no_decoding: None
+) -> None:
+    proc = make_processor(qwen2_vl_dir, media_root, make_planner(qwen2_vl_dir), decode_workers=1)
+    try:
+        url = data_url(rotated_jpeg(30, 100, orientation=8))
+        got = proc.process_chat(chat(url))
+        assert got.mm_features[0].grid_thw == get_grid_thw(30, 100, proc.image_config)
+        with pytest.raises(ImageTooLargeError):
+            proc.process_chat(chat(data_url(HOSTILE["pixel bomb"])))
+    finally:
+        proc.media_loader.close()
