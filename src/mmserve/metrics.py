@@ -55,6 +55,8 @@ LABELLED_COUNTERS = MappingProxyType(
         "remote_encoder_dropped_messages": "reason",
     }
 )
+# Label values present from the start (at 0), so their series exist before anything is counted.
+LABEL_VALUES_FROM_START = MappingProxyType({"embedding_transfer_bytes": ("sent", "received")})
 # The finish reasons a finished request is counted under (request_success{finished_reason}):
 # the OpenAI finish_reason values of scheduling.request.FINISH_REASONS.
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -201,7 +203,9 @@ class EngineMetrics:
         self._gauges: dict[str, float] = dict.fromkeys(GAUGE_NAMES, 0.0)
         self._request_success = dict.fromkeys(FINISHED_REASONS, 0)
         self._modality_counters = {n: dict.fromkeys(MODALITIES, 0) for n in MODALITY_COUNTERS}
-        self._labelled: dict[str, dict[str, float]] = {n: {} for n in LABELLED_COUNTERS}
+        self._labelled: dict[str, dict[str, float]] = {
+            n: dict.fromkeys(LABEL_VALUES_FROM_START.get(n, ()), 0) for n in LABELLED_COUNTERS
+        }
         token_bounds = tuple(float(b) for b in token_buckets(max_model_len))
         self._histograms = {
             "time_to_first_token_seconds": Histogram(TTFT_BUCKETS_S),

@@ -57,6 +57,7 @@ class Behaviour:
     queued_patches: int = 0
     reply_delay_s: float = 0.0
     dtype: str = "float32"
+    hidden_size: int = HIDDEN
     fingerprint: str = FINGERPRINT
     plan: dict | None = None  # the /v1/encode/plan answer; None: 502
     plan_status: int = 200
@@ -100,7 +101,7 @@ class FakeEncoder:
         return {
             "zmq_port": self.zmq_port,
             "model_fingerprint": self.behaviour.fingerprint,
-            "hidden_size": HIDDEN,
+            "hidden_size": self.behaviour.hidden_size,
             "dtype": self.behaviour.dtype,
             "spatial_merge_size": MERGE,
             "patch_size": 14,
