@@ -301,6 +301,32 @@ def test_cancel_stops_a_pending_item_and_its_late_reply_is_dropped(fakes, pools)
     assert pool.poll() == ([], [])
 
 
+def test_an_item_too_large_for_a_message_header_fails_alone(fakes, pools):
+    (a,) = fakes(1)
+    pool = pools([a])
+    url = "https://img.example/" + "x" * (70 * 1024)
+    item = RemoteItem("url", None, url, None, 3136, 12845056, (1, 4, 4), "d" * 64)
+    pool.submit("r1", MultiModalFeature("e" * 64, "image", PlaceholderRange(0, 4), item, (1, 4, 4)))
+    _, failures = collect(pool, 1)
+    failure = failures[0].failure
+    assert failure.kind is FailureKind.REQUEST and "header" in failure.message
+    pool.submit("r2", feature(2))  # the pool goes on
+    assert len(collect(pool, 1)[0]) == 1 and a.items[0].request_id == "r2"
+
+
+def test_a_dead_io_thread_fails_every_pending_item_and_every_later_one(fakes, pools):
+    (a,) = fakes(1)
+    a.behaviour.mode = "hang"
+    pool = pools([a], timeout_s=5.0)
+    pool.submit("r1", feature(1))
+    pool.io_failed("RuntimeError in the encoder pool's I/O thread")  # what its thread reports
+    pool.submit("r2", feature(2))
+    _, failures = collect(pool, 2)
+    assert [f.identifier for f in failures] == [feature(1).identifier, feature(2).identifier]
+    assert {f.failure.kind for f in failures} == {FailureKind.INTERNAL}
+    assert pool.num_pending() == 0
+
+
 def test_discovery_refuses_an_encoder_of_another_model(fakes):
     (a,) = fakes(1)
     assert discover(a.url, IDENTITY, secret=None, timeout_s=2).zmq_address == a.zmq_address

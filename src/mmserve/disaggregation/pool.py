@@ -56,7 +56,9 @@ class PoolConfig:
     secret: bytes | None = None
     discovery_timeout_s: float = 30.0
     ping_interval_s: float = 0.5
-    missed_pings: int = 3
+    # a healthy encoder silent for missed_pings x ping_interval_s leaves rotation; an encoder
+    # answers pings from its I/O loop, also while it encodes
+    missed_pings: int = 6
     send_hwm: int = 1024
 
     def __post_init__(self) -> None:
@@ -105,6 +107,7 @@ class RemoteEncoderPool:
         self._arrivals: list[EncoderArrival] = []
         self._failures: list[EncoderItemFailure] = []
         self._submissions = itertools.count(1)
+        self._io_failure: str | None = None  # set when the I/O thread has died
         self._ctx = zmq.Context()
         wake_address = f"inproc://mmserve-encoder-pool-{id(self)}"
         io_config = IOConfig(
@@ -159,7 +162,11 @@ class RemoteEncoderPool:
             self._live_per_request[request_id] += 1
             item_index = self._items_sent[request_id]
             self._items_sent[request_id] += 1
-        self._post("submit", PendingItem(request_id, item_index, feature, submission))
+            p = PendingItem(request_id, item_index, feature, submission)
+            if self._io_failure is not None:
+                self._fail_locked(p, RequestFailure(self._io_failure, FailureKind.INTERNAL))
+                return
+        self._post("submit", p)
 
     def cancel(self, identifiers: Iterable[str]) -> None:
         cancelled = []
@@ -218,7 +225,22 @@ class RemoteEncoderPool:
         self.metrics.inc("remote_encoder_fallbacks")
         self._worker.submit(self._run_local, p)
 
+    def io_failed(self, reason: str) -> None:
+        with self._lock:
+            self._io_failure = reason
+            for identifier in list(self._live):
+                self._failures.append(
+                    EncoderItemFailure(identifier, RequestFailure(reason, FailureKind.INTERNAL))
+                )
+                self._forget(identifier)
+            self._lock.notify_all()
+
     # ------------------------------------------------------------ internals
+
+    def _fail_locked(self, p: PendingItem, failure: RequestFailure) -> None:
+        self._forget(p.feature.identifier)
+        self._failures.append(EncoderItemFailure(p.feature.identifier, failure))
+        self._lock.notify_all()
 
     def _run_local(self, p: PendingItem) -> None:
         assert self._local is not None

@@ -116,6 +116,10 @@ class PoolSink(Protocol):
 
     def fallback(self, p: PendingItem) -> None: ...
 
+    def io_failed(self, reason: str) -> None:
+        """The I/O thread has stopped on a bug: nothing pending will ever be answered."""
+        ...
+
 
 class PoolIO:
     """The sockets and the pending table; `run` is the thread's body."""
@@ -168,6 +172,9 @@ class PoolIO:
                 now = time.monotonic()
                 self._check_deadlines(now)
                 self._ping(now)
+        except Exception as exc:  # noqa: BLE001 - a bug here must not leave items waiting
+            logger.exception("the encoder pool's I/O thread failed")
+            self.sink.io_failed(f"{type(exc).__name__} in the encoder pool's I/O thread")
         finally:
             for link in self.links:
                 link.socket.close(linger=0)
@@ -206,6 +213,12 @@ class PoolIO:
         old = self.pending.pop(p.feature.identifier, None)
         if old is not None:  # resubmitted after a cancel this thread has not seen yet
             self._release(old, "cancelled")
+        try:
+            encode_message(_encode_item(p))  # a header over the limit (a huge URL) never goes
+        except ValueError as exc:
+            failure = RequestFailure(f"{p.describe()}: {exc}", FailureKind.REQUEST, "image_url")
+            self.sink.failed(p, failure)
+            return
         self.pending[p.feature.identifier] = p
         self._dispatch(p, time.monotonic(), is_retry=False)
 
@@ -228,21 +241,7 @@ class PoolIO:
         item = p.item
         p.attempt = next(self.attempts)
         p.tried.add(link.url)
-        msg = EncodeItem(
-            request_id=p.request_id,
-            item_index=p.item_index,
-            identifier=p.feature.identifier,
-            attempt=p.attempt,
-            modality="image",
-            source=item.source,  # type: ignore[arg-type]
-            min_pixels=item.min_pixels,
-            max_pixels=item.max_pixels,
-            grid_thw=item.grid_thw,
-            content_digest=item.content_digest,
-            url=item.url,
-            rgb_size=item.rgb_size,
-        )
-        frames = encode_message(msg, item.payload or b"", self.config.secret)
+        frames = encode_message(_encode_item(p), item.payload or b"", self.config.secret)
         try:
             link.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -425,3 +424,21 @@ class PoolIO:
 
     def _set_healthy_gauge(self) -> None:
         self.metrics.set_gauge("remote_encoder_healthy", sum(ln.is_healthy for ln in self.links))
+
+
+def _encode_item(p: PendingItem) -> EncodeItem:
+    item = p.item
+    return EncodeItem(
+        request_id=p.request_id,
+        item_index=p.item_index,
+        identifier=p.feature.identifier,
+        attempt=p.attempt,
+        modality="image",
+        source=item.source,  # type: ignore[arg-type]
+        min_pixels=item.min_pixels,
+        max_pixels=item.max_pixels,
+        grid_thw=item.grid_thw,
+        content_digest=item.content_digest,
+        url=item.url,
+        rgb_size=item.rgb_size,
+    )
