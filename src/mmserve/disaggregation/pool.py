@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -136,16 +137,19 @@ class RemoteEncoderPool:
         metrics: EngineMetrics,
         local_fallback: LocalFallback | None = None,
     ) -> RemoteEncoderPool:
-        """Discover every encoder (ValueError naming the one that does not fit), then start."""
-        endpoints = [
-            discover(
-                url,
-                config.identity,
-                secret=config.secret,
-                timeout_s=config.discovery_timeout_s,
+        """Discover every encoder (ValueError naming the one that does not fit), then start.
+        All of them share one discovery window of `discovery_timeout_s`."""
+        deadline = time.monotonic() + config.discovery_timeout_s
+        endpoints = []
+        for url in config.encoder_urls:
+            endpoints.append(
+                discover(
+                    url,
+                    config.identity,
+                    secret=config.secret,
+                    timeout_s=max(0.5, deadline - time.monotonic()),
+                )
             )
-            for url in config.encoder_urls
-        ]
         logger.info("encoder pool: %s", ", ".join(ep.url for ep in endpoints))
         return cls(config, endpoints, metrics=metrics, local_fallback=local_fallback)
 
