@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from mmserve.cli import build_parser
@@ -104,3 +105,9 @@ def test_the_engine_core_gets_a_pool_that_fits_its_model(qwen2_vl_dir):
             build_core(args, resolve_shape(args), EngineMetrics())
     finally:
         fake.close()
+
+
+def test_encoder_flags_reach_the_engine_process_intact():
+    args = EngineArgs(encoder_urls=("http://127.0.0.1:18201",), encoder_secret="k")
+    again = msgspec.json.decode(msgspec.json.encode(args), type=EngineArgs)
+    assert again.encoder_urls == args.encoder_urls and again.encoder_secret == "k"
