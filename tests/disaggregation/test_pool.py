@@ -306,6 +306,11 @@ def test_cancel_stops_a_pending_item_and_its_late_reply_is_dropped(fakes, pools)
     dropped = lambda: labelled(metrics, "remote_encoder_dropped_messages")  # noqa: E731
     assert wait_until(lambda: dropped().get("cancelled") == 1)
     assert pool.poll() == ([], [])
+    a.behaviour.reply_delay_s = 0.0
+    pool.submit("r2", feature(2))
+    assert wait_until(lambda: pool.num_pending() == 0)  # arrived, not polled yet
+    pool.cancel(iter([feature(2).identifier]))  # its request went away meanwhile
+    assert pool.poll() == ([], [])
 
 
 def test_an_item_too_large_for_a_message_header_fails_alone(fakes, pools):

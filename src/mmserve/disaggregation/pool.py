@@ -173,12 +173,16 @@ class RemoteEncoderPool:
         self._post("submit", p)
 
     def cancel(self, identifiers: Iterable[str]) -> None:
+        gone = set(identifiers)
         cancelled = []
         with self._lock:
-            for identifier in identifiers:
+            for identifier in gone:
                 if identifier in self._live:
                     self._forget(identifier)
                     cancelled.append(identifier)
+            # NOTE: one that finished but was not polled yet is dropped too: nobody takes it
+            self._arrivals = [a for a in self._arrivals if a.identifier not in gone]
+            self._failures = [f for f in self._failures if f.identifier not in gone]
         if cancelled:
             self._post("cancel", tuple(cancelled))
 

@@ -66,7 +66,7 @@ class PendingItem:
     """One item the pool is encoding; owned by the I/O thread once posted."""
 
     request_id: str
-    item_index: int  # its ordinal among the request's items sent to the pool
+    item_index: int  # its ordinal among the request's items in the pool at once (for logs)
     feature: MultiModalFeature
     generation: int  # the engine side's submission number (a result of an older one is dropped)
     attempt: int = 0
