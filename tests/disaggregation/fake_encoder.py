@@ -109,6 +109,8 @@ class FakeEncoder:
         }
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._zmq_thread.join(timeout=5)
         self._router.close(linger=0)

@@ -160,6 +160,17 @@ def test_a_hanging_encoder_times_out_and_the_item_is_retried_on_the_other(fakes,
     assert a.cancels[0].identifiers == [feature(1).identifier]
 
 
+def test_an_encoder_killed_mid_item_leaves_rotation_and_the_item_moves(fakes, pools):
+    a, b = fakes(2)
+    a.behaviour.mode = "hang"
+    pool = pools([a, b], timeout_s=30.0)  # the missed pings notice it, not the item's deadline
+    pool.submit("r1", feature(1))
+    assert a.wait_for_items(1)
+    a.close()
+    arrivals, failures = collect(pool, 1)
+    assert failures == [] and [x.encoder for x in arrivals] == [b.url]
+
+
 def test_an_internal_error_is_retried_elsewhere_and_an_input_error_is_not(fakes, pools):
     a, b = fakes(2)
     a.behaviour.mode = "error"
