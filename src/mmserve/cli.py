@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mmserve.engine.args import EngineArgs
-from mmserve.serve_flags import API_KEY_ENV, add_serve_args
+from mmserve.serve_flags import API_KEY_ENV, ENCODER_SECRET_ENV, add_serve_args
 
 logger = logging.getLogger("mmserve")
 # How long in-flight requests may run after SIGTERM before they are cancelled.
@@ -51,6 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.api_key is None:
         env_keys = [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
         args.api_key = env_keys or None
+    if getattr(args, "encoder_urls", None) is not None and args.encoder_secret_file is None:
+        args.encoder_secret = os.environ.get(ENCODER_SECRET_ENV) or None
     try:
         engine_args = EngineArgs.from_cli(args)
     except ValueError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 # Counters (monotonic) and gauges the engine keeps; names map 1:1 onto the Prometheus names
 # `mmserve_<name>` (counters get `_total` appended by the exporter). docs/metrics.md lists
@@ -24,6 +25,8 @@ COUNTER_NAMES = (
     "requests_finished",
     "requests_failed",
     "num_preemptions",
+    "remote_encoder_retries",
+    "remote_encoder_fallbacks",
 )
 GAUGE_NAMES = (
     "kv_blocks_free",
@@ -33,11 +36,27 @@ GAUGE_NAMES = (
     "encoder_cache_total_slots",
     "num_requests_running",
     "num_requests_waiting",
+    "encoder_pool_bytes",
+    "remote_encoder_healthy",
 )
 # Counters also kept per item modality: their samples carry a `modality` label (one per entry
 # of MODALITIES, present from the start; the unlabelled total is their sum).
 MODALITY_COUNTERS = ("encoder_items_encoded", "encoder_forward_calls")
 MODALITIES = ("image", "video")
+# Counters kept per value of one label (counter name -> label name), the label values appearing
+# as they are first counted (an encoder's URL, a drop reason). A name also in COUNTER_NAMES
+# keeps its unlabelled total there; the others are exported only by label. Values may be
+# fractional (a latency sum in seconds).
+LABELLED_COUNTERS = MappingProxyType(
+    {
+        "embedding_transfer_bytes": "direction",  # "sent" (item payloads) | "received" (embeddings)
+        "remote_encoder_items": "encoder",
+        "remote_encoder_latency_seconds": "encoder",
+        "remote_encoder_dropped_messages": "reason",
+    }
+)
+# Label values present from the start (at 0), so their series exist before anything is counted.
+LABEL_VALUES_FROM_START = MappingProxyType({"embedding_transfer_bytes": ("sent", "received")})
 # The finish reasons a finished request is counted under (request_success{finished_reason}):
 # the OpenAI finish_reason values of scheduling.request.FINISH_REASONS.
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -154,6 +173,8 @@ class MetricsSnapshot:
     request_success: dict[str, int]  # finished requests by FINISHED_REASONS
     # MODALITY_COUNTERS name -> modality -> count; `counters` has their totals
     modality_counters: dict[str, dict[str, int]] = field(default_factory=dict)
+    # LABELLED_COUNTERS name -> label value -> count
+    labelled_counters: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def ttft(self) -> Histogram:
@@ -182,6 +203,9 @@ class EngineMetrics:
         self._gauges: dict[str, float] = dict.fromkeys(GAUGE_NAMES, 0.0)
         self._request_success = dict.fromkeys(FINISHED_REASONS, 0)
         self._modality_counters = {n: dict.fromkeys(MODALITIES, 0) for n in MODALITY_COUNTERS}
+        self._labelled: dict[str, dict[str, float]] = {
+            n: dict.fromkeys(LABEL_VALUES_FROM_START.get(n, ()), 0) for n in LABELLED_COUNTERS
+        }
         token_bounds = tuple(float(b) for b in token_buckets(max_model_len))
         self._histograms = {
             "time_to_first_token_seconds": Histogram(TTFT_BUCKETS_S),
@@ -201,6 +225,25 @@ class EngineMetrics:
             if modality is not None:
                 by_modality = self._modality_counters[name]
                 by_modality[modality] = by_modality.get(modality, 0) + amount
+
+    def inc_labelled(self, name: str, label: str, amount: float = 1) -> None:
+        """Count `amount` under one label value of a LABELLED_COUNTERS counter (and its
+        unlabelled total when it has one)."""
+        if name not in self._labelled:
+            raise KeyError(f"counter {name!r} is not kept by label")
+        with self._lock:
+            by_label = self._labelled[name]
+            by_label[label] = by_label.get(label, 0) + amount
+            if name in self._counters:
+                self._counters[name] += int(amount)
+
+    def set_labelled_counter(self, name: str, label: str, value: float) -> None:
+        """Mirror one label value of a LABELLED_COUNTERS counter; it never goes down."""
+        if name not in self._labelled:
+            raise KeyError(f"counter {name!r} is not kept by label")
+        with self._lock:
+            by_label = self._labelled[name]
+            by_label[label] = max(by_label.get(label, 0), value)
 
     def set_modality_counter(self, name: str, modality: str, value: int) -> None:
         """Mirror one modality's count of a MODALITY_COUNTERS counter; it never goes down."""
@@ -247,6 +290,7 @@ class EngineMetrics:
                 histograms={name: h.copy() for name, h in self._histograms.items()},
                 request_success=dict(self._request_success),
                 modality_counters={n: dict(m) for n, m in self._modality_counters.items()},
+                labelled_counters={n: dict(c) for n, c in self._labelled.items()},
             )
 
     def _observe(self, name: str, value: float) -> None:
@@ -287,5 +331,12 @@ CORE_COUNTERS = (
     "encoder_forward_calls",
     "embedding_transfer_bytes",
     "num_preemptions",
+    "remote_encoder_retries",
+    "remote_encoder_fallbacks",
 )
-CORE_GAUGES = ("kv_blocks_total", "encoder_cache_total_slots")
+CORE_GAUGES = (
+    "kv_blocks_total",
+    "encoder_cache_total_slots",
+    "encoder_pool_bytes",
+    "remote_encoder_healthy",
+)

@@ -10,6 +10,7 @@ from mmserve.engine.args import (
     ATTENTION_BACKENDS,
     DEVICES,
     DTYPES,
+    ENCODER_FALLBACKS,
     LOG_LEVELS,
     TOY_MODEL_NAME,
     parse_json_object,
@@ -18,6 +19,7 @@ from mmserve.engine.args import (
 from mmserve.hashing import HASH_ALGORITHMS
 
 API_KEY_ENV = "MMSERVE_API_KEY"
+ENCODER_SECRET_ENV = "MMSERVE_ENCODER_SECRET"
 
 
 def _json_object(flag: str):
@@ -331,6 +333,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     _add_decode_args(a)
     _add_video_args(a)
+    _add_encoder_pool_args(p.add_argument_group("Encoder pool (disaggregation)").add_argument)
     a = p.add_argument_group("Frontend (HTTP server)").add_argument
     a("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1).")
     a("--port", type=int, default=8000, help="Port to listen on (default 8000).")
@@ -380,6 +383,40 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=LOG_LEVELS,
         default="warning",
         help="uvicorn's log level (access logs appear at info).",
+    )
+
+
+def _add_encoder_pool_args(a: Callable[..., Any]) -> None:
+    """Encode/prefill disaggregation (docs/disaggregation.md): images go to `mmserve encode`."""
+    a(
+        "--encoder-urls",
+        nargs="+",
+        default=None,
+        metavar="URL",
+        help="http://host:port of `mmserve encode` servers: images are encoded there and their "
+        "embeddings shipped here (videos stay local). Without it this server encodes locally.",
+    )
+    a(
+        "--encoder-fallback",
+        choices=ENCODER_FALLBACKS,
+        default=None,
+        help="When no encoder could encode an image: 'local' (default) encodes it here with "
+        "this server's vision tower; 'fail' fails its request with a 503.",
+    )
+    a(
+        "--encoder-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="How long one encoder may take for one image before it is taken out of rotation "
+        "and the image tried on another (default 30).",
+    )
+    a(
+        "--encoder-secret-file",
+        default=None,
+        metavar="PATH",
+        help="File holding the secret shared with the encoders (signs every message, "
+        f"authorizes their HTTP routes); also read from ${ENCODER_SECRET_ENV}.",
     )
 
 

@@ -13,7 +13,7 @@ from mmserve.metrics import COUNTER_NAMES, EngineMetrics
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 UNITS = {"items", "calls", "tokens", "bytes", "requests", "events", "blocks", "embeddings"}
-UNITS |= {"seconds", "ratio, 0 to 1"}
+UNITS |= {"seconds", "ratio, 0 to 1", "encoders"}
 # vLLM's series that a Grafana dashboard reads, by the name mmserve gives them.
 VLLM_COUNTERPARTS = {
     "vllm:e2e_request_latency_seconds": "mmserve_e2e_request_latency_seconds",

@@ -81,7 +81,11 @@ def _through_wire(msg):
         (WireNewRequestData, NewRequestData, set()),
         (WireSchedulerOutput, SchedulerOutput, {"encoder_inputs"}),
         (WireModelRunnerOutput, ModelRunnerOutput, set()),
-        (EngineStats, SchedulerStats, {"counters", "gauges", "modality_counters"}),
+        (
+            EngineStats,
+            SchedulerStats,
+            {"counters", "gauges", "modality_counters", "labelled_counters"},
+        ),
     ],
 )
 def test_a_field_added_in_process_must_be_added_to_its_wire_twin(wire, local, extra):

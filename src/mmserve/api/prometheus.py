@@ -17,7 +17,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from mmserve.metrics import EngineMetrics, Histogram
+from mmserve.metrics import LABELLED_COUNTERS, EngineMetrics, Histogram
 
 PREFIX = "mmserve_"
 
@@ -33,13 +33,22 @@ COUNTER_HELP = {
     "batch (calls).",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache (tokens).",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache (tokens).",
-    "embedding_transfer_bytes": "Image embeddings sent between processes (bytes).",
+    "embedding_transfer_bytes": "Bytes shipped to and from the remote encoder pool, by "
+    "direction: sent (image payloads), received (embeddings) (bytes).",
     "prompt_tokens": "Prompt tokens of the requests the engine took (tokens).",
     "generation_tokens": "Tokens generated (tokens).",
     "requests_finished": "Requests that finished without an error (requests).",
     "requests_failed": "Requests that finished with an error (requests).",
     "num_preemptions": "Preemptions: a running request's KV freed, to be recomputed (events).",
     "request_success": "Finished requests by finish reason (requests).",
+    "remote_encoder_retries": "Images sent again to another encoder after one failed or timed "
+    "out (events).",
+    "remote_encoder_fallbacks": "Images no encoder could encode, encoded by this server (items).",
+    "remote_encoder_items": "Images a remote encoder answered with embeddings, by encoder (items).",
+    "remote_encoder_latency_seconds": "Send-to-answer time of those images summed by encoder; "
+    "divide by remote_encoder_items for the mean (seconds).",
+    "remote_encoder_dropped_messages": "Messages from encoders dropped, by reason: malformed, "
+    "unsigned, stale, duplicate, cancelled, unknown (events).",
 }
 GAUGE_HELP = {
     "kv_blocks_free": "KV-cache blocks no request holds, cached prefixes included (blocks).",
@@ -51,6 +60,8 @@ GAUGE_HELP = {
     "num_requests_running": "Requests in the running batch (requests).",
     "num_requests_waiting": "Requests waiting to be scheduled, preempted ones included (requests).",
     "kv_cache_usage_perc": "Fraction of KV-cache blocks held by requests (ratio, 0 to 1).",
+    "encoder_pool_bytes": "Bytes of embeddings received from the encoder pool held here (bytes).",
+    "remote_encoder_healthy": "Encoders of the pool in rotation (encoders).",
 }
 HISTOGRAM_HELP = {
     "time_to_first_token_seconds": "Time from arrival to the first token (seconds).",
@@ -78,6 +89,9 @@ class EngineMetricsCollector(Collector):
         for name, value in snapshot.counters.items():
             # CounterMetricFamily appends `_total` to the sample name.
             by_modality = snapshot.modality_counters.get(name)
+            if name in snapshot.labelled_counters:
+                yield _labelled_family(name, model, snapshot.labelled_counters[name])
+                continue
             labels = ["model_name"] if by_modality is None else ["model_name", "modality"]
             family = CounterMetricFamily(PREFIX + name, COUNTER_HELP[name], labels=labels)
             if by_modality is None:
@@ -86,6 +100,10 @@ class EngineMetricsCollector(Collector):
                 for modality, count in by_modality.items():
                     family.add_metric([*model, modality], count)
             yield family
+        for name, by_label in snapshot.labelled_counters.items():
+            # exported above when it has a total; a label-only one once something is counted
+            if name not in snapshot.counters and by_label:
+                yield _labelled_family(name, model, by_label)
         success = CounterMetricFamily(
             PREFIX + "request_success",
             COUNTER_HELP["request_success"],
@@ -105,6 +123,14 @@ class EngineMetricsCollector(Collector):
             )
             family.add_metric(model, _cumulative_buckets(histogram), histogram.total)
             yield family
+
+
+def _labelled_family(name: str, model: list[str], by_label: dict[str, float]) -> Metric:
+    labels = ["model_name", LABELLED_COUNTERS[name]]
+    family = CounterMetricFamily(PREFIX + name, COUNTER_HELP[name], labels=labels)
+    for label, count in sorted(by_label.items()):
+        family.add_metric([*model, label], count)
+    return family
 
 
 def _cumulative_buckets(histogram: Histogram) -> list[tuple[str, float]]:

@@ -9,6 +9,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from mmserve.disaggregation.discovery import normalise_encoder_url
 from mmserve.hashing import HASH_ALGORITHMS
 from mmserve.processing.url_guard import parse_allowlist
 
@@ -17,6 +18,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+ENCODER_FALLBACKS = ("local", "fail")
+DEFAULT_ENCODER_TIMEOUT_S = 30.0
 
 
 def bundled_toy_model_dir() -> str:
@@ -148,6 +151,15 @@ class EngineArgs:
     enable_encoder_cuda_graph: bool = False
     # Request defaults from a generation_config.json: "auto" (the model's), "vllm" (none), a dir.
     generation_config: str = "auto"
+    # Encode/prefill disaggregation (issue #16, docs/disaggregation.md): images go to these
+    # `mmserve encode` servers. The other encoder_* fields need encoder_urls; None: defaults
+    # (fallback "local", a 30 s timeout). The secret comes from encoder_secret_file, or
+    # encoder_secret (the CLI fills it from $MMSERVE_ENCODER_SECRET).
+    encoder_urls: tuple[str, ...] | None = None
+    encoder_fallback: str | None = None
+    encoder_timeout: float | None = None
+    encoder_secret_file: str | None = None
+    encoder_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in (
@@ -202,6 +214,7 @@ class EngineArgs:
             )
         self._check_decode_flags()
         self._check_device_flags()
+        self._check_encoder_flags()
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, DEVICES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
@@ -268,6 +281,48 @@ class EngineArgs:
                 "--tokenizer-revision needs --tokenizer (the model's own tokenizer follows "
                 "--revision)"
             )
+
+    def _check_encoder_flags(self) -> None:
+        if self.encoder_urls is None:
+            given = [
+                "--" + name.replace("_", "-")
+                for name in ("encoder_fallback", "encoder_timeout", "encoder_secret_file")
+                if getattr(self, name) is not None
+            ]
+            if self.encoder_secret is not None:
+                given.append("MMSERVE_ENCODER_SECRET")
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} configure the remote encoder pool; give "
+                    "--encoder-urls too, or leave them out"
+                )
+            return
+        urls = (self.encoder_urls,) if isinstance(self.encoder_urls, str) else self.encoder_urls
+        urls = tuple(normalise_encoder_url(u) for u in urls)
+        if not urls:
+            raise ValueError("--encoder-urls needs at least one http://host:port")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"--encoder-urls names an encoder twice: {list(urls)}")
+        object.__setattr__(self, "encoder_urls", urls)
+        if self.encoder_fallback is not None:
+            _check_choice("encoder_fallback", self.encoder_fallback, ENCODER_FALLBACKS)
+        if self.encoder_timeout is not None:
+            _check_seconds("encoder_timeout", self.encoder_timeout)
+        if self.encoder_secret_file is not None and self.encoder_secret is not None:
+            raise ValueError(
+                "the encoder secret is given twice (--encoder-secret-file and "
+                "MMSERVE_ENCODER_SECRET); give one"
+            )
+        if self.encoder_secret is not None and not self.encoder_secret.strip():
+            raise ValueError("MMSERVE_ENCODER_SECRET is empty; unset it or give a secret")
+
+    @property
+    def resolved_encoder_fallback(self) -> str:
+        return self.encoder_fallback or "local"
+
+    @property
+    def resolved_encoder_timeout(self) -> float:
+        return self.encoder_timeout or DEFAULT_ENCODER_TIMEOUT_S
 
     def _check_decode_flags(self) -> None:
         for name in (
@@ -336,6 +391,8 @@ class EngineArgs:
             values["mm_processor_kwargs"] = parse_json_object(
                 values["mm_processor_kwargs"], "--mm-processor-kwargs"
             )
+        if isinstance(values.get("encoder_urls"), list):
+            values["encoder_urls"] = tuple(values["encoder_urls"])
         if "allowed_media_domains" in values:
             values["allowed_media_domains"] = split_domains(values["allowed_media_domains"])
         return cls(**values)

@@ -138,6 +138,7 @@ class CoreLoop:
             {name: snap.counters[name] for name in CORE_COUNTERS},
             {name: snap.gauges[name] for name in CORE_GAUGES},
             snap.modality_counters,
+            snap.labelled_counters,
         )
         if stats == self._last_stats:
             return None

@@ -18,6 +18,7 @@ from mmserve.engine.kv_sizing import GpuProfile, profiled_kv_budget
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.model_source import with_local_sources
 from mmserve.engine.output_processor import OutputProcessor
+from mmserve.engine.remote_encoders import build_encoder_pool, build_url_planner
 from mmserve.execution.cuda_graphs import start_decode_graphs
 from mmserve.execution.device_memory import CudaMemory
 from mmserve.execution.encoder_graphs import make_encoder_embed
@@ -55,6 +56,9 @@ logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 2 << 30  # default KV pool on the CPU when nothing sizes it
 SERVER_DECODE_WORKERS = 2
+# The engine core decodes only the local fallback's images (no encoder could): one worker,
+# started on first use.
+FALLBACK_DECODE_WORKERS = 1
 
 
 @dataclass(frozen=True)
@@ -182,31 +186,10 @@ def build_input_processor(
     crash or hang fails one request instead of the server (the server uses it; the offline API
     decodes in-process).
     """
-    # No image needs more pixels than the processor resizes it to (or 4096x4096 when that is less).
-    max_image_pixels = args.max_image_pixels or default_max_image_pixels(
-        shape.image_config.max_pixels
-    )
-    media = MediaLoader(
-        MediaConfig(
-            allowed_media_domains=args.allowed_media_domains or (),
-            allowed_local_media_path=args.allowed_local_media_path,
-            fetch_timeout_s=args.media_fetch_timeout,
-            max_fetch_bytes=args.max_media_bytes,
-            max_concurrent_fetches=args.max_concurrent_media_fetches,
-            decode_workers=decode_workers,
-            max_image_pixels=max_image_pixels,
-            max_decode_bytes_per_request=args.max_decode_bytes_per_request,
-            max_inflight_decode_bytes=args.max_inflight_decode_bytes,
-            decode_wait_timeout_s=args.decode_wait_timeout,
-            decode_worker_max_rss_bytes=args.decode_worker_max_rss_mb << 20,
-            max_video_bytes=args.max_video_bytes,
-            max_video_seconds=args.max_video_seconds,
-            max_video_frames_decoded=args.max_video_frames_decoded,
-            max_video_frame_pixels=args.max_video_frame_pixels,
-            max_video_decoded_pixels=args.max_video_decoded_pixels,
-            video_decode_timeout_s=args.video_decode_timeout,
-        )
-    )
+    media = MediaLoader(build_media_config(args, shape, decode_workers=decode_workers))
+    remote: dict[str, Any] = {}
+    if args.encoder_urls:  # images are planned here and encoded by the pool
+        remote = {"url_planner": build_url_planner(args), "remote_images": True}
     return InputProcessor.from_pretrained(
         shape.model_dir,
         max_model_len=shape.max_model_len,
@@ -220,6 +203,34 @@ def build_input_processor(
         media_loader=media,
         trust_exif_image_id=args.trust_exif_image_id,
         tokenizer=shape.tokenizer,
+        **remote,
+    )
+
+
+def build_media_config(args: EngineArgs, shape: EngineShape, *, decode_workers: int) -> MediaConfig:
+    """Where media may come from and how much of it is accepted (the URL and decode flags)."""
+    # No image needs more pixels than the processor resizes it to (or 4096x4096 when that is less).
+    max_image_pixels = args.max_image_pixels or default_max_image_pixels(
+        shape.image_config.max_pixels
+    )
+    return MediaConfig(
+        allowed_media_domains=args.allowed_media_domains or (),
+        allowed_local_media_path=args.allowed_local_media_path,
+        fetch_timeout_s=args.media_fetch_timeout,
+        max_fetch_bytes=args.max_media_bytes,
+        max_concurrent_fetches=args.max_concurrent_media_fetches,
+        decode_workers=decode_workers,
+        max_image_pixels=max_image_pixels,
+        max_decode_bytes_per_request=args.max_decode_bytes_per_request,
+        max_inflight_decode_bytes=args.max_inflight_decode_bytes,
+        decode_wait_timeout_s=args.decode_wait_timeout,
+        decode_worker_max_rss_bytes=args.decode_worker_max_rss_mb << 20,
+        max_video_bytes=args.max_video_bytes,
+        max_video_seconds=args.max_video_seconds,
+        max_video_frames_decoded=args.max_video_frames_decoded,
+        max_video_frame_pixels=args.max_video_frame_pixels,
+        max_video_decoded_pixels=args.max_video_decoded_pixels,
+        video_decode_timeout_s=args.video_decode_timeout,
     )
 
 
@@ -295,6 +306,17 @@ def build_core(
         max_patches_per_call=max_patches_per_call,
         metrics=metrics,
     )
+    encoder_source = None
+    if args.encoder_urls:  # images arrive as RemoteItems: the pool encodes them
+        encoder_source = build_encoder_pool(
+            args,
+            model_dir=shape.model_dir,
+            hidden_size=model_config.hidden_size,
+            dtype=dtype,
+            image_config=shape.image_config,
+            media_config=build_media_config(args, shape, decode_workers=FALLBACK_DECODE_WORKERS),
+            metrics=metrics,
+        )
     runner = ModelRunner(
         model,
         allocate_kv_caches(model_config, num_blocks, args.block_size, device, dtype),
@@ -305,6 +327,7 @@ def build_core(
         seed=args.seed,
         attention_backend=attention_backend,
         limits=limits,
+        encoder_source=encoder_source,
     )
     graph_sizes = start_decode_graphs(runner, args)
     metrics.set_gauge("kv_blocks_total", num_blocks)

@@ -66,3 +66,5 @@ class InProcessExecutor:
         # frees a request's memory; the tensors go with the runner when the engine goes.
         self.is_shut_down = True
         self.runner.states.clear()
+        if self.runner.encoder_source is not None:  # the encoder pool's sockets and threads
+            self.runner.encoder_source.shutdown()

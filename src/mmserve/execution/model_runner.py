@@ -12,6 +12,7 @@ from torch import nn
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.cuda_graphs import DecodeGraphs
 from mmserve.execution.encoder_runner import EncoderRunner
+from mmserve.execution.encoder_source import EncoderSource
 from mmserve.execution.graph_capture import GraphFactory
 from mmserve.execution.input_batch import InputBuffers, SpliceError, StepBatch, prepare_batch
 from mmserve.execution.request_state import RequestState, RunnerPayload
@@ -44,6 +45,7 @@ class ModelRunner:
         seed: int = 0,
         attention_backend: AttentionBackend | None = None,
         limits: BatchLimits | None = None,
+        encoder_source: EncoderSource | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -57,6 +59,9 @@ class ModelRunner:
         self._generator = make_device_generator(seed, device)
         self.buffers = InputBuffers(limits or _DEFAULT_LIMITS, device)
         self.decode_graphs: DecodeGraphs | None = None
+        # where items whose data is a RemoteItem are encoded (a disaggregated server); None:
+        # every item is encoded here
+        self.encoder_source = encoder_source
 
     @torch.inference_mode()
     def execute(

@@ -26,6 +26,7 @@ class WireStruct(
 
 # Field types: msgspec checks these bounds on decode (never on encode).
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 # A vocabulary index: bounded so that no id overflows the int32/int64 tensors it indexes.
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]

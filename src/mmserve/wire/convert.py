@@ -280,11 +280,17 @@ def stats_to_wire(
     counters: Mapping[str, int] = MappingProxyType({}),
     gauges: Mapping[str, float] = MappingProxyType({}),
     modality_counters: Mapping[str, Mapping[str, int]] = MappingProxyType({}),
+    labelled_counters: Mapping[str, Mapping[str, float]] = MappingProxyType({}),
 ) -> EngineStats:
     fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
     by_modality = {name: dict(counts) for name, counts in modality_counters.items()}
+    by_label = {name: dict(counts) for name, counts in labelled_counters.items()}
     return EngineStats(
-        **fields, counters=dict(counters), gauges=dict(gauges), modality_counters=by_modality
+        **fields,
+        counters=dict(counters),
+        gauges=dict(gauges),
+        modality_counters=by_modality,
+        labelled_counters=by_label,
     )
 
 
@@ -303,6 +309,9 @@ def apply_stats(w: EngineStats, metrics: EngineMetrics) -> None:
     for name, counts in w.modality_counters.items():
         for modality, value in counts.items():
             metrics.set_modality_counter(name, modality, value)
+    for name, by_label in w.labelled_counters.items():
+        for label, amount in by_label.items():
+            metrics.set_labelled_counter(name, label, amount)
 
 
 # ------------------------------------------------------------ scheduler <-> executor

@@ -6,9 +6,10 @@ import math
 
 import numpy as np
 
-from mmserve.metrics import COUNTER_NAMES, GAUGE_NAMES, MODALITY_COUNTERS
+from mmserve.metrics import COUNTER_NAMES, GAUGE_NAMES, LABELLED_COUNTERS, MODALITY_COUNTERS
 from mmserve.wire.common import (
     FinishReason,
+    NonNegFloat,
     NonNegInt,
     RequestId,
     TokenId,
@@ -147,12 +148,15 @@ class EngineStats(WireStruct):
     counters: dict[str, NonNegInt] = {}
     gauges: dict[str, float] = {}
     modality_counters: dict[str, dict[str, NonNegInt]] = {}
+    # LABELLED_COUNTERS name -> label value -> count (fractional for a seconds sum)
+    labelled_counters: dict[str, dict[str, NonNegFloat]] = {}
 
     def __post_init__(self) -> None:
         unknown = (
             sorted(set(self.counters) - set(COUNTER_NAMES))
             + sorted(set(self.gauges) - set(GAUGE_NAMES))
             + sorted(set(self.modality_counters) - set(MODALITY_COUNTERS))
+            + sorted(set(self.labelled_counters) - set(LABELLED_COUNTERS))
         )
         if unknown:
             raise WireError(f"engine stats name unknown metrics {unknown}; see mmserve.metrics")

@@ -1,0 +1,81 @@
+"""The factory's part for a disaggregated server (`--encoder-urls`): the pool and the planner.
+
+The engine core gets a `RemoteEncoderPool` (its runner's EncoderSource); the API side gets an
+`HttpUrlPlanner` for http(s) images. Both read the same shared secret.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mmserve.disaggregation.discovery import ModelIdentity
+from mmserve.disaggregation.local_fallback import LocalFallback
+from mmserve.disaggregation.planner import HttpUrlPlanner
+from mmserve.disaggregation.pool import PoolConfig, RemoteEncoderPool
+from mmserve.disaggregation.protocol import model_fingerprint
+from mmserve.engine.args import EngineArgs
+from mmserve.metrics import EngineMetrics
+from mmserve.processing.image_processor import ImageProcessorConfig
+from mmserve.processing.media import MediaConfig, MediaLoader
+
+
+def read_encoder_secret(args: EngineArgs) -> bytes | None:
+    """The secret shared with the encoder pool: --encoder-secret-file's content (surrounding
+    whitespace stripped), else MMSERVE_ENCODER_SECRET (put into args by the CLI), else None."""
+    if args.encoder_secret_file is None:
+        return None if args.encoder_secret is None else args.encoder_secret.strip().encode()
+    path = Path(args.encoder_secret_file)
+    try:
+        secret = path.read_bytes().strip()
+    except OSError as exc:
+        raise ValueError(f"--encoder-secret-file {path}: cannot read it ({exc.strerror})") from None
+    if not secret:
+        raise ValueError(f"--encoder-secret-file {path} is empty; write the shared secret in it")
+    if not secret.isascii() or any(c <= 32 or c == 127 for c in secret):
+        raise ValueError(
+            f"--encoder-secret-file {path}: the secret must be printable ASCII without spaces "
+            "(it travels in an Authorization header)"
+        )
+    return secret
+
+
+def build_url_planner(args: EngineArgs) -> HttpUrlPlanner:
+    """The API side's planner of http(s) images: the pool fetches them, this server never."""
+    assert args.encoder_urls
+    return HttpUrlPlanner(
+        args.encoder_urls, secret=read_encoder_secret(args), timeout_s=args.resolved_encoder_timeout
+    )
+
+
+def build_encoder_pool(
+    args: EngineArgs,
+    *,
+    model_dir: Path,
+    hidden_size: int,
+    dtype: torch.dtype,
+    image_config: ImageProcessorConfig,
+    media_config: MediaConfig,
+    metrics: EngineMetrics,
+) -> RemoteEncoderPool:
+    """The engine core's client of the encoder pool (discovers every encoder; ValueError on
+    one that is unreachable or serves another model). `media_config`: the local fallback's
+    URL policy and decode limits, the same as the API process's."""
+    assert args.encoder_urls
+    identity = ModelIdentity(
+        fingerprint=model_fingerprint(model_dir),
+        hidden_size=hidden_size,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    local = None
+    if args.resolved_encoder_fallback == "local":
+        local = LocalFallback(MediaLoader(media_config), image_config)
+    config = PoolConfig(
+        args.encoder_urls,
+        identity,
+        fallback=args.resolved_encoder_fallback,
+        timeout_s=args.resolved_encoder_timeout,
+        secret=read_encoder_secret(args),
+    )
+    return RemoteEncoderPool.start(config, metrics=metrics, local_fallback=local)
