@@ -77,7 +77,7 @@ def pools():
         pool.shutdown()
 
 
-def collect(pool: RemoteEncoderPool, count: int, timeout_s: float = 5.0):
+def collect(pool: RemoteEncoderPool, count: int, timeout_s: float = 15.0):
     arrivals, failures = [], []
     deadline = time.monotonic() + timeout_s
     while len(arrivals) + len(failures) < count and time.monotonic() < deadline:

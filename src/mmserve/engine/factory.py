@@ -42,6 +42,7 @@ from mmserve.processing.image_decode import default_max_image_pixels
 from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.media import MediaConfig, MediaLoader
+from mmserve.processing.remote_items import RemoteImagePlanning
 from mmserve.processing.tokenizer import Tokenizer
 from mmserve.processing.video_inputs import (
     largest_item_tokens,
@@ -189,7 +190,8 @@ def build_input_processor(
     media = MediaLoader(build_media_config(args, shape, decode_workers=decode_workers))
     remote: dict[str, Any] = {}
     if args.encoder_urls:  # images are planned here and encoded by the pool
-        remote = {"url_planner": build_url_planner(args), "remote_images": True}
+        fallback_local = args.resolved_encoder_fallback == "local"
+        remote = {"remote_images": RemoteImagePlanning(build_url_planner(args), fallback_local)}
     return InputProcessor.from_pretrained(
         shape.model_dir,
         max_model_len=shape.max_model_len,
