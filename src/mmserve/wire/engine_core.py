@@ -117,7 +117,7 @@ class EngineCoreOutput(WireStruct):
 class EngineStats(WireStruct):
     """The engine process's gauges (now) and counters (since start); prefix counters in tokens.
 
-    The first ten fields mirror `SchedulerStats`; `counters` and `gauges` carry the other
+    The first twelve fields mirror `SchedulerStats`; `counters` and `gauges` carry the other
     engine-side metrics by their `mmserve.metrics` names (e.g. encoder_items_encoded,
     kv_blocks_total); `modality_counters` the per-modality counts of MODALITY_COUNTERS
     (name -> modality -> count).
@@ -133,6 +133,8 @@ class EngineStats(WireStruct):
     prefix_cache_hits: NonNegInt
     encoder_cache_queries: NonNegInt
     encoder_cache_hits: NonNegInt
+    encoder_inflight_items: NonNegInt = 0
+    encoder_inflight_bytes: NonNegInt = 0
     counters: dict[str, NonNegInt] = {}
     gauges: dict[str, float] = {}
     modality_counters: dict[str, dict[str, NonNegInt]] = {}
