@@ -91,6 +91,31 @@ class WireEncoderInput(WireStruct):
             )
 
 
+class WireRemoteItem(WireStruct):
+    """`multimodal.RemoteItem`: an image the encoder pool encodes, with what the LM planned.
+
+    `payload` (uint8 [num_bytes]: the image file, or an "rgb" item's HxWx3 array) travels as
+    a raw frame like pixels, never inside the msgpack body; None for a "url" item.
+    """
+
+    source: Literal["bytes", "rgb", "url"]
+    payload: np.ndarray | None
+    url: str | None
+    rgb_size: tuple[PosInt, PosInt] | None
+    min_pixels: PosInt
+    max_pixels: PosInt
+    grid_thw: GridTHW
+    content_digest: Annotated[str, msgspec.Meta(min_length=1)]
+
+    def __post_init__(self) -> None:
+        payload = self.payload
+        if payload is not None and (payload.dtype != np.uint8 or payload.ndim != 1):
+            raise WireError(
+                f"remote item: payload is {payload.dtype} {payload.shape}, expected uint8 "
+                "[num_bytes]"
+            )
+
+
 class WireStructuredOutputs(WireStruct):
     """`StructuredOutputParams`: the grammar's kind and its text (compiled on each side)."""
 

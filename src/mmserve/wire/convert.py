@@ -16,7 +16,13 @@ import numpy as np
 
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.metrics import EngineMetrics, record_scheduler_stats
-from mmserve.multimodal import MultiModalFeature, PlaceholderRange, ProcessedImage, ProcessedPrompt
+from mmserve.multimodal import (
+    MultiModalFeature,
+    PlaceholderRange,
+    ProcessedImage,
+    ProcessedPrompt,
+    RemoteItem,
+)
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.outputs import (
     CachedRequestData,
@@ -32,8 +38,10 @@ from mmserve.scheduling.request import FINISH_REASONS
 from mmserve.structured_output.params import StructuredOutputParams
 from mmserve.wire.common import (
     WireEncoderInput,
+    WireError,
     WireLogprobs,
     WireMMFeature,
+    WireRemoteItem,
     WireRequestFailure,
     WireSamplingParams,
     WireStructuredOutputs,
@@ -44,6 +52,7 @@ from mmserve.wire.executor import (
     WireGrammarBitmask,
     WireModelRunnerOutput,
     WireNewRequestData,
+    WireRemoteEncoderInput,
     WireRunnerPayload,
     WireSchedulerOutput,
 )
@@ -91,8 +100,9 @@ def feature_to_wire(f: MultiModalFeature) -> WireMMFeature:
 
 
 def encoder_input_to_wire(f: MultiModalFeature) -> WireEncoderInput | None:
-    """The item's pixels for an encoder, or None when the feature holds none."""
-    if f.data is None:
+    """The item's pixels for an encoder, or None when the feature holds none (a remote item
+    has none: it travels as a `WireRemoteItem`)."""
+    if not isinstance(f.data, ProcessedImage):
         return None
     data = f.data
     return WireEncoderInput(
@@ -103,6 +113,38 @@ def encoder_input_to_wire(f: MultiModalFeature) -> WireEncoderInput | None:
 def feature_from_wire(f: WireMMFeature, data: ProcessedImage | None) -> MultiModalFeature:
     placeholder = PlaceholderRange(f.offset, f.length)
     return MultiModalFeature(f.identifier, f.modality, placeholder, data, tuple(f.grid_thw))
+
+
+def remote_item_to_wire(item: RemoteItem) -> WireRemoteItem:
+    """The payload becomes a uint8 array view of the bytes (sent as its own raw frame)."""
+    payload = None if item.payload is None else np.frombuffer(item.payload, dtype=np.uint8)
+    return WireRemoteItem(
+        item.source,  # type: ignore[arg-type]
+        payload,
+        item.url,
+        item.rgb_size,
+        item.min_pixels,
+        item.max_pixels,
+        item.grid_thw,
+        item.content_digest,
+    )
+
+
+def remote_item_from_wire(w: WireRemoteItem) -> RemoteItem:
+    """Raises WireError for an item RemoteItem refuses (payload and source disagree)."""
+    try:
+        return RemoteItem(
+            source=w.source,
+            payload=None if w.payload is None else w.payload.tobytes(),
+            url=w.url,
+            rgb_size=None if w.rgb_size is None else (w.rgb_size[0], w.rgb_size[1]),
+            min_pixels=w.min_pixels,
+            max_pixels=w.max_pixels,
+            grid_thw=(w.grid_thw[0], w.grid_thw[1], w.grid_thw[2]),
+            content_digest=w.content_digest,
+        )
+    except ValueError as exc:
+        raise WireError(f"remote item: {exc}") from exc
 
 
 def sampling_params_to_wire(p: SamplingParams) -> WireSamplingParams:
@@ -307,6 +349,12 @@ def scheduler_output_to_wire(
         grammar_bitmask=None
         if (g := so.grammar_bitmask) is None
         else WireGrammarBitmask(list(g.request_ids), g.bitmask),
+        remote_encoder_inputs=[
+            WireRemoteEncoderInput(request_id, feature_to_wire(f), remote_item_to_wire(f.data))
+            for request_id, features in so.remote_encoder_inputs.items()
+            for f in features
+            if isinstance(f.data, RemoteItem)
+        ],
     )
 
 
@@ -341,8 +389,20 @@ def scheduler_output_from_wire(
         grammar_bitmask=None
         if (g := msg.grammar_bitmask) is None
         else GrammarBitmask(tuple(g.request_ids), g.bitmask),
+        remote_encoder_inputs=_remote_inputs_from_wire(msg.remote_encoder_inputs),
     )
     return StepInputs(so, pixels)
+
+
+def _remote_inputs_from_wire(
+    items: Sequence[WireRemoteEncoderInput],
+) -> dict[str, list[MultiModalFeature]]:
+    by_request: dict[str, list[MultiModalFeature]] = {}
+    for w in items:
+        feature = feature_from_wire(w.feature, None)
+        feature = dataclasses.replace(feature, data=remote_item_from_wire(w.item))
+        by_request.setdefault(w.request_id, []).append(feature)
+    return by_request
 
 
 def runner_output_to_wire(o: ModelRunnerOutput) -> WireModelRunnerOutput:
@@ -350,7 +410,10 @@ def runner_output_to_wire(o: ModelRunnerOutput) -> WireModelRunnerOutput:
     logprobs = {
         rid: WireLogprobs(lp.token_ids, lp.logprobs, lp.ranks) for rid, lp in o.logprobs.items()
     }
-    return WireModelRunnerOutput(o.sampled_token_ids, errors, logprobs)
+    failed = {i: failure_to_wire(e) for i, e in o.encoder_failed.items()}
+    return WireModelRunnerOutput(
+        o.sampled_token_ids, errors, logprobs, list(o.encoder_arrived), failed
+    )
 
 
 def runner_output_from_wire(w: WireModelRunnerOutput) -> ModelRunnerOutput:
@@ -358,4 +421,5 @@ def runner_output_from_wire(w: WireModelRunnerOutput) -> ModelRunnerOutput:
     logprobs = {
         rid: Logprobs(lp.token_ids, lp.logprobs, lp.ranks) for rid, lp in w.logprobs.items()
     }
-    return ModelRunnerOutput(w.sampled_token_ids, errors, logprobs)
+    failed = {i: failure_from_wire(e) for i, e in w.encoder_failed.items()}
+    return ModelRunnerOutput(w.sampled_token_ids, errors, logprobs, w.encoder_arrived, failed)

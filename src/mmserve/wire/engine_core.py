@@ -117,10 +117,10 @@ class EngineCoreOutput(WireStruct):
 class EngineStats(WireStruct):
     """The engine process's gauges (now) and counters (since start); prefix counters in tokens.
 
-    The first twelve fields mirror `SchedulerStats`; `counters` and `gauges` carry the other
-    engine-side metrics by their `mmserve.metrics` names (e.g. encoder_items_encoded,
-    kv_blocks_total); `modality_counters` the per-modality counts of MODALITY_COUNTERS
-    (name -> modality -> count).
+    The first ten fields and the last two mirror `SchedulerStats`; `counters` and `gauges`
+    carry the other engine-side metrics by their `mmserve.metrics` names (e.g.
+    encoder_items_encoded, kv_blocks_total); `modality_counters` the per-modality counts of
+    MODALITY_COUNTERS (name -> modality -> count).
     """
 
     num_running: NonNegInt
@@ -133,11 +133,11 @@ class EngineStats(WireStruct):
     prefix_cache_hits: NonNegInt
     encoder_cache_queries: NonNegInt
     encoder_cache_hits: NonNegInt
-    encoder_inflight_items: NonNegInt = 0
-    encoder_inflight_bytes: NonNegInt = 0
     counters: dict[str, NonNegInt] = {}
     gauges: dict[str, float] = {}
     modality_counters: dict[str, dict[str, NonNegInt]] = {}
+    encoder_inflight_items: NonNegInt = 0
+    encoder_inflight_bytes: NonNegInt = 0
 
     def __post_init__(self) -> None:
         unknown = (
