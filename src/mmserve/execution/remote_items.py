@@ -69,8 +69,9 @@ class RemoteItemIntake:
 
     def collect(self) -> RemoteResults:
         """Drain the source: embeddings are checked and cached, fallback pixels encoded here."""
-        if self.source is None or not self.pending:
+        if self.source is None:
             return RemoteResults([], {})
+        # NOTE: polled even with nothing pending, so late replies are drained (and dropped).
         arrivals, failures = self.source.poll()
         arrived: list[str] = []
         failed: dict[str, RequestFailure] = {}
