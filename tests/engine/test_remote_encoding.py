@@ -26,7 +26,7 @@ from mmserve.execution.model_runner import ModelRunner
 from mmserve.multimodal import ProcessedImage, ProcessedPrompt, RemoteItem
 from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
 from tests.engine.fake_encoder_source import FakeEncoderSource
-from tests.engine.faults import assert_nothing_held, rewired, run_all
+from tests.engine.faults import FaultyExecutor, assert_nothing_held, rewired, run_all
 from tests.factory import random_image
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -225,4 +225,24 @@ def test_a_failed_item_fails_exactly_its_requests_with_503_kind(llm: LLM) -> Non
     }
     assert finals["bad"].error == failure.message
     assert len(finals["good"].outputs[0].token_ids) == 6
+    _assert_free(engine, source)
+
+
+def test_a_step_that_raises_fails_the_requests_waiting_for_items_in_flight(llm: LLM) -> None:
+    engine, source, executor = _remote_engine(llm)
+    faulty = FaultyExecutor(executor)
+    engine = rewired(engine, executor=faulty)
+    held = _as_remote(_prompt(llm, [11]), source)
+    source.held = {held.mm_features[0].identifier}
+    engine.add_request("held", held, GREEDY)
+    engine.add_request("text", _text_prompt(llm), GREEDY)
+    engine.step()
+    faulty.crash_after(0)  # its arrivals, if any, are lost with it
+    finals = {o.request_id: o for o in engine.step() if o.finished}
+    assert {rid: o.error_kind for rid, o in finals.items()} == {
+        "held": FailureKind.INTERNAL,
+        "text": FailureKind.INTERNAL,
+    }
+    engine.step()  # the runner hears of it: the item is cancelled at the source
+    assert source.cancelled == [held.mm_features[0].identifier]
     _assert_free(engine, source)

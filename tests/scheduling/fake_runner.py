@@ -86,6 +86,7 @@ class FakeRunner:
         self.cancelled: list[str] = []
         self.deliver: set[str] = set()  # delivered at the next step, if still pending
         self.fail_items: dict[str, RequestFailure] = {}
+        self.failed_remote: set[str] = set()  # reported failed, not yet freed by the ledger
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in out.finished_req_ids | out.preempted_req_ids:
@@ -94,6 +95,8 @@ class FakeRunner:
             if identifier in self.remote_pending:
                 del self.remote_pending[identifier]
                 self.cancelled.append(identifier)
+            elif identifier in self.failed_remote:
+                self.failed_remote.discard(identifier)  # the ledger frees what failed
             else:
                 del self.encoder_cache[identifier]
         for new in out.scheduled_new_reqs:
@@ -139,6 +142,7 @@ class FakeRunner:
         for identifier in failed:
             del self.remote_pending[identifier]
             del self.fail_items[identifier]
+            self.failed_remote.add(identifier)
         return arrived, failed
 
     def _encode(self, out: SchedulerOutput) -> None:

@@ -252,7 +252,14 @@ class EngineCore:
             logger.exception("model step failed; failing the requests in it: %s", request_ids)
             self._check_sound()
             failure = RequestFailure("internal error while running the model", FailureKind.INTERNAL)
-            return ModelRunnerOutput({}, dict.fromkeys(request_ids, failure))
+            # NOTE: what arrived from the encoder source in the failed step is lost: the
+            # requests waiting for items in flight fail too, or they would wait forever.
+            inflight = self.scheduler.encoder_cache_manager.inflight
+            return ModelRunnerOutput(
+                {},
+                dict.fromkeys(request_ids, failure),
+                encoder_failed=dict.fromkeys(inflight, failure),
+            )
 
     def _check_sound(self) -> None:
         """After a failed step: declare the core dead unless the device still computes and the

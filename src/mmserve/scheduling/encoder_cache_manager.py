@@ -139,12 +139,17 @@ class EncoderCacheManager:
         return True
 
     def fail(self, identifier: str) -> set[str]:
-        """Nobody could encode the in-flight item: drop it and return the ids of the requests
-        that held it (they fail). Empty when it is not in flight (cancelled already)."""
+        """Nobody could encode the in-flight item: drop it (its identifier goes to `freed`)
+        and return the ids of the requests that held it (they fail). Empty when it is not in
+        flight (cancelled already)."""
         if identifier not in self.inflight:
             return set()
         holders = self.cached[identifier]
         self._drop_inflight(identifier)
+        # NOTE: the runner drops a failed item itself; freeing it again is a no-op there, but
+        # after a step that raised (whose arrivals were lost) it cancels what it still waits
+        # for and frees what it took, so its cache never holds what the ledger does not.
+        self.freed.append(identifier)
         return holders
 
     def _drop_inflight(self, identifier: str) -> None:
