@@ -179,3 +179,43 @@ def test_in_flight_items_are_never_evicted_and_reserve_their_bytes() -> None:
             break
     assert sent_b
     _assert_all_free(scheduler)
+
+
+def test_random_arrivals_failures_aborts_and_preemptions_keep_the_books() -> None:
+    import random
+
+    rng = random.Random(16)
+    scheduler, runner = _setup(
+        num_blocks=24, block_size=4, max_num_batched_tokens=24, encoder_cache_size=40,
+        max_tokens_per_mm_item=16,
+    )  # fmt: skip
+    failure = RequestFailure("no encoder could encode it", FailureKind.UNAVAILABLE)
+    outcomes: dict[str, str] = {}
+    for step_idx in range(3000):
+        if step_idx < 300 and rng.random() < 0.5:
+            rid = f"r{step_idx}"
+            images = [(f"img{rng.randrange(8)}", 3, rng.choice([4, 8, 16]))]
+            if rng.random() < 0.5:
+                images.append((f"img{rng.randrange(8)}", 22, 4))
+            scheduler.add_request(_req(rid, images, 30, max_tokens=rng.randrange(1, 12)))
+        for identifier in list(runner.remote_pending):
+            roll = rng.random()
+            if roll < 0.3:
+                runner.deliver.add(identifier)
+            elif roll < 0.33:
+                runner.fail_items[identifier] = failure
+        if scheduler.requests and rng.random() < 0.05:
+            scheduler.finish_requests(
+                rng.choice(sorted(scheduler.requests)), RequestStatus.FINISHED_ABORTED
+            )
+            scheduler.check_integrity()
+        _, updates = run_step(scheduler, runner)
+        for u in updates:
+            if u.finished:
+                outcomes[u.request_id] = "error" if u.error is not None else "done"
+        if step_idx >= 300 and not scheduler.requests:
+            break
+    assert not scheduler.requests, "a request waited forever"
+    assert "error" in outcomes.values() and "done" in outcomes.values()
+    assert scheduler.num_preemptions > 0 and runner.cancelled
+    _assert_all_free(scheduler)
