@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 
+from mmserve.errors import RequestFailure
 from mmserve.scheduling.request import Request
 
 
@@ -151,6 +153,19 @@ class EncoderCacheManager:
         # for and frees what it took, so its cache never holds what the ledger does not.
         self.freed.append(identifier)
         return holders
+
+    def apply_remote_results(
+        self, arrived: Iterable[str], failed: Mapping[str, RequestFailure]
+    ) -> dict[str, RequestFailure]:
+        """Mark `arrived` items arrived and drop `failed` ones; returns the requests that held
+        a failed item, each with its (first) failure. Items no longer in flight are ignored."""
+        for identifier in arrived:
+            self.mark_arrived(identifier)
+        failing: dict[str, RequestFailure] = {}
+        for identifier, failure in failed.items():
+            for request_id in sorted(self.fail(identifier)):
+                failing.setdefault(request_id, failure)
+        return failing
 
     def _drop_inflight(self, identifier: str) -> None:
         num_bytes = self._entry_bytes.pop(identifier)

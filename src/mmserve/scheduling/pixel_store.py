@@ -17,6 +17,7 @@ import dataclasses
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from mmserve.errors import FailureKind, RequestFailure
 from mmserve.multimodal import ProcessedImage, RemoteItem
 
 if TYPE_CHECKING:
@@ -29,6 +30,14 @@ class PixelsGone(Exception):
     def __init__(self, identifier: str) -> None:
         super().__init__(identifier)
         self.identifier = identifier
+
+    def failure(self) -> RequestFailure:
+        """What the request that needed the pixels fails with."""
+        return RequestFailure(
+            f"the engine no longer holds the pixels of item {self.identifier[:16]} to encode "
+            "it again after a preemption (raise --mm-reencode-cache-gb)",
+            FailureKind.INTERNAL,
+        )
 
 
 ItemData = ProcessedImage | RemoteItem

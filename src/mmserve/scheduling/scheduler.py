@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from mmserve.config import CacheConfig, SchedulerConfig
-from mmserve.errors import FailureKind, RequestFailure
+from mmserve.errors import RequestFailure
 from mmserve.multimodal import MultiModalFeature
 from mmserve.scheduling.admission import validate_request
 from mmserve.scheduling.encoder_cache_manager import EncoderCacheManager
@@ -256,7 +256,7 @@ class Scheduler:
             try:
                 plan = self._plan_encoder_inputs(request, num_computed, num_new, step)
             except PixelsGone as gone:
-                self._fail_at_schedule(request, gone.identifier)  # releases what it holds
+                self._fail_at_schedule(request, gone)  # releases what it holds
                 continue
             num_new, items = plan.num_new_tokens, plan.item_idxs
             if num_new == 0:
@@ -314,19 +314,14 @@ class Scheduler:
             disable_chunked_mm_input=self.scheduler_config.disable_chunked_mm_input,
         )
 
-    def _fail_at_schedule(self, request: Request, identifier: str) -> None:
+    def _fail_at_schedule(self, request: Request, gone: PixelsGone) -> None:
         logger.warning(
             "request %s: the pixels of item %s, needed again after a preemption, were evicted "
             "from the re-encode store (over its byte budget); failing the request",
             request.request_id,
-            identifier[:16],
+            gone.identifier[:16],
         )
-        failure = RequestFailure(
-            f"the engine no longer holds the pixels of item {identifier[:16]} to encode it "
-            "again after a preemption (raise --mm-reencode-cache-gb)",
-            FailureKind.INTERNAL,
-        )
-        self._failed_at_schedule.append(self._fail(request, failure))
+        self._failed_at_schedule.append(self._fail(request, gone.failure()))
 
     def _fail(self, request: Request, failure: RequestFailure) -> RequestUpdate:
         """End a request (not in `running` or `waiting` any more) with an error; its update."""
@@ -350,17 +345,9 @@ class Scheduler:
 
     def _commit(self, request: Request, num_new: int, items: list[int], step: _Step) -> None:
         """Book a scheduled request: encoder cache bytes, budgets, and its advanced position."""
-        if self.cache_config.enable_prefix_caching and request.num_computed_tokens < (
-            request.num_prompt_tokens
-        ):
-            kv = self.kv_cache_manager
-            kv.update_block_hashes(request)
-            bs = self.cache_config.block_size
-            first, last = (
-                request.num_computed_tokens // bs,
-                (request.num_computed_tokens + num_new) // bs,
-            )
-            step.inflight_block_hashes.update(request.block_hashes[first:last])
+        step.inflight_block_hashes.update(
+            self.kv_cache_manager.block_hashes_to_compute(request, num_new)
+        )
         self._reserve_encoder_inputs(request, items, step)
         step.num_scheduled_tokens[request.request_id] = num_new
         step.token_budget -= num_new
@@ -427,13 +414,9 @@ class Scheduler:
         """Mark remote items arrived; fail every request holding an item that failed (its
         other state is freed as for any failure). Results for items cancelled since they
         were sent are ignored."""
-        manager = self.encoder_cache_manager
-        for identifier in runner_output.encoder_arrived:
-            manager.mark_arrived(identifier)
-        failing: dict[str, RequestFailure] = {}
-        for identifier, failure in runner_output.encoder_failed.items():
-            for request_id in sorted(manager.fail(identifier)):
-                failing.setdefault(request_id, failure)
+        failing = self.encoder_cache_manager.apply_remote_results(
+            runner_output.encoder_arrived, runner_output.encoder_failed
+        )
         if not failing:
             return []
         self.running = [r for r in self.running if r.request_id not in failing]
