@@ -286,3 +286,15 @@ def test_a_step_that_raises_fails_the_requests_waiting_for_items_in_flight(llm: 
     engine.step()  # the runner hears of it: the item is cancelled at the source
     assert source.cancelled == [held.mm_features[0].identifier]
     _assert_free(engine, source)
+
+
+def test_an_engine_without_a_source_fails_a_remote_item_with_an_internal_error(llm: LLM) -> None:
+    source = FakeEncoderSource(lambda pixels: torch.zeros(0))  # only to build the prompt
+    engine = llm.engine  # its runner has no encoder source
+    engine.add_request("img", _as_remote(_prompt(llm, [15]), source), GREEDY)
+    engine.add_request("text", _text_prompt(llm), GREEDY)
+    finals = run_all(engine)
+    assert finals["img"].error_kind is FailureKind.INTERNAL
+    assert "this engine has none" in finals["img"].error
+    assert finals["text"].error is None
+    assert_nothing_held(engine)

@@ -72,9 +72,9 @@ class ModelRunner:
         """`encoder_inputs` (by identifier) gives the pixels of items whose features hold none:
         a step decoded from the wire sends them only on the step that encodes them."""
         self._update_states(so)
-        failed = self.remote.submit(so.remote_encoder_inputs)
-        results = self.remote.collect()
-        results.failed.update(failed)
+        not_sent = self.remote.submit(so.remote_encoder_inputs)
+        collected = self.remote.collect()
+        results = RemoteResults(collected.arrived, {**collected.failed, **not_sent})
         errors: dict[str, RequestFailure] = {}
         self._encode(so, errors, encoder_inputs or {})
         if so.total_num_scheduled_tokens == 0:
