@@ -32,7 +32,6 @@ class FakeEncoderSource:
     fallback: set[str] = field(default_factory=set)  # answered with pixels (local fallback)
     submitted: list[tuple[str, str]] = field(default_factory=list)  # (request id, identifier)
     cancelled: list[str] = field(default_factory=list)
-    num_waits: int = 0
     is_shut_down: bool = False
     _polls_left: dict[str, int] = field(default_factory=dict)  # identifier -> polls to go
     _event: threading.Event = field(default_factory=threading.Event)
@@ -81,7 +80,6 @@ class FakeEncoderSource:
         return arrivals, failures
 
     def wait(self, timeout_s: float) -> None:
-        self.num_waits += 1
         if any(i not in self.held for i in self._polls_left):
             return  # the next poll makes progress
         self._event.wait(timeout_s)
