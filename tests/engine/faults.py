@@ -37,6 +37,9 @@ class FaultyExecutor:
             self.steps_until_crash -= 1
         return out
 
+    def wait_for_encoder(self, timeout_s: float) -> None:
+        self.executor.wait_for_encoder(timeout_s)
+
     def check_health(self) -> None:
         if self.is_device_dead:
             raise RuntimeError("injected: the device is gone")

@@ -60,6 +60,9 @@ class FakeRunner:
       a prefix-cache hit must find exactly its own keys in the blocks it was given.
     - sampling: one token (from `sample(request_id, position)`) per request whose step
       reaches the end of its tokens; requests in `fail_ids` get an error instead.
+    - remote items: each one sent (`remote_encoder_inputs`) is pending, never sent twice while
+      pending; a freed pending identifier is cancelled (`cancelled`). The test moves pending
+      identifiers along with `deliver` (into the cache, reported arrived) and `fail_items`.
     """
 
     def __init__(
@@ -78,12 +81,24 @@ class FakeRunner:
         self.num_items_encoded = 0
         self.last_step_encoded_embeds = 0
         self.last_step_encoded_patches = 0
+        self.remote_pending: dict[str, int] = {}  # identifier -> num_embeds
+        self.num_remote_sent = 0
+        self.cancelled: list[str] = []
+        self.deliver: set[str] = set()  # delivered at the next step, if still pending
+        self.fail_items: dict[str, RequestFailure] = {}
+        self.failed_remote: set[str] = set()  # reported failed, not yet freed by the ledger
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in out.finished_req_ids | out.preempted_req_ids:
             self.requests.pop(request_id, None)
         for identifier in out.free_encoder_identifiers:
-            del self.encoder_cache[identifier]
+            if identifier in self.remote_pending:
+                del self.remote_pending[identifier]
+                self.cancelled.append(identifier)
+            elif identifier in self.failed_remote:
+                self.failed_remote.discard(identifier)  # the ledger frees what failed
+            else:
+                del self.encoder_cache[identifier]
         for new in out.scheduled_new_reqs:
             assert new.request_id not in self.requests
             self.requests[new.request_id] = _RunnerRequest(
@@ -95,6 +110,7 @@ class FakeRunner:
             assert state.num_computed_tokens == cached.num_computed_tokens
             state.block_ids += cached.new_block_ids
         self._encode(out)
+        arrived, failed = self._remote(out)
         sampled, errors = {}, {}
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             state = self.requests[request_id]
@@ -107,7 +123,27 @@ class FakeRunner:
                 token = self.sample(request_id, len(state.token_ids))
                 state.token_ids.append(token)
                 sampled[request_id] = [token]
-        return ModelRunnerOutput(sampled_token_ids=sampled, errors=errors)
+        return ModelRunnerOutput(
+            sampled_token_ids=sampled, errors=errors, encoder_arrived=arrived, encoder_failed=failed
+        )
+
+    def _remote(self, out: SchedulerOutput) -> tuple[list[str], dict[str, RequestFailure]]:
+        for features in out.remote_encoder_inputs.values():
+            for feature in features:
+                assert feature.identifier not in self.remote_pending, "sent twice"
+                assert feature.identifier not in self.encoder_cache, "sent a resident item"
+                self.remote_pending[feature.identifier] = feature.num_embeds
+                self.num_remote_sent += 1
+        arrived = [i for i in sorted(self.deliver) if i in self.remote_pending]
+        for identifier in arrived:
+            self.encoder_cache[identifier] = self.remote_pending.pop(identifier)
+        self.deliver -= set(arrived)
+        failed = {i: f for i, f in self.fail_items.items() if i in self.remote_pending}
+        for identifier in failed:
+            del self.remote_pending[identifier]
+            del self.fail_items[identifier]
+            self.failed_remote.add(identifier)
+        return arrived, failed
 
     def _encode(self, out: SchedulerOutput) -> None:
         self.last_step_encoded_embeds = 0
@@ -120,7 +156,8 @@ class FakeRunner:
                 self.num_items_encoded += 1
                 self.last_step_encoded_embeds += feature.num_embeds
                 self.last_step_encoded_patches += feature.num_patches
-        assert sum(self.encoder_cache.values()) <= self.encoder_cache_size
+        in_use = sum(self.encoder_cache.values()) + sum(self.remote_pending.values())
+        assert in_use <= self.encoder_cache_size
 
     def _content_keys(self, state: _RunnerRequest, end: int) -> None:
         while len(state.content) < end:

@@ -26,6 +26,10 @@ from mmserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
+# The longest a step that scheduled nothing waits for a remote item: short, because the loop
+# around the core reads new requests and aborts only between steps.
+ENCODER_WAIT_S = 0.02
+
 
 class CoreLike(Protocol):
     """What `LLMEngine` drives: an `EngineCore` here, or a client of one in another process."""
@@ -184,11 +188,25 @@ class EngineCore:
                 updates = self._stop_completed(updates, completed)
                 grammar.retain(self.scheduler.requests)
             self._record_stats()
+            self._wait_if_only_in_flight(scheduler_output, runner_output)
         except EngineDeadError:
             raise
         except Exception:  # noqa: BLE001 - a bug outside the model: contained below
             return self._fail_unfinished()
         return updates
+
+    def _wait_if_only_in_flight(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> None:
+        """A step that scheduled nothing and heard nothing from the encoder source while items
+        are in flight would repeat itself at once: wait for the source instead of spinning."""
+        if (
+            scheduler_output.total_num_scheduled_tokens == 0
+            and not runner_output.encoder_arrived
+            and not runner_output.encoder_failed
+            and self.scheduler.encoder_cache_manager.inflight
+        ):
+            self.executor.wait_for_encoder(ENCODER_WAIT_S)
 
     def _stop_completed(
         self, updates: list[RequestUpdate], completed: set[str]
@@ -234,7 +252,14 @@ class EngineCore:
             logger.exception("model step failed; failing the requests in it: %s", request_ids)
             self._check_sound()
             failure = RequestFailure("internal error while running the model", FailureKind.INTERNAL)
-            return ModelRunnerOutput({}, dict.fromkeys(request_ids, failure))
+            # NOTE: what arrived from the encoder source in the failed step is lost: the
+            # requests waiting for items in flight fail too, or they would wait forever.
+            inflight = self.scheduler.encoder_cache_manager.inflight
+            return ModelRunnerOutput(
+                {},
+                dict.fromkeys(request_ids, failure),
+                encoder_failed=dict.fromkeys(inflight, failure),
+            )
 
     def _check_sound(self) -> None:
         """After a failed step: declare the core dead unless the device still computes and the

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from mmserve.metrics import EngineMetrics
-from mmserve.multimodal import MultiModalFeature
+from mmserve.multimodal import MultiModalFeature, ProcessedImage
 
 # embed_multimodal(pixel_values [total_patches, C*T*P*P], grid_thw) -> one [n_i, hidden] per item
 EmbedFn = Callable[[torch.Tensor, list[tuple[int, int, int]]], list[torch.Tensor]]
@@ -52,6 +52,12 @@ class EncoderRunner:
     def get(self, identifier: str) -> torch.Tensor | None:
         return self._cache.get(identifier)
 
+    def put(self, identifier: str, embeddings: torch.Tensor) -> None:
+        """Keep embeddings computed elsewhere (the remote encoder pool), moved to the model's
+        device and dtype: the ledger counts them like those encoded here."""
+        # [num_embeds, hidden]
+        self._cache[identifier] = embeddings.to(device=self._device, dtype=self._dtype).contiguous()
+
     def free(self, identifiers: Iterable[str]) -> None:
         for identifier in identifiers:
             self._cache.pop(identifier, None)
@@ -65,8 +71,10 @@ class EncoderRunner:
         todo: dict[str, MultiModalFeature] = {}
         for f in features:
             if f.identifier not in self._cache and f.identifier not in todo:
-                if f.data is None:
-                    raise RuntimeError(f"encoder input for item {f.identifier[:16]} has no data")
+                if not isinstance(f.data, ProcessedImage):
+                    raise RuntimeError(
+                        f"encoder input for item {f.identifier[:16]} has no pixels to encode"
+                    )
                 todo[f.identifier] = f
         by_modality: dict[str, list[MultiModalFeature]] = {}
         for f in todo.values():

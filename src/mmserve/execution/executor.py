@@ -32,6 +32,13 @@ class Executor(Protocol):
         """
         ...
 
+    def wait_for_encoder(self, timeout_s: float) -> None:
+        """Block until the encoder source has something for a remote item in flight (so the
+        next step has an arrival or a failure to report), or `timeout_s` has passed. Returns
+        at once when nothing is in flight. The engine calls it after a step that scheduled
+        nothing while items are in flight, so its loop neither spins nor sleeps past work."""
+        ...
+
     def check_health(self) -> None:
         """Return if the executor can still compute; raise (any exception, with a message that
         says what is gone) if it cannot, e.g. a CUDA error or a worker that died. Cheap:
@@ -39,8 +46,8 @@ class Executor(Protocol):
         ...
 
     def shutdown(self) -> None:
-        """Release devices, workers and their memory. Idempotent; no call follows but another
-        `shutdown`."""
+        """Release devices, workers, the encoder source and their memory. Idempotent; no call
+        follows but another `shutdown`."""
         ...
 
 
@@ -56,6 +63,10 @@ class InProcessExecutor:
             raise RuntimeError("execute after shutdown: the executor's runner is released")
         return self.runner.execute(scheduler_output)
 
+    def wait_for_encoder(self, timeout_s: float) -> None:
+        if not self.is_shut_down:
+            self.runner.wait_for_encoder(timeout_s)
+
     def check_health(self) -> None:
         if self.is_shut_down:
             raise RuntimeError("the executor was shut down")
@@ -64,7 +75,8 @@ class InProcessExecutor:
     def shutdown(self) -> None:
         # The runner holds the KV caches and the encoder cache: dropping its states is what
         # frees a request's memory; the tensors go with the runner when the engine goes.
+        if self.is_shut_down:
+            return
         self.is_shut_down = True
         self.runner.states.clear()
-        if self.runner.encoder_source is not None:  # the encoder pool's sockets and threads
-            self.runner.encoder_source.shutdown()
+        self.runner.remote.shutdown()

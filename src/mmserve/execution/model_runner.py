@@ -15,13 +15,14 @@ from mmserve.execution.encoder_runner import EncoderRunner
 from mmserve.execution.encoder_source import EncoderSource
 from mmserve.execution.graph_capture import GraphFactory
 from mmserve.execution.input_batch import InputBuffers, SpliceError, StepBatch, prepare_batch
+from mmserve.execution.remote_items import RemoteItemIntake, RemoteResults
 from mmserve.execution.request_state import RequestState, RunnerPayload
 from mmserve.execution.sampler import SamplingRow, make_device_generator
 from mmserve.execution.sampling_step import sample_step
 from mmserve.execution.token_bitmask import sampling_bitmask
 from mmserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from mmserve.layers.attention.buffers import BatchLimits
-from mmserve.multimodal import MultiModalFeature, ProcessedImage
+from mmserve.multimodal import MultiModalFeature, ProcessedImage, RemoteItem
 from mmserve.scheduling.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class ModelRunner:
         limits: BatchLimits | None = None,
         encoder_source: EncoderSource | None = None,
     ) -> None:
+        """`encoder_source` encodes remote items (a disaggregated server); without one a
+        remote item fails its requests."""
         self.model = model
         self.kv_caches = kv_caches
         self.encoder = encoder_runner
@@ -59,9 +62,9 @@ class ModelRunner:
         self._generator = make_device_generator(seed, device)
         self.buffers = InputBuffers(limits or _DEFAULT_LIMITS, device)
         self.decode_graphs: DecodeGraphs | None = None
-        # where items whose data is a RemoteItem are encoded (a disaggregated server); None:
-        # every item is encoded here
         self.encoder_source = encoder_source
+        hidden_size = model.config.text.hidden_size if encoder_source is not None else 0
+        self.remote = RemoteItemIntake(encoder_source, encoder_runner, hidden_size)
 
     @torch.inference_mode()
     def execute(
@@ -70,10 +73,13 @@ class ModelRunner:
         """`encoder_inputs` (by identifier) gives the pixels of items whose features hold none:
         a step decoded from the wire sends them only on the step that encodes them."""
         self._update_states(so)
+        not_sent = self.remote.submit(so.remote_encoder_inputs)
+        collected = self.remote.collect()
+        results = RemoteResults(collected.arrived, {**collected.failed, **not_sent})
         errors: dict[str, RequestFailure] = {}
         self._encode(so, errors, encoder_inputs or {})
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput({}, errors)
+            return _output({}, errors, {}, results)
         self.buffers.wait_until_sent()
         batch = prepare_batch(
             so,
@@ -86,7 +92,7 @@ class ModelRunner:
         )
         self.buffers.mark_sent()
         if batch is None:
-            return ModelRunnerOutput({}, errors)
+            return _output({}, errors, {}, results)
         hidden = self.decode_graphs.run(batch) if self.decode_graphs is not None else None
         if hidden is None:
             hidden = self._forward(
@@ -100,7 +106,11 @@ class ModelRunner:
         logprobs: dict[str, Logprobs] = {}
         if batch.sample_request_ids:
             self._sample(so, batch, hidden, errors, sampled, logprobs)
-        return ModelRunnerOutput(sampled, errors, logprobs)
+        return _output(sampled, errors, logprobs, results)
+
+    def wait_for_encoder(self, timeout_s: float) -> None:
+        """Block until the encoder source has something for an item in flight, or timeout."""
+        self.remote.wait(timeout_s)
 
     def capture_decode_graphs(self, sizes: Sequence[int], factory: GraphFactory) -> float:
         """Capture decode graphs of these batch sizes (the Triton backend only); seconds taken.
@@ -183,6 +193,7 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for request_id in so.finished_req_ids | so.preempted_req_ids:
             self.states.pop(request_id, None)
+        self.remote.cancel(so.free_encoder_identifiers)  # those still in flight
         self.encoder.free(so.free_encoder_identifiers)
         for new in so.scheduled_new_reqs:
             payload = new.payload
@@ -190,7 +201,8 @@ class ModelRunner:
             self.states[new.request_id] = RequestState(
                 new.request_id,
                 list(new.token_ids),
-                list(new.mm_features),
+                # a remote item's bytes went to the source (in `remote_encoder_inputs`)
+                [_without_remote(f) for f in new.mm_features],
                 list(new.block_ids),
                 new.num_computed_tokens,
                 payload,
@@ -316,7 +328,7 @@ class ModelRunner:
         the item; the scheduler frees the entry as usual.
         """
         emb = self.encoder.get(feature.identifier)
-        if emb is not None or feature.data is None:
+        if emb is not None or not isinstance(feature.data, ProcessedImage):
             return emb
         logger.warning(
             "item %s is not in the encoder cache; encoding it now", feature.identifier[:16]
@@ -339,3 +351,18 @@ def _with_pixels(
     if feature.data is not None or data is None:
         return feature
     return dataclasses.replace(feature, data=data)
+
+
+def _without_remote(feature: MultiModalFeature) -> MultiModalFeature:
+    if isinstance(feature.data, RemoteItem):
+        return dataclasses.replace(feature, data=None)
+    return feature
+
+
+def _output(
+    sampled: dict[str, list[int]],
+    errors: dict[str, RequestFailure],
+    logprobs: dict[str, Logprobs],
+    remote: RemoteResults,
+) -> ModelRunnerOutput:
+    return ModelRunnerOutput(sampled, errors, logprobs, remote.arrived, remote.failed)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 
+from mmserve.errors import RequestFailure
 from mmserve.scheduling.request import Request
 
 
@@ -21,6 +23,14 @@ class EncoderCacheManager:
       identifiers collect in `freed` until the scheduler drains them into its output, and the
       runner drops the tensors at the top of that step.
 
+    - In flight (`inflight`): an entry allocated for a remote item (`allocate(...,
+      is_remote=True)`) is in the ledger, its bytes reserved (the pool of arrived remote
+      embeddings is this same ledger), but not arrived: nobody may read it until
+      `mark_arrived`. `fail` drops it and hands back its holders. An in-flight entry that
+      loses its last holder (abort, preemption, finish) is cancelled: dropped, and its
+      identifier goes to `freed`, so the runner cancels it at its source (a late reply is
+      dropped there). In-flight entries are never freeable, so never evicted.
+
     `num_free_bytes` counts bytes no resident entry holds; `num_freeable_bytes` adds the bytes
     of unreferenced entries (what could be had by evicting).
     """
@@ -35,6 +45,8 @@ class EncoderCacheManager:
         self.num_free_bytes = capacity_bytes
         self.num_freeable_bytes = capacity_bytes
         self._entry_bytes: dict[str, int] = {}  # identifier -> bytes, for every resident entry
+        self.inflight: set[str] = set()  # resident in the ledger, not arrived yet
+        self.num_inflight_bytes = 0
         self.queries = 0  # (request, item identity) pairs that needed an encoder output
         self.hits = 0  # ... of which were already resident
 
@@ -98,8 +110,14 @@ class EncoderCacheManager:
             self.num_free_bytes += num_bytes
         return True
 
-    def allocate(self, request: Request, item_idx: int) -> None:
-        """Reserve bytes for an item the runner will encode this step (after `can_allocate`)."""
+    def is_inflight(self, identifier: str) -> bool:
+        """Sent to the encoder source and not arrived: it blocks every window that reaches it."""
+        return identifier in self.inflight
+
+    def allocate(self, request: Request, item_idx: int, *, is_remote: bool = False) -> None:
+        """Reserve bytes for an item the runner will encode this step (after `can_allocate`);
+        `is_remote`: it is sent to the encoder source instead, and stays in flight until
+        `mark_arrived`."""
         identifier = request.mm_features[item_idx].identifier
         num_bytes = self.item_bytes(request, item_idx)
         assert identifier not in self.cached, "allocate of a resident entry"
@@ -109,6 +127,53 @@ class EncoderCacheManager:
         self.num_free_bytes -= num_bytes
         self.num_freeable_bytes -= num_bytes
         self.queries += 1
+        if is_remote:
+            self.inflight.add(identifier)
+            self.num_inflight_bytes += num_bytes
+
+    def mark_arrived(self, identifier: str) -> bool:
+        """The runner holds the item's embeddings now. False (ignored) when it is not in
+        flight: cancelled since it was sent, or failed."""
+        if identifier not in self.inflight:
+            return False
+        self.inflight.discard(identifier)
+        self.num_inflight_bytes -= self._entry_bytes[identifier]
+        return True
+
+    def fail(self, identifier: str) -> set[str]:
+        """Nobody could encode the in-flight item: drop it (its identifier goes to `freed`)
+        and return the ids of the requests that held it (they fail). Empty when it is not in
+        flight (cancelled already)."""
+        if identifier not in self.inflight:
+            return set()
+        holders = self.cached[identifier]
+        self._drop_inflight(identifier)
+        # NOTE: the runner drops a failed item itself; freeing it again is a no-op there, but
+        # after a step that raised (whose arrivals were lost) it cancels what it still waits
+        # for and frees what it took, so its cache never holds what the ledger does not.
+        self.freed.append(identifier)
+        return holders
+
+    def apply_remote_results(
+        self, arrived: Iterable[str], failed: Mapping[str, RequestFailure]
+    ) -> dict[str, RequestFailure]:
+        """Mark `arrived` items arrived and drop `failed` ones; returns the requests that held
+        a failed item, each with its (first) failure. Items no longer in flight are ignored."""
+        for identifier in arrived:
+            self.mark_arrived(identifier)
+        failing: dict[str, RequestFailure] = {}
+        for identifier, failure in failed.items():
+            for request_id in sorted(self.fail(identifier)):
+                failing.setdefault(request_id, failure)
+        return failing
+
+    def _drop_inflight(self, identifier: str) -> None:
+        num_bytes = self._entry_bytes.pop(identifier)
+        del self.cached[identifier]
+        self.inflight.discard(identifier)
+        self.num_inflight_bytes -= num_bytes
+        self.num_free_bytes += num_bytes
+        self.num_freeable_bytes += num_bytes
 
     def free_encoder_input(self, request: Request, item_idx: int) -> None:
         """Drop the request's reference; an entry nobody needs becomes freeable (stays resident)."""
@@ -117,7 +182,12 @@ class EncoderCacheManager:
         if holders is None or request.request_id not in holders:
             return
         holders.discard(request.request_id)
-        if not holders:
+        if not holders and identifier in self.inflight:
+            # NOTE: nobody waits for it any more: cancel rather than keep bytes for a reply
+            # that may never be wanted (the runner tells its source; a late reply is dropped).
+            self._drop_inflight(identifier)
+            self.freed.append(identifier)
+        elif not holders:
             num_bytes = self._entry_bytes[identifier]
             self.freeable[identifier] = num_bytes
             self.num_freeable_bytes += num_bytes
@@ -143,3 +213,6 @@ class EncoderCacheManager:
         assert 0 <= self.num_free_bytes <= self.capacity_bytes
         assert self.num_freeable_bytes == self.num_free_bytes + sum(self.freeable.values())
         assert self.hits <= self.queries
+        assert self.inflight <= set(self.cached), "an in-flight entry left the ledger"
+        assert all(self.cached[i] for i in self.inflight), "an in-flight entry without holders"
+        assert self.num_inflight_bytes == sum(self._entry_bytes[i] for i in self.inflight)

@@ -87,6 +87,16 @@ class KVCacheManager:
             extra = block_extra_keys(request, start, start + bs)
             hashes.append(hash_block(self.hasher, parent, tokens, extra, salt))
 
+    def block_hashes_to_compute(self, request: Request, num_new: int) -> list[str]:
+        """Hashes of the full prompt blocks that the request's next `num_new` tokens complete
+        (what a step computes); none without prefix caching or once past the prompt."""
+        if not self.enable_caching or request.num_computed_tokens >= request.num_prompt_tokens:
+            return []
+        self.update_block_hashes(request)
+        first = request.num_computed_tokens // self.block_size
+        last = (request.num_computed_tokens + num_new) // self.block_size
+        return request.block_hashes[first:last]
+
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest run of cached full blocks from the start of the request.
 

@@ -67,11 +67,17 @@ class SchedulerOutput:
     """One engine step, as diffs against what the runner already has.
 
     The runner applies it in this order: drop `finished_req_ids` and `preempted_req_ids`, free
-    `free_encoder_identifiers` from its encoder cache, encode every item in
-    `scheduled_encoder_inputs` (each identifier appears at most once per step), then run the
-    language model on `num_scheduled_tokens[req]` tokens of each request starting at its
+    `free_encoder_identifiers` from its encoder cache (cancelling those still in flight at its
+    encoder source), take what the source has delivered, send every item of
+    `remote_encoder_inputs` to the source, encode every item in `scheduled_encoder_inputs`
+    (each identifier appears at most once per step, in one of the two), then run the language
+    model on `num_scheduled_tokens[req]` tokens of each request starting at its
     `num_computed_tokens`. A request gets sampled tokens only when its step reaches the end
     of its known tokens.
+
+    `remote_encoder_inputs` carries whole features (their `data` a `RemoteItem`), not item
+    indexes: a request may send an item while it schedules no token (it stands at the item),
+    so the runner may hold no state for it.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -84,6 +90,8 @@ class SchedulerOutput:
     preempted_req_ids: frozenset[str]
     # set by the engine core after scheduling, when a sampling request has a grammar
     grammar_bitmask: GrammarBitmask | None = None
+    # request id -> items sent to the encoder source this step (see above)
+    remote_encoder_inputs: dict[str, list[MultiModalFeature]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -115,11 +123,18 @@ class Logprobs:
 class ModelRunnerOutput:
     """The runner's answer: sampled tokens per request, their logprobs for requests that asked,
     and requests that failed inside it (e.g. a placeholder/embedding count mismatch) with why
-    and whose fault it is."""
+    and whose fault it is.
+
+    `encoder_arrived` names the remote items whose embeddings are now in the runner's encoder
+    cache; `encoder_failed` the remote items nobody could encode, with the failure every
+    request holding one ends with.
+    """
 
     sampled_token_ids: dict[str, list[int]]
     errors: dict[str, RequestFailure] = field(default_factory=dict)
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    encoder_arrived: list[str] = field(default_factory=list)
+    encoder_failed: dict[str, RequestFailure] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -156,3 +171,5 @@ class SchedulerStats:
     prefix_cache_hits: int
     encoder_cache_queries: int
     encoder_cache_hits: int
+    encoder_inflight_items: int = 0  # remote items sent to the encoder source, not arrived
+    encoder_inflight_bytes: int = 0  # ... and the cache bytes reserved for them

@@ -6,6 +6,9 @@ preempted request does (it recomputes from its prompt, and an item neither cover
 prefix-cache hit nor resident in the encoder cache is encoded again). Entries go when their
 last holder finishes, or, least recently stored first, when the store is over its byte budget:
 a request that then needs that item again fails with a message that says so.
+
+A remote item (a disaggregated server) is kept the same way: its `RemoteItem` (the image
+file or array bytes it is sent with) is what a preempted request sends to the pool again.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import dataclasses
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from mmserve.multimodal import ProcessedImage
+from mmserve.errors import FailureKind, RequestFailure
+from mmserve.multimodal import ProcessedImage, RemoteItem
 
 if TYPE_CHECKING:
     from mmserve.scheduling.request import Request
@@ -27,6 +31,25 @@ class PixelsGone(Exception):
         super().__init__(identifier)
         self.identifier = identifier
 
+    def failure(self) -> RequestFailure:
+        """What the request that needed the pixels fails with."""
+        return RequestFailure(
+            f"the engine no longer holds the pixels of item {self.identifier[:16]} to encode "
+            "it again after a preemption (raise --mm-reencode-cache-gb)",
+            FailureKind.INTERNAL,
+        )
+
+
+ItemData = ProcessedImage | RemoteItem
+
+
+def held_bytes(data: ItemData) -> int:
+    """Bytes an item's data keeps alive: its pixel buffer, or a remote item's payload (a URL
+    item counts the URL's length: it holds nothing else)."""
+    if isinstance(data, RemoteItem):
+        return data.nbytes or len(data.url or "")
+    return data.buffer_bytes
+
 
 class PixelStore:
     def __init__(self, capacity_bytes: int) -> None:
@@ -34,7 +57,7 @@ class PixelStore:
         self.used_bytes = 0
         self.num_evicted = 0
         self.num_restored = 0
-        self._entries: OrderedDict[str, tuple[ProcessedImage, set[str]]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[ItemData, set[str]]] = OrderedDict()
 
     def __contains__(self, identifier: str) -> bool:
         return identifier in self._entries
@@ -42,14 +65,14 @@ class PixelStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, identifier: str, data: ProcessedImage, request_id: str) -> None:
+    def put(self, identifier: str, data: ItemData, request_id: str) -> None:
         """Keep `data` for `request_id` (one copy per identifier, whoever stored it first)."""
         entry = self._entries.get(identifier)
         if entry is not None:
             entry[1].add(request_id)
             self._entries.move_to_end(identifier)
             return
-        size = data.buffer_bytes
+        size = held_bytes(data)
         if size > self.capacity_bytes:
             self.num_evicted += 1
             return  # it would evict everything and still not fit
@@ -58,7 +81,7 @@ class PixelStore:
         while self.used_bytes > self.capacity_bytes:
             self._evict()
 
-    def get(self, identifier: str) -> ProcessedImage | None:
+    def get(self, identifier: str) -> ItemData | None:
         entry = self._entries.get(identifier)
         if entry is None:
             return None
@@ -102,4 +125,4 @@ class PixelStore:
 
     def _drop(self, identifier: str) -> None:
         data, _ = self._entries.pop(identifier)
-        self.used_bytes -= data.buffer_bytes
+        self.used_bytes -= held_bytes(data)

@@ -14,20 +14,31 @@ output resident before the step runs:
     window C                         [-------)                 later chunk: already resident
     no space       [-----)|                                    cut to stop at `offset`
     no space, at offset   |  (0 tokens)                        skip this request this step
+    in flight      [-----)|                                    remote item not arrived: cut
+                                                              at `offset`, reference kept
 
 - Resident (a hit) -> nothing to encode. Otherwise the item needs patch budget (its input
   patches, out of the step's encoder budget) and cache bytes;
   if it cannot have them now, the window is cut to end at `offset` (text before the image
   still runs), or to zero tokens when the request already stands at (or, after a prefix-cache
   hit, inside) the item. Other requests go on.
+- Remote items (`data` a RemoteItem, a disaggregated server) go to the encoder source, not
+  the local vision tower: they take cache bytes but no patch budget, and stay in flight until
+  the runner reports them arrived. An item in flight (or sent this step) blocks the window at
+  its offset exactly like "no space"; every remote item the window reaches is sent in the
+  same step. A request blocked only by items in flight keeps its references, even a waiting
+  one that schedules 0 tokens (it sends its item with no token scheduled), so an item is
+  never cancelled and sent again in a loop. An item that fails fails every request holding
+  it (`ModelRunnerOutput.encoder_failed`); one whose last holder goes is cancelled.
 - `disable_chunked_mm_input`: a window that starts at or before `offset` and would end inside
   the item is rolled back to end at `offset`.
 - A prefix-cache hit that covers an item whole means it is never encoded; a hit ending inside
   an item still needs the whole item encoded, and only the tail slice is spliced.
 - An item's reference is dropped once `num_computed_tokens >= offset + length` (consumed);
   the entry stays resident (freeable) for later requests with the same identity. So a
-  request only ever holds the items its position cuts through: those need nothing but token
-  budget to finish, which is why a waiting item always gets its cache space eventually.
+  request only ever holds the items its position cuts through (and remote items in flight in
+  its window, which need nothing but their arrival): those need nothing but token budget to
+  finish, which is why a waiting item always gets its cache space eventually.
 """
 
 from __future__ import annotations
@@ -39,9 +50,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from mmserve.config import CacheConfig, SchedulerConfig
-from mmserve.errors import FailureKind, RequestFailure
+from mmserve.errors import RequestFailure
+from mmserve.multimodal import MultiModalFeature
 from mmserve.scheduling.admission import validate_request
 from mmserve.scheduling.encoder_cache_manager import EncoderCacheManager
+from mmserve.scheduling.encoder_planner import (
+    EncoderPlan,
+    free_consumed_encoder_inputs,
+    plan_encoder_inputs,
+    reserve_encoder_inputs,
+)
 from mmserve.scheduling.kv_cache_manager import KVCacheManager
 from mmserve.scheduling.outputs import (
     CachedRequestData,
@@ -66,6 +84,7 @@ class _Step:
     now_s: float  # the scheduler's clock when the step was planned
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    remote_inputs: dict[str, list[MultiModalFeature]] = field(default_factory=dict)
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
@@ -149,6 +168,8 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             encoder_cache_queries=enc.queries,
             encoder_cache_hits=enc.hits,
+            encoder_inflight_items=len(enc.inflight),
+            encoder_inflight_bytes=enc.num_inflight_bytes,
         )
 
     def check_integrity(self) -> None:
@@ -183,6 +204,7 @@ class Scheduler:
             free_encoder_identifiers=self.encoder_cache_manager.get_freed_identifiers(),
             finished_req_ids=frozenset(finished),
             preempted_req_ids=frozenset(step.preempted),
+            remote_encoder_inputs=step.remote_inputs,
         )
 
     def _schedule_running(self, step: _Step) -> None:
@@ -191,10 +213,9 @@ class Scheduler:
             request = self.running[req_idx]
             num_computed = request.num_computed_tokens
             num_new = min(request.num_tokens - num_computed, step.token_budget)
-            num_new, items, _ = self._try_schedule_encoder_inputs(
-                request, num_computed, num_new, step
-            )
+            num_new, items, _, _ = self._plan_encoder_inputs(request, num_computed, num_new, step)
             if num_new == 0:
+                self._reserve_encoder_inputs(request, items, step)  # it stands at one to send
                 req_idx += 1
                 continue
             new_block_ids = self._allocate_or_preempt(request, num_new, step)
@@ -233,17 +254,21 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - num_computed, step.token_budget)
             try:
-                num_new, items, rolled_back = self._try_schedule_encoder_inputs(
-                    request, num_computed, num_new, step
-                )
+                plan = self._plan_encoder_inputs(request, num_computed, num_new, step)
             except PixelsGone as gone:
-                self._fail_at_schedule(request, gone.identifier)  # releases what it holds
+                self._fail_at_schedule(request, gone)  # releases what it holds
                 continue
+            num_new, items = plan.num_new_tokens, plan.item_idxs
             if num_new == 0:
-                # Waiting requests hold no encoder references: drop hits taken by the lookup.
-                self.encoder_cache_manager.free(request)
                 skipped.append(request)
-                if rolled_back:
+                if plan.is_waiting_on_arrival:
+                    # NOTE: blocked only by the encoder source: it keeps its references (a
+                    # dropped one would cancel the item) and sends what it stands at.
+                    self._reserve_encoder_inputs(request, items, step)
+                    continue
+                # Waiting requests hold no other encoder references: drop the lookup's hits.
+                self.encoder_cache_manager.free(request)
+                if plan.is_rolled_back:
                     break  # it waits for a whole-item budget: later arrivals must not starve it
                 continue
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed)
@@ -271,70 +296,44 @@ class Scheduler:
             self._commit(request, num_new, items, step)
         self.waiting.extendleft(reversed(skipped))
 
-    def _try_schedule_encoder_inputs(
-        self, request: Request, num_computed: int, num_new: int, step: _Step
-    ) -> tuple[int, list[int], bool]:
-        """Shrink `num_new` to what the encoder can serve now. Returns it, the indexes of the
-        items to encode this step, and whether the `disable_chunked_mm_input` rollback cut it
-        (see the module docstring for the window arithmetic)."""
-        manager = self.encoder_cache_manager
-        window_end = num_computed + num_new
-        to_encode: list[int] = []
-        identifiers: set[str] = set()
-        num_bytes_to_schedule = 0
-        num_patches_to_schedule = 0
-        for item_idx, feature in enumerate(request.mm_features):
-            start, length = feature.placeholder.offset, feature.placeholder.length
-            if start >= window_end:
-                break  # items are sorted by offset
-            if start + length <= num_computed:
-                continue  # consumed already (or covered whole by a prefix-cache hit)
-            if (
-                self.scheduler_config.disable_chunked_mm_input
-                and num_computed <= start
-                and window_end < start + length
-            ):
-                return start - num_computed, to_encode, True
-            if feature.identifier in identifiers:
-                continue  # same item twice in one request: encoded once
-            if manager.check_and_update_cache(request, item_idx):
-                continue
-            patches_left = step.encoder_patch_budget - num_patches_to_schedule
-            if not manager.can_allocate(request, item_idx, patches_left, num_bytes_to_schedule):
-                # Text before the item still runs; at (or inside) the item: nothing this step.
-                return max(0, start - num_computed), to_encode, False
-            if feature.data is None and feature.identifier in request.stashed_pixels:
-                # stashed only when there is a store (see PixelStore.stash_consumed)
-                assert self.pixel_store is not None
-                self.pixel_store.restore(request, item_idx)
-            to_encode.append(item_idx)
-            identifiers.add(feature.identifier)
-            num_bytes_to_schedule += manager.item_bytes(request, item_idx)
-            num_patches_to_schedule += feature.num_patches
-        return num_new, to_encode, False
+    def _reserve_encoder_inputs(self, request: Request, items: list[int], step: _Step) -> None:
+        step.encoder_patch_budget -= reserve_encoder_inputs(
+            request, items, self.encoder_cache_manager, step.encoder_inputs, step.remote_inputs
+        )
 
-    def _fail_at_schedule(self, request: Request, identifier: str) -> None:
+    def _plan_encoder_inputs(
+        self, request: Request, num_computed: int, num_new: int, step: _Step
+    ) -> EncoderPlan:
+        return plan_encoder_inputs(
+            request,
+            num_computed,
+            num_new,
+            manager=self.encoder_cache_manager,
+            pixel_store=self.pixel_store,
+            patch_budget=step.encoder_patch_budget,
+            disable_chunked_mm_input=self.scheduler_config.disable_chunked_mm_input,
+        )
+
+    def _fail_at_schedule(self, request: Request, gone: PixelsGone) -> None:
         logger.warning(
             "request %s: the pixels of item %s, needed again after a preemption, were evicted "
             "from the re-encode store (over its byte budget); failing the request",
             request.request_id,
-            identifier[:16],
+            gone.identifier[:16],
         )
+        self._failed_at_schedule.append(self._fail(request, gone.failure()))
+
+    def _fail(self, request: Request, failure: RequestFailure) -> RequestUpdate:
+        """End a request (not in `running` or `waiting` any more) with an error; its update."""
         request.status = RequestStatus.FINISHED_ERROR
         self._release(request)
-        failure = RequestFailure(
-            f"the engine no longer holds the pixels of item {identifier[:16]} to encode it "
-            "again after a preemption (raise --mm-reencode-cache-gb)",
-            FailureKind.INTERNAL,
-        )
-        self._failed_at_schedule.append(
-            RequestUpdate(
-                request.request_id,
-                [],
-                request.status,
-                error=failure,
-                first_scheduled_time_s=self._take_schedule_time(request),
-            )
+        return RequestUpdate(
+            request.request_id,
+            [],
+            request.status,
+            error=failure,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            first_scheduled_time_s=self._take_schedule_time(request),
         )
 
     def _next_block_in_flight(self, request: Request, num_computed: int, step: _Step) -> bool:
@@ -346,22 +345,10 @@ class Scheduler:
 
     def _commit(self, request: Request, num_new: int, items: list[int], step: _Step) -> None:
         """Book a scheduled request: encoder cache bytes, budgets, and its advanced position."""
-        if self.cache_config.enable_prefix_caching and request.num_computed_tokens < (
-            request.num_prompt_tokens
-        ):
-            kv = self.kv_cache_manager
-            kv.update_block_hashes(request)
-            bs = self.cache_config.block_size
-            first, last = (
-                request.num_computed_tokens // bs,
-                (request.num_computed_tokens + num_new) // bs,
-            )
-            step.inflight_block_hashes.update(request.block_hashes[first:last])
-        for item_idx in items:
-            self.encoder_cache_manager.allocate(request, item_idx)
-            step.encoder_patch_budget -= request.mm_features[item_idx].num_patches
-        if items:
-            step.encoder_inputs[request.request_id] = items
+        step.inflight_block_hashes.update(
+            self.kv_cache_manager.block_hashes_to_compute(request, num_new)
+        )
+        self._reserve_encoder_inputs(request, items, step)
         step.num_scheduled_tokens[request.request_id] = num_new
         step.token_budget -= num_new
         request.num_computed_tokens += num_new
@@ -385,6 +372,7 @@ class Scheduler:
         append sampled tokens and apply stop rules. Sampled tokens of a request whose step did
         not reach the end of its tokens (partial prefill) are ignored."""
         updates, self._failed_at_schedule = self._failed_at_schedule, []
+        updates += self._apply_encoder_results(runner_output)
         finished: list[Request] = []
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
@@ -392,21 +380,11 @@ class Scheduler:
                 continue  # finished (aborted) after this step was scheduled
             error = runner_output.errors.get(request_id)
             if error is not None:
-                request.status = RequestStatus.FINISHED_ERROR
-                finished.append(request)
-                updates.append(
-                    RequestUpdate(
-                        request_id,
-                        [],
-                        request.status,
-                        error=error,
-                        num_cached_tokens=request.num_cached_tokens or 0,
-                        first_scheduled_time_s=self._take_schedule_time(request),
-                    )
-                )
+                self.running.remove(request)  # every scheduled request is running
+                updates.append(self._fail(request, error))
                 continue
             self.kv_cache_manager.cache_blocks(request)
-            self._free_consumed_encoder_inputs(request)
+            free_consumed_encoder_inputs(request, self.encoder_cache_manager)
             if self.pixel_store is not None:
                 self.pixel_store.stash_consumed(request)
             new_token_ids = self._append_sampled(request, runner_output)
@@ -432,6 +410,19 @@ class Scheduler:
                 self._release(request)
         return updates
 
+    def _apply_encoder_results(self, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Mark remote items arrived; fail every request holding an item that failed (its
+        other state is freed as for any failure). Results for items cancelled since they
+        were sent are ignored."""
+        failing = self.encoder_cache_manager.apply_remote_results(
+            runner_output.encoder_arrived, runner_output.encoder_failed
+        )
+        if not failing:
+            return []
+        self.running = [r for r in self.running if r.request_id not in failing]
+        self.waiting = deque(r for r in self.waiting if r.request_id not in failing)
+        return [self._fail(self.requests[rid], failure) for rid, failure in failing.items()]
+
     def _take_schedule_time(self, request: Request) -> float | None:
         """The first-scheduled time on the request's first update, None on every later one."""
         if request.is_schedule_time_reported:
@@ -449,24 +440,6 @@ class Scheduler:
             if check_stop(request, self.scheduler_config.max_model_len, self.eos_token_ids):
                 break
         return new_token_ids
-
-    def _free_consumed_encoder_inputs(self, request: Request) -> None:
-        """Drop references to consumed items (`end <= num_computed_tokens`), unless another
-        occurrence of the same identity is cut by the current position.
-
-        NOTE: a later, not yet started occurrence of the same image is not a reason to hold
-        the entry: holding cache space for the future can deadlock a small cache. When the window
-        reaches it, the lookup hits if it is still resident and re-encodes it otherwise.
-        """
-        num_computed = request.num_computed_tokens
-        in_progress = {
-            f.identifier
-            for f in request.mm_features
-            if f.placeholder.offset < num_computed < f.placeholder.end
-        }
-        for item_idx, feature in enumerate(request.mm_features):
-            if feature.placeholder.end <= num_computed and feature.identifier not in in_progress:
-                self.encoder_cache_manager.free_encoder_input(request, item_idx)
 
     def _release(self, request: Request) -> None:
         """Free everything a finished request holds; the runner hears of it next step."""

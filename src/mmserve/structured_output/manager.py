@@ -119,7 +119,8 @@ class StructuredOutputManager:
             return runner_output, accepted.completed
         errors = {**failed, **errors}
         kept = {r: t for r, t in sampled.items() if r not in errors}
-        return ModelRunnerOutput(kept, errors), accepted.completed - errors.keys()
+        kept_output = dataclasses.replace(runner_output, sampled_token_ids=kept, errors=errors)
+        return kept_output, accepted.completed - errors.keys()
 
     def bitmask(self, sampling_request_ids: Iterable[str]) -> MaskResult:
         """The allowed next tokens of each sampling request that has a grammar."""

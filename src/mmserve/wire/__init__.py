@@ -29,6 +29,7 @@ from mmserve.wire.executor import (
     WireGrammarBitmask,
     WireModelRunnerOutput,
     WireNewRequestData,
+    WireRemoteEncoderInput,
     WireRunnerPayload,
     WireSchedulerOutput,
 )
@@ -54,6 +55,8 @@ __all__ = [
     "WireModelRunnerOutput",
     "WireRemoteItem",
     "WireNewRequestData",
+    "WireRemoteEncoderInput",
+    "WireRemoteItem",
     "WireRequestFailure",
     "WireRunnerPayload",
     "WireSamplingParams",

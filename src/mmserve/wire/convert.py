@@ -52,6 +52,7 @@ from mmserve.wire.executor import (
     WireGrammarBitmask,
     WireModelRunnerOutput,
     WireNewRequestData,
+    WireRemoteEncoderInput,
     WireRunnerPayload,
     WireSchedulerOutput,
 )
@@ -367,6 +368,14 @@ def scheduler_output_to_wire(
         grammar_bitmask=None
         if (g := so.grammar_bitmask) is None
         else WireGrammarBitmask(list(g.request_ids), g.bitmask),
+        remote_encoder_inputs=[
+            WireRemoteEncoderInput(
+                request_id, feature_to_wire(f), remote_item_to_wire(f.identifier, f.data)
+            )
+            for request_id, features in so.remote_encoder_inputs.items()
+            for f in features
+            if isinstance(f.data, RemoteItem)
+        ],
     )
 
 
@@ -401,8 +410,20 @@ def scheduler_output_from_wire(
         grammar_bitmask=None
         if (g := msg.grammar_bitmask) is None
         else GrammarBitmask(tuple(g.request_ids), g.bitmask),
+        remote_encoder_inputs=_remote_inputs_from_wire(msg.remote_encoder_inputs),
     )
     return StepInputs(so, pixels)
+
+
+def _remote_inputs_from_wire(
+    items: Sequence[WireRemoteEncoderInput],
+) -> dict[str, list[MultiModalFeature]]:
+    by_request: dict[str, list[MultiModalFeature]] = {}
+    for w in items:
+        feature = feature_from_wire(w.feature, None)
+        feature = dataclasses.replace(feature, data=remote_item_from_wire(w.item))
+        by_request.setdefault(w.request_id, []).append(feature)
+    return by_request
 
 
 def runner_output_to_wire(o: ModelRunnerOutput) -> WireModelRunnerOutput:
@@ -410,7 +431,10 @@ def runner_output_to_wire(o: ModelRunnerOutput) -> WireModelRunnerOutput:
     logprobs = {
         rid: WireLogprobs(lp.token_ids, lp.logprobs, lp.ranks) for rid, lp in o.logprobs.items()
     }
-    return WireModelRunnerOutput(o.sampled_token_ids, errors, logprobs)
+    failed = {i: failure_to_wire(e) for i, e in o.encoder_failed.items()}
+    return WireModelRunnerOutput(
+        o.sampled_token_ids, errors, logprobs, list(o.encoder_arrived), failed
+    )
 
 
 def runner_output_from_wire(w: WireModelRunnerOutput) -> ModelRunnerOutput:
@@ -418,4 +442,5 @@ def runner_output_from_wire(w: WireModelRunnerOutput) -> ModelRunnerOutput:
     logprobs = {
         rid: Logprobs(lp.token_ids, lp.logprobs, lp.ranks) for rid, lp in w.logprobs.items()
     }
-    return ModelRunnerOutput(w.sampled_token_ids, errors, logprobs)
+    failed = {i: failure_from_wire(e) for i, e in w.encoder_failed.items()}
+    return ModelRunnerOutput(w.sampled_token_ids, errors, logprobs, w.encoder_arrived, failed)

@@ -129,10 +129,10 @@ class EngineCoreOutput(WireStruct):
 class EngineStats(WireStruct):
     """The engine process's gauges (now) and counters (since start); prefix counters in tokens.
 
-    The first ten fields mirror `SchedulerStats`; `counters` and `gauges` carry the other
-    engine-side metrics by their `mmserve.metrics` names (e.g. encoder_items_encoded,
-    kv_blocks_total); `modality_counters` the per-modality counts of MODALITY_COUNTERS
-    (name -> modality -> count).
+    The first ten fields and the last two mirror `SchedulerStats`; `counters` and `gauges`
+    carry the other engine-side metrics by their `mmserve.metrics` names (e.g.
+    encoder_items_encoded, kv_blocks_total); `modality_counters` the per-modality counts of
+    MODALITY_COUNTERS (name -> modality -> count).
     """
 
     num_running: NonNegInt
@@ -150,6 +150,8 @@ class EngineStats(WireStruct):
     modality_counters: dict[str, dict[str, NonNegInt]] = {}
     # LABELLED_COUNTERS name -> label value -> count (fractional for a seconds sum)
     labelled_counters: dict[str, dict[str, NonNegFloat]] = {}
+    encoder_inflight_items: NonNegInt = 0
+    encoder_inflight_bytes: NonNegInt = 0
 
     def __post_init__(self) -> None:
         unknown = (

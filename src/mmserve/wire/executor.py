@@ -13,6 +13,7 @@ from mmserve.wire.common import (
     WireError,
     WireLogprobs,
     WireMMFeature,
+    WireRemoteItem,
     WireRequestFailure,
     WireSamplingParams,
     WireStruct,
@@ -95,13 +96,35 @@ class WireGrammarBitmask(WireStruct):
             raise WireError("grammar bitmask: a request id appears twice")
 
 
+class WireRemoteEncoderInput(WireStruct):
+    """A remote item a request sends to the encoder source this step: the item (placeholder,
+    identity, grid) and its `RemoteItem`."""
+
+    request_id: RequestId
+    feature: WireMMFeature
+    item: WireRemoteItem
+
+    def __post_init__(self) -> None:
+        if self.item.identifier != self.feature.identifier:
+            raise WireError(
+                f"remote item {self.item.identifier[:16]} sent for feature "
+                f"{self.feature.identifier[:16]}"
+            )
+        if tuple(self.item.grid_thw) != tuple(self.feature.grid_thw):
+            raise WireError(
+                f"remote item {self.feature.identifier[:16]}: grid {tuple(self.item.grid_thw)} "
+                f"but its feature says {tuple(self.feature.grid_thw)}"
+            )
+
+
 class WireSchedulerOutput(WireStruct):
     """One engine step as diffs against what the runner holds (see `SchedulerOutput`).
 
     `scheduled_encoder_inputs` names, per request, the indices of its items to encode this
     step; `encoder_inputs` carries their pixels, one entry per identifier. Pixels travel only
     on the step that encodes them: the sending side keeps what it needs to send them again
-    (after a preemption or an encoder-cache eviction).
+    (after a preemption or an encoder-cache eviction). `remote_encoder_inputs`: the items sent
+    to the encoder source this step, whole (their requests may schedule no token).
     """
 
     scheduled_new_reqs: list[WireNewRequestData]
@@ -114,6 +137,7 @@ class WireSchedulerOutput(WireStruct):
     finished_req_ids: frozenset[RequestId]
     preempted_req_ids: frozenset[RequestId]
     grammar_bitmask: WireGrammarBitmask | None = None
+    remote_encoder_inputs: list[WireRemoteEncoderInput] = []
 
     def __post_init__(self) -> None:
         total = sum(self.num_scheduled_tokens.values())
@@ -125,15 +149,24 @@ class WireSchedulerOutput(WireStruct):
         identifiers = {item.identifier for item in self.encoder_inputs}
         if len(identifiers) != len(self.encoder_inputs):
             raise WireError("scheduler output: an identifier appears twice in encoder_inputs")
+        remote = {item.feature.identifier for item in self.remote_encoder_inputs}
+        if len(remote) != len(self.remote_encoder_inputs) or remote & identifiers:
+            raise WireError(
+                "scheduler output: an identifier appears twice in remote_encoder_inputs, or "
+                "also in encoder_inputs"
+            )
 
 
 class WireModelRunnerOutput(WireStruct):
-    """The runner's answer: sampled token ids per request, the requests that failed, and the
-    sampled tokens' logprobs of requests that asked (one row per sampled token)."""
+    """The runner's answer: sampled token ids per request, the requests that failed, the
+    sampled tokens' logprobs of requests that asked (one row per sampled token), and the
+    remote items that arrived or failed (by identifier)."""
 
     sampled_token_ids: dict[RequestId, list[TokenId]]
     errors: dict[RequestId, WireRequestFailure] = {}
     logprobs: dict[RequestId, WireLogprobs] = {}
+    encoder_arrived: list[Identifier] = []
+    encoder_failed: dict[Identifier, WireRequestFailure] = {}
 
     def __post_init__(self) -> None:
         for request_id, logprobs in self.logprobs.items():
