@@ -38,6 +38,7 @@ GAUGE_NAMES = (
     "num_requests_waiting",
     "encoder_pool_bytes",
     "remote_encoder_healthy",
+    "remote_encoder_items_in_flight",
 )
 # Counters also kept per item modality: their samples carry a `modality` label (one per entry
 # of MODALITIES, present from the start; the unlabelled total is their sum).
@@ -310,6 +311,8 @@ SCHEDULER_METRICS = (
     ("prefix_cache_hits", "counter", "prefix_cache_hits"),
     ("encoder_cache_queries", "counter", "encoder_cache_queries"),
     ("encoder_cache_hits", "counter", "encoder_cache_hits"),
+    ("encoder_pool_bytes", "gauge", "encoder_pool_bytes"),
+    ("encoder_inflight_items", "gauge", "remote_encoder_items_in_flight"),
 )
 
 
@@ -337,6 +340,5 @@ CORE_COUNTERS = (
 CORE_GAUGES = (
     "kv_blocks_total",
     "encoder_cache_total_slots",
-    "encoder_pool_bytes",
     "remote_encoder_healthy",
 )

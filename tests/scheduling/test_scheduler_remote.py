@@ -63,8 +63,10 @@ def test_text_before_an_item_in_flight_runs_while_another_request_decodes() -> N
         assert "img" not in out.num_scheduled_tokens and out.num_scheduled_tokens["text"] == 1
         assert scheduler.requests["img"].num_computed_tokens == 10
         assert not out.remote_encoder_inputs  # never sent again
+    assert scheduler.make_stats().encoder_pool_bytes == 0  # nothing arrived yet
     runner.deliver = {"a"}
     run_step(scheduler, runner)  # the runner reports "a" arrived
+    assert scheduler.make_stats().encoder_pool_bytes == 20 * EMBED_BYTES
     out, _ = run_step(scheduler, runner)
     assert out.num_scheduled_tokens["img"] == 30  # up to "b", still in flight
     runner.deliver = {"b"}
@@ -72,6 +74,8 @@ def test_text_before_an_item_in_flight_runs_while_another_request_decodes() -> N
         run_step(scheduler, runner)
     assert runner.num_remote_sent == 2 and not runner.cancelled
     _assert_all_free(scheduler)
+    # both stay resident for reuse: the pool holds them until evicted
+    assert scheduler.make_stats().encoder_pool_bytes == 28 * EMBED_BYTES
 
 
 def test_a_waiting_request_blocked_at_its_first_item_keeps_its_reference() -> None:

@@ -62,6 +62,7 @@ GAUGE_HELP = {
     "kv_cache_usage_perc": "Fraction of KV-cache blocks held by requests (ratio, 0 to 1).",
     "encoder_pool_bytes": "Bytes of embeddings received from the encoder pool held here (bytes).",
     "remote_encoder_healthy": "Encoders of the pool in rotation (encoders).",
+    "remote_encoder_items_in_flight": "Items sent to the encoder pool, not arrived (items).",
 }
 HISTOGRAM_HELP = {
     "time_to_first_token_seconds": "Time from arrival to the first token (seconds).",

@@ -47,6 +47,10 @@ class EncoderCacheManager:
         self._entry_bytes: dict[str, int] = {}  # identifier -> bytes, for every resident entry
         self.inflight: set[str] = set()  # resident in the ledger, not arrived yet
         self.num_inflight_bytes = 0
+        # remote entries (in flight or arrived) still in the ledger; the arrived ones are the
+        # language-side embedding pool (`num_pool_bytes`), counted like any local entry
+        self.remote: set[str] = set()
+        self.num_pool_bytes = 0
         self.queries = 0  # (request, item identity) pairs that needed an encoder output
         self.hits = 0  # ... of which were already resident
 
@@ -106,6 +110,9 @@ class EncoderCacheManager:
             identifier, num_bytes = self.freeable.popitem(last=False)
             del self.cached[identifier]
             del self._entry_bytes[identifier]
+            if identifier in self.remote:  # freeable, so arrived: it leaves the pool
+                self.remote.discard(identifier)
+                self.num_pool_bytes -= num_bytes
             self.freed.append(identifier)
             self.num_free_bytes += num_bytes
         return True
@@ -129,6 +136,7 @@ class EncoderCacheManager:
         self.queries += 1
         if is_remote:
             self.inflight.add(identifier)
+            self.remote.add(identifier)
             self.num_inflight_bytes += num_bytes
 
     def mark_arrived(self, identifier: str) -> bool:
@@ -138,6 +146,7 @@ class EncoderCacheManager:
             return False
         self.inflight.discard(identifier)
         self.num_inflight_bytes -= self._entry_bytes[identifier]
+        self.num_pool_bytes += self._entry_bytes[identifier]
         return True
 
     def fail(self, identifier: str) -> set[str]:
@@ -171,6 +180,7 @@ class EncoderCacheManager:
         num_bytes = self._entry_bytes.pop(identifier)
         del self.cached[identifier]
         self.inflight.discard(identifier)
+        self.remote.discard(identifier)
         self.num_inflight_bytes -= num_bytes
         self.num_free_bytes += num_bytes
         self.num_freeable_bytes += num_bytes
@@ -216,3 +226,6 @@ class EncoderCacheManager:
         assert self.inflight <= set(self.cached), "an in-flight entry left the ledger"
         assert all(self.cached[i] for i in self.inflight), "an in-flight entry without holders"
         assert self.num_inflight_bytes == sum(self._entry_bytes[i] for i in self.inflight)
+        assert self.inflight <= self.remote <= set(self.cached), "a remote entry left the ledger"
+        arrived = self.remote - self.inflight
+        assert self.num_pool_bytes == sum(self._entry_bytes[i] for i in arrived), "pool drifted"

@@ -173,3 +173,4 @@ class SchedulerStats:
     encoder_cache_hits: int
     encoder_inflight_items: int = 0  # remote items sent to the encoder source, not arrived
     encoder_inflight_bytes: int = 0  # ... and the cache bytes reserved for them
+    encoder_pool_bytes: int = 0  # cache bytes of arrived remote embeddings (referenced or not)

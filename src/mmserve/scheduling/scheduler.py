@@ -170,6 +170,7 @@ class Scheduler:
             encoder_cache_hits=enc.hits,
             encoder_inflight_items=len(enc.inflight),
             encoder_inflight_bytes=enc.num_inflight_bytes,
+            encoder_pool_bytes=enc.num_pool_bytes,
         )
 
     def check_integrity(self) -> None:

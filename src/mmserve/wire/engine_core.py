@@ -152,6 +152,7 @@ class EngineStats(WireStruct):
     labelled_counters: dict[str, dict[str, NonNegFloat]] = {}
     encoder_inflight_items: NonNegInt = 0
     encoder_inflight_bytes: NonNegInt = 0
+    encoder_pool_bytes: NonNegInt = 0
 
     def __post_init__(self) -> None:
         unknown = (
