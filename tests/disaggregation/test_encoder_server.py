@@ -272,3 +272,20 @@ def test_with_a_secret_only_signed_messages_and_bearer_requests_pass(
     body = {"url": f"{media_server.base}/img.png", "min_pixels": 3136, "max_pixels": 16384}
     refused = httpx.post(f"{base}/v1/encode/plan", json=body, headers=auth)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "fetch_refused"
+
+
+def test_queued_patches_count_waiting_items_and_cancel_drops_them(encoder, client, media_server):
+    _, model_dir, port = encoder
+    slow = f"{media_server.base}/late-404"  # answers 404 after 0.3 s: the item waits on it
+    item = bytes_item(model_dir, png_bytes(), identifier="slow", source="url", url=slow)
+    client.send(item)
+    client.send(Ping(1))
+    pong, _ = client.recv()
+    t, h, w = item.grid_thw
+    assert isinstance(pong, Pong) and pong.queued_patches == t * h * w
+    client.send(Cancel(["slow"], [0]))
+    client.send(Ping(2))
+    pong, _ = client.recv()
+    assert isinstance(pong, Pong) and pong.queued_patches == 0
+    assert not client.socket.poll(600)  # the cancelled item is never answered
+    assert metric(f"http://127.0.0.1:{port}", "mmserve_encoder_items_cancelled_total") >= 1

@@ -65,6 +65,11 @@ def content_key(item: EncodeItem, digest: str) -> str:
     return h.hexdigest()
 
 
+def _plan_key(url: str, digest: str) -> str:
+    """Kept bytes answer only an encode of the URL that was planned, with the planned digest."""
+    return f"{digest}\0{url}"
+
+
 class MediaStage:
     """Reads, decodes and processes items off the event loop: decoding in the loader's worker
     processes, processing on a bounded pool of `num_threads` threads."""
@@ -102,7 +107,7 @@ class MediaStage:
         if item.source != "url":
             return payload
         assert item.url is not None
-        kept = self._plans.get(item.content_digest)
+        kept = self._plans.get(_plan_key(item.url, item.content_digest))
         return kept if kept is not None else await self._fetch(item.url)
 
     async def process(self, item: EncodeItem, data: bytes) -> ProcessedImage:
@@ -142,7 +147,7 @@ class MediaStage:
             grid = get_grid_thw(header.width, header.height, cfg)
         except InvalidRequestError as exc:
             raise ItemError("invalid_image", exc.message, exc.param or "image_url") from None
-        self._plans.put(digest, data, len(data))
+        self._plans.put(_plan_key(url, digest), data, len(data))
         return UrlPlan(digest, header.width, header.height, grid)
 
     async def _fetch(self, url: str) -> bytes:
