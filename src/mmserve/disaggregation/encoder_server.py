@@ -30,7 +30,7 @@ from mmserve.disaggregation.protocol import MAX_HEADER_BYTES, is_input_error, mo
 from mmserve.disaggregation.vision_stage import VisionStage
 from mmserve.engine.factory import (
     SERVER_DECODE_WORKERS,
-    build_media_config,
+    media_config_from_args,
     resolve_device,
     resolve_dtype,
 )
@@ -75,7 +75,9 @@ class EncoderServer:
         tower, model_config = load_vision_tower(args.model, device, dtype)
         self.vision = VisionStage(tower, device, dtype)
         image_config = ImageProcessorConfig.from_pretrained(args.model)
-        media = MediaLoader(build_media_config(args, image_config, decode_workers=decode_workers))
+        media = MediaLoader(
+            media_config_from_args(args, image_config, decode_workers=decode_workers)
+        )
         self.media = MediaStage(media, image_config, CPU_STAGE_THREADS)
         self.cache: ByteBudgetLRU[CachedEmbedding] = ByteBudgetLRU(config.cache_bytes)
         self.metrics = EncoderMetrics()

@@ -173,7 +173,7 @@ def resolve_shape(args: EngineArgs) -> EngineShape:
     )
 
 
-def build_media_config(
+def media_config_from_args(
     args: EngineArgs, image_config: ImageProcessorConfig, *, decode_workers: int
 ) -> MediaConfig:
     """The URL policy and decode limits of the media flags (`serve` and `encode` share them)."""
