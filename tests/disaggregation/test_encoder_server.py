@@ -242,7 +242,9 @@ def test_a_planned_url_is_encoded_without_a_second_fetch(encoder, client, media_
 def secret_encoder(qwen2_vl_dir, tmp_path_factory) -> Iterator[int]:
     path = tmp_path_factory.mktemp("secret") / "secret"
     path.write_text(SECRET.decode() + "\n")
-    config = encoder_config(qwen2_vl_dir, SECRET_PORT, "--encoder-secret-file", str(path))
+    # a patch budget of 16: no two of the test images (16 patches or more) share a call
+    flags = ("--encoder-secret-file", str(path), "--encoder-patch-budget", "16")
+    config = encoder_config(qwen2_vl_dir, SECRET_PORT, *flags)
     with running_encoder(config):
         yield SECRET_PORT
 
@@ -289,3 +291,20 @@ def test_queued_patches_count_waiting_items_and_cancel_drops_them(encoder, clien
     assert isinstance(pong, Pong) and pong.queued_patches == 0
     assert not client.socket.poll(600)  # the cancelled item is never answered
     assert metric(f"http://127.0.0.1:{port}", "mmserve_encoder_items_cancelled_total") >= 1
+
+
+def test_the_patch_budget_bounds_every_vision_call(secret_encoder, qwen2_vl_dir):
+    base = f"http://127.0.0.1:{secret_encoder}"
+    calls = metric(base, "mmserve_encoder_forward_calls_total")
+    encoded = metric(base, "mmserve_encoder_items_encoded_total")
+    client = EncoderClient(secret_encoder + 1, secret=SECRET)
+    try:
+        images = [png(56, 56 + 28 * i, seed=30 + i) for i in range(3)]
+        for i, data in enumerate(images):
+            client.send(bytes_item(qwen2_vl_dir, data, identifier=f"b{i}"), data)
+        replies = [client.recv()[0] for _ in images]
+    finally:
+        client.close()
+    assert all(isinstance(r, EncodeResult) and r.error_code is None for r in replies)
+    assert metric(base, "mmserve_encoder_items_encoded_total") == encoded + 3
+    assert metric(base, "mmserve_encoder_forward_calls_total") == calls + 3

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -41,7 +40,7 @@ from mmserve.processing.media import MediaLoader
 
 logger = logging.getLogger(__name__)
 DEFAULT_PATCH_BUDGET = 32768
-CPU_STAGE_THREADS = min(4, os.cpu_count() or 1)
+CPU_STAGE_THREADS = 4  # image processing threads (decoding runs in worker processes)
 MAX_PLAN_BODY_BYTES = 64 * 1024
 
 
