@@ -128,7 +128,10 @@ class EncodeServerConfig:
     @classmethod
     def from_cli(cls, ns: argparse.Namespace, environ: Mapping[str, str]) -> EncodeServerConfig:
         """Raises ValueError naming the flag at fault."""
-        media_args = EngineArgs.from_cli(ns)
+        # Only the flags that mean the same as in `serve` go through EngineArgs (and its
+        # checks); the encoder's own (--encoder-secret-file, ...) would mean the pool's there.
+        shared = {*_media_flag_names(), *_SHARED_WITH_SERVE}
+        media_args = EngineArgs.from_cli(argparse.Namespace(**{k: getattr(ns, k) for k in shared}))
         return cls(
             media_args=media_args,
             zmq_port=ns.zmq_port if ns.zmq_port is not None else ns.port + 1,
@@ -138,6 +141,16 @@ class EncodeServerConfig:
             log_level=ns.log_level,
             uvicorn_log_level=ns.uvicorn_log_level,
         )
+
+
+_SHARED_WITH_SERVE = ("model", "host", "port", "dtype", "device", "log_level")
+
+
+def _media_flag_names() -> list[str]:
+    """The destinations of `add_media_flags`, as the parser names them."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_media_flags(parser.add_argument)
+    return list(vars(parser.parse_args([])))
 
 
 def read_secret(path: str | None, environ: Mapping[str, str]) -> bytes | None:
