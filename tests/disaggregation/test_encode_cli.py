@@ -102,3 +102,16 @@ def test_the_cli_exits_2_naming_the_problem(tmp_path, capsys) -> None:
         main(["encode", "--model", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_help_lists_the_encoder_and_the_shared_media_flags(capsys) -> None:
+    from mmserve.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["encode", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--zmq-port", "--encoder-cache-gb", "--encoder-secret-file"):
+        assert flag in out
+    for flag in ("--allowed-media-domains", "--max-media-bytes", "--max-image-pixels"):
+        assert flag in out  # the very definitions `serve` has
