@@ -1,4 +1,5 @@
-"""The `mmserve` command: `serve` (OpenAI-compatible server) and `bench serve` (load generator)."""
+"""The `mmserve` command: `serve` (OpenAI-compatible server), `encode` (a vision-encoder server
+for disaggregated serving) and `bench serve` (load generator)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from mmserve.disaggregation.encode_args import add_encode_args
 from mmserve.engine.args import EngineArgs
 from mmserve.serve_flags import API_KEY_ENV, ENCODER_SECRET_ENV, add_serve_args
 
@@ -29,6 +31,14 @@ def build_parser(*, with_bench: bool) -> argparse.ArgumentParser:
     add_serve_args(serve_parser)
     # Errors found after parsing are reported with the usage of the subcommand at fault.
     serve_parser.set_defaults(subparser=serve_parser)
+    encode_parser = sub.add_parser(
+        "encode",
+        help="Start a vision-encoder server (the vision tower alone) for `serve --encoder-urls`.",
+        description="Encode images for language-model servers: items arrive over ZMQ, "
+        "embeddings go back; /health, /metrics, /v1/encode/info and /v1/encode/plan over HTTP.",
+    )
+    add_encode_args(encode_parser)
+    encode_parser.set_defaults(subparser=encode_parser)
     bench = sub.add_parser("bench", help="Benchmarks.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_sub.add_parser("serve", help="Load-test a running server.")
@@ -48,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mmserve.bench.cli import run_bench_serve
 
         return int(run_bench_serve(args) or 0)
+    if args.command == "encode":
+        return encode(args)
     if args.api_key is None:
         env_keys = [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
         args.api_key = env_keys or None
@@ -71,6 +83,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.subparser.error(str(exc))
     _log_vllm_flags(engine_args)
     return serve(engine_args)
+
+
+def encode(args: argparse.Namespace) -> int:
+    """`mmserve encode`: validate the flags, then serve until SIGINT/SIGTERM."""
+    from mmserve.disaggregation.encode_args import EncodeServerConfig
+
+    try:
+        config = EncodeServerConfig.from_cli(args, os.environ)
+    except ValueError as exc:
+        args.subparser.error(str(exc))
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for sig in (signal.SIGINT, signal.SIGTERM):  # see `serve`: uvicorn re-raises the signal
+        signal.signal(sig, lambda *_: None)
+    from mmserve.disaggregation.encoder_server import run_encoder_server
+
+    try:
+        return run_encoder_server(config)
+    except Exception:
+        logger.exception("mmserve encode failed")
+        return 1
 
 
 def _log_vllm_flags(args: EngineArgs) -> None:

@@ -288,42 +288,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="""Processor overrides, e.g. '{"max_pixels": 1003520}' (images' min/max_pixels); """
         """video keys fps, max_frames, total_pixels set the engine's video sampling.""",
     )
-    a(
-        "--allowed-media-domains",
-        nargs="+",
-        default=None,
-        metavar="DOMAIN",
-        help="Only fetch http(s) media from these hosts (space or comma separated): 'host' "
-        "allows the scheme's default port (80/443), 'host:port' (IPv6: '[::1]:port') that "
-        "port. Listed hosts may resolve to private addresses; unlisted ones never.",
-    )
-    a(
-        "--allowed-local-media-path",
-        default=None,
-        metavar="DIR",
-        help="Allow file:// media under this directory only; file:// is refused without it.",
-    )
-    a(
-        "--max-concurrent-media-fetches",
-        type=int,
-        default=16,
-        metavar="N",
-        help="Most http(s) media fetches in flight; a fetch that finds no free slot within "
-        "--media-fetch-timeout fails with 503. Inline (data:) images never wait for them.",
-    )
-    a(
-        "--media-fetch-timeout",
-        type=float,
-        default=5.0,
-        metavar="SECONDS",
-        help="Timeout of one http(s) media fetch.",
-    )
-    a(
-        "--max-media-bytes",
-        type=int,
-        default=20 * 1024 * 1024,
-        help="Largest media item to fetch or decode, in bytes.",
-    )
+    _add_url_policy_args(a)
     a(
         "--trust-exif-image-id",
         action="store_true",
@@ -512,4 +477,51 @@ def _add_decode_args(a: Callable[..., Any]) -> None:
         default=1024,
         metavar="MB",
         help="A decode worker process resident over this after a decode is replaced. 0: never.",
+    )
+
+
+def add_media_flags(a: Callable[..., Any]) -> None:
+    """Where media may come from (the URL policy) and how much of it is decoded: the flags
+    `serve` and `encode` share (an encoder fetches and decodes the images it is sent)."""
+    _add_url_policy_args(a)
+    _add_decode_args(a)
+
+
+def _add_url_policy_args(a: Callable[..., Any]) -> None:
+    """Which http(s) and file:// media may be read, and how much."""
+    a(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="DOMAIN",
+        help="Only fetch http(s) media from these hosts (space or comma separated): 'host' "
+        "allows the scheme's default port (80/443), 'host:port' (IPv6: '[::1]:port') that "
+        "port. Listed hosts may resolve to private addresses; unlisted ones never.",
+    )
+    a(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="Allow file:// media under this directory only; file:// is refused without it.",
+    )
+    a(
+        "--max-concurrent-media-fetches",
+        type=int,
+        default=16,
+        metavar="N",
+        help="Most http(s) media fetches in flight; a fetch that finds no free slot within "
+        "--media-fetch-timeout fails with 503. Inline (data:) images never wait for them.",
+    )
+    a(
+        "--media-fetch-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="Timeout of one http(s) media fetch.",
+    )
+    a(
+        "--max-media-bytes",
+        type=int,
+        default=20 * 1024 * 1024,
+        help="Largest media item to fetch or decode, in bytes.",
     )

@@ -22,6 +22,7 @@ from torch import nn
 
 from mmserve.layers.fused import LayerOps
 from mmserve.models.config import ModelConfig, load_model_config
+from mmserve.models.qwen2_vl_vision import VisionTransformer
 from mmserve.models.registry import get_model_class
 
 _PREFIX_ALIASES = (("model.visual.", "visual."), ("model.language_model.", "model."))
@@ -68,9 +69,12 @@ def _names(names: list[str]) -> str:
 
 
 def _plan(
-    files: list[Path], params: dict[str, torch.Tensor], tied: bool
+    files: list[Path], params: dict[str, torch.Tensor], tied: bool, prefix: str = ""
 ) -> dict[str, tuple[Path, str]]:
-    """Map each of our parameter names to (file, tensor name); raise on any mismatch."""
+    """Map each of our parameter names to (file, tensor name); raise on any mismatch.
+
+    `prefix`: load only the tensors under it (e.g. "visual."), into a module whose parameter
+    names lack it; every other tensor is skipped unread."""
     plan: dict[str, tuple[Path, str]] = {}
     unexpected: list[str] = []
     wrong_shape: list[str] = []
@@ -79,6 +83,10 @@ def _plan(
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = canonical_weight_name(key)
+                if prefix:
+                    if not name.startswith(prefix):
+                        continue
+                    name = name[len(prefix) :]
                 if tied and name == "lm_head.weight":
                     continue  # a tied model reuses the embedding; an extra copy is harmless
                 if name not in params:
@@ -108,10 +116,10 @@ def _plan(
     return plan
 
 
-def load_weights(model: nn.Module, model_dir: Path, tied: bool) -> None:
-    """Copy every checkpoint tensor into `model` (casting to the parameter's dtype)."""
+def load_weights(model: nn.Module, model_dir: Path, tied: bool, prefix: str = "") -> None:
+    """Copy every checkpoint tensor (under `prefix`) into `model`, cast to the parameter's dtype."""
     params = dict(model.named_parameters())
-    plan = _plan(checkpoint_files(model_dir), params, tied)
+    plan = _plan(checkpoint_files(model_dir), params, tied, prefix)
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for name, (path, key) in plan.items():
         by_file.setdefault(path, []).append((name, key))
@@ -120,6 +128,13 @@ def load_weights(model: nn.Module, model_dir: Path, tied: bool) -> None:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name, key in entries:
                     params[name].copy_(f.get_tensor(key))
+
+
+def _checkpoint_dtype(config: ModelConfig) -> torch.dtype:
+    dtype = getattr(torch, config.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"config.json dtype {config.dtype!r} is not a torch dtype")
+    return dtype
 
 
 def load_model(
@@ -136,10 +151,7 @@ def load_model(
     """
     path = Path(model_dir)
     config = load_model_config(path)
-    if dtype is None:
-        dtype = getattr(torch, config.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise CheckpointError(f"config.json dtype {config.dtype!r} is not a torch dtype")
+    dtype = dtype if dtype is not None else _checkpoint_dtype(config)
     model_cls = get_model_class(config.architecture)
     with torch.device("meta"):
         model = model_cls(config, layer_ops)
@@ -147,3 +159,22 @@ def load_model(
     load_weights(model, path, config.tie_word_embeddings)
     model.eval().requires_grad_(False)
     return model, config
+
+
+VISION_PREFIX = "visual."
+
+
+def load_vision_tower(
+    model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> tuple[VisionTransformer, ModelConfig]:
+    """Build the vision tower alone and load only its `visual.*` tensors (what `mmserve
+    encode` runs): the language model's weights are never read, nor memory made for them."""
+    path = Path(model_dir)
+    config = load_model_config(path)
+    dtype = dtype if dtype is not None else _checkpoint_dtype(config)
+    with torch.device("meta"):
+        tower = VisionTransformer(config.vision)
+    tower = tower.to(dtype=dtype).to_empty(device=device)
+    load_weights(tower, path, tied=False, prefix=VISION_PREFIX)
+    tower.eval().requires_grad_(False)
+    return tower, config

@@ -1,0 +1,47 @@
+"""The encoder's device stage: one call of the vision tower per batch of processed images."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from mmserve.disaggregation.embedding_cache import CachedEmbedding
+from mmserve.models.qwen2_vl_vision import VisionTransformer
+from mmserve.models.vision_metadata import check_vision_inputs
+from mmserve.multimodal import ProcessedImage
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class VisionStage:
+    """Runs the vision tower alone (no language model on this server) on `device` in `dtype`;
+    embeddings come back to the host as the bytes that are sent."""
+
+    def __init__(self, tower: VisionTransformer, device: torch.device, dtype: torch.dtype) -> None:
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"the encoder runs in float32, bfloat16 or float16, not {dtype}")
+        self.tower = tower
+        self.device = device
+        self.dtype = dtype
+        self.dtype_name = DTYPE_NAMES[dtype]
+        self.hidden_size = tower.config.out_dim
+        self.merge = tower.config.spatial_merge_size
+
+    def encode(self, images: Sequence[ProcessedImage]) -> list[CachedEmbedding]:
+        """One forward over all `images` (attention never crosses items); blocks the caller."""
+        grids = [tuple(img.grid_thw) for img in images]
+        # [total_patches, C * T * P * P], the items concatenated in order
+        joined = np.concatenate([img.pixel_values for img in images], axis=0)
+        pixels = torch.from_numpy(joined).to(device=self.device, dtype=self.dtype)
+        checked = check_vision_inputs(pixels, grids, self.tower.config)
+        with torch.inference_mode():
+            embeds = self.tower(pixels, checked)  # [total_patches / merge^2, hidden]
+        sizes = [t * h * w // self.merge**2 for t, h, w in checked]
+        host = embeds.to("cpu").contiguous()
+        out = []
+        for grid, emb in zip(checked, host.split(sizes), strict=True):
+            data = emb.contiguous().view(torch.uint8).numpy().tobytes()
+            out.append(CachedEmbedding(data, self.dtype_name, tuple(emb.shape), grid))  # type: ignore[arg-type]
+        return out
