@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmserve.engine.args import DEVICES, DTYPES, LOG_LEVELS, EngineArgs
-from mmserve.serve_flags import add_media_flags
+from mmserve.serve_flags import ENCODER_SECRET_ENV, add_media_flags
 
-ENCODER_SECRET_ENV = "MMSERVE_ENCODER_SECRET"
 DEFAULT_PORT = 8100
 DEFAULT_CACHE_GB = 4.0
 SECRET_FLAG = "--encoder-secret-file"

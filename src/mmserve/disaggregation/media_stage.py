@@ -25,7 +25,6 @@ from mmserve.errors import (
 )
 from mmserve.multimodal import ProcessedImage
 from mmserve.processing.http_fetch import AsyncFetcher
-from mmserve.processing.image_decode import read_header
 from mmserve.processing.image_processor import ImageProcessorConfig, get_grid_thw, process_image
 from mmserve.processing.media import MediaLoader
 
@@ -141,9 +140,8 @@ class MediaStage:
         data = await self._fetch(url)
         digest = content_digest(data)
         try:
-            _, header = await asyncio.to_thread(
-                read_header, data, self.media.config.max_image_pixels
-            )
+            # in a decode worker when the server has them (a header parser can crash too)
+            header = await asyncio.to_thread(self.media.read_image_header, data)
             grid = get_grid_thw(header.width, header.height, cfg)
         except InvalidRequestError as exc:
             raise ItemError("invalid_image", exc.message, exc.param or "image_url") from None
