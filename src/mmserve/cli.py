@@ -16,7 +16,8 @@ from typing import Any
 
 from mmserve.disaggregation.encode_args import add_encode_args
 from mmserve.engine.args import EngineArgs
-from mmserve.serve_flags import API_KEY_ENV, ENCODER_SECRET_ENV, add_serve_args
+from mmserve.media_flags import ENCODER_SECRET_ENV
+from mmserve.serve_flags import API_KEY_ENV, add_serve_args
 
 logger = logging.getLogger("mmserve")
 # How long in-flight requests may run after SIGTERM before they are cancelled.

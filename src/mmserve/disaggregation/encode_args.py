@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmserve.engine.args import DEVICES, DTYPES, LOG_LEVELS, EngineArgs
-from mmserve.serve_flags import ENCODER_SECRET_ENV, add_media_flags
+from mmserve.media_flags import ENCODER_SECRET_ENV, add_media_flags
 
 DEFAULT_PORT = 8100
 DEFAULT_CACHE_GB = 4.0

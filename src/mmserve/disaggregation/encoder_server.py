@@ -27,12 +27,8 @@ from mmserve.disaggregation.encoder_worker import EncoderWorker
 from mmserve.disaggregation.media_stage import ItemError, MediaStage
 from mmserve.disaggregation.protocol import MAX_HEADER_BYTES, is_input_error, model_fingerprint
 from mmserve.disaggregation.vision_stage import VisionStage
-from mmserve.engine.factory import (
-    SERVER_DECODE_WORKERS,
-    media_config_from_args,
-    resolve_device,
-    resolve_dtype,
-)
+from mmserve.engine.factory import SERVER_DECODE_WORKERS, resolve_device, resolve_dtype
+from mmserve.engine.media_config import media_config_from_args
 from mmserve.models.config import load_model_config
 from mmserve.models.loader import load_vision_tower
 from mmserve.processing.image_processor import ImageProcessorConfig, max_tokens_per_item

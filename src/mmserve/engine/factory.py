@@ -16,6 +16,7 @@ from mmserve.engine.core import CoreLike, EngineCore
 from mmserve.engine.host_allocator import limit_malloc_arenas, tune_host_allocator
 from mmserve.engine.kv_sizing import GpuProfile, profiled_kv_budget
 from mmserve.engine.llm_engine import LLMEngine
+from mmserve.engine.media_config import media_config_from_args
 from mmserve.engine.model_source import with_local_sources
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.engine.remote_encoders import build_encoder_pool, build_url_planner
@@ -38,10 +39,9 @@ from mmserve.layers.fused import select_layer_ops
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import ModelConfig, load_model_config
 from mmserve.models.loader import load_model
-from mmserve.processing.image_decode import default_max_image_pixels
 from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.input_processor import InputProcessor
-from mmserve.processing.media import MediaConfig, MediaLoader
+from mmserve.processing.media import MediaLoader
 from mmserve.processing.remote_items import RemoteImagePlanning
 from mmserve.processing.tokenizer import Tokenizer
 from mmserve.processing.video_inputs import (
@@ -178,33 +178,6 @@ def resolve_shape(args: EngineArgs) -> EngineShape:
     )
 
 
-def media_config_from_args(
-    args: EngineArgs, image_config: ImageProcessorConfig, *, decode_workers: int
-) -> MediaConfig:
-    """The URL policy and decode limits of the media flags (`serve` and `encode` share them)."""
-    # No image needs more pixels than the processor resizes it to (or 4096x4096 when that is less).
-    max_image_pixels = args.max_image_pixels or default_max_image_pixels(image_config.max_pixels)
-    return MediaConfig(
-        allowed_media_domains=args.allowed_media_domains or (),
-        allowed_local_media_path=args.allowed_local_media_path,
-        fetch_timeout_s=args.media_fetch_timeout,
-        max_fetch_bytes=args.max_media_bytes,
-        max_concurrent_fetches=args.max_concurrent_media_fetches,
-        decode_workers=decode_workers,
-        max_image_pixels=max_image_pixels,
-        max_decode_bytes_per_request=args.max_decode_bytes_per_request,
-        max_inflight_decode_bytes=args.max_inflight_decode_bytes,
-        decode_wait_timeout_s=args.decode_wait_timeout,
-        decode_worker_max_rss_bytes=args.decode_worker_max_rss_mb << 20,
-        max_video_bytes=args.max_video_bytes,
-        max_video_seconds=args.max_video_seconds,
-        max_video_frames_decoded=args.max_video_frames_decoded,
-        max_video_frame_pixels=args.max_video_frame_pixels,
-        max_video_decoded_pixels=args.max_video_decoded_pixels,
-        video_decode_timeout_s=args.video_decode_timeout,
-    )
-
-
 def build_input_processor(
     args: EngineArgs, shape: EngineShape, *, decode_workers: int = 0
 ) -> InputProcessor:
@@ -214,7 +187,9 @@ def build_input_processor(
     crash or hang fails one request instead of the server (the server uses it; the offline API
     decodes in-process).
     """
-    media = MediaLoader(build_media_config(args, shape, decode_workers=decode_workers))
+    media = MediaLoader(
+        media_config_from_args(args, shape.image_config, decode_workers=decode_workers)
+    )
     remote: dict[str, Any] = {}
     if args.encoder_urls:  # images are planned here and encoded by the pool
         fallback_local = args.resolved_encoder_fallback == "local"
@@ -234,11 +209,6 @@ def build_input_processor(
         tokenizer=shape.tokenizer,
         **remote,
     )
-
-
-def build_media_config(args: EngineArgs, shape: EngineShape, *, decode_workers: int) -> MediaConfig:
-    """Where media may come from and how much of it is accepted (the URL and decode flags)."""
-    return media_config_from_args(args, shape.image_config, decode_workers=decode_workers)
 
 
 def build_core(
@@ -321,7 +291,9 @@ def build_core(
             hidden_size=model_config.hidden_size,
             dtype=dtype,
             image_config=shape.image_config,
-            media_config=build_media_config(args, shape, decode_workers=FALLBACK_DECODE_WORKERS),
+            media_config=media_config_from_args(
+                args, shape.image_config, decode_workers=FALLBACK_DECODE_WORKERS
+            ),
             metrics=metrics,
         )
     runner = ModelRunner(
