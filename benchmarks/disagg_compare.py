@@ -37,7 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import disagg_report
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 from server_process import ServerError, is_port_open, log_tail, running_server
+
+from mmserve.bench.workload import WorkloadConfig, build_synthetic, parse_image_sizes
 
 log = logging.getLogger("disagg_compare")
 
@@ -110,8 +114,6 @@ def ensure_model(settings: Settings) -> Path:
 
 def scrape(port: int) -> dict[str, float]:
     """Every sample of GET /metrics by name and labels (model_name dropped), no timestamps."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
     samples = {}
@@ -138,12 +140,17 @@ def by_label(samples: dict[str, float], name: str, label: str) -> dict[str, floa
 def scrape_settled(port: int, max_wait_s: float = 5.0) -> dict[str, float]:
     """Read until the server is idle and two reads agree: the engine publishes its counters a
     step after the last response went out."""
+
+    def counters(samples: dict[str, float]) -> dict[str, float]:
+        return {k: v for k, v in samples.items() if k.startswith("mmserve_") and "_total" in k}
+
     deadline = time.monotonic() + max_wait_s
     last = scrape(port)
     while time.monotonic() < deadline:
         time.sleep(0.3)
         now = scrape(port)
-        if now == last and now.get("mmserve_num_requests_running", 0) == 0:
+        is_idle = now.get("mmserve_num_requests_running", 0) == 0
+        if is_idle and counters(now) == counters(last):
             return now
         last = now
     return last
@@ -182,9 +189,9 @@ def encoder_delta(before: dict[str, float], after: dict[str, float]) -> dict:
     return {key: total(after, n) - total(before, n) for key, n in names.items()}
 
 
-def workload_config(settings: Settings, images_per_request: int, seed: int, num_prompts: int):
-    from mmserve.bench.workload import WorkloadConfig
-
+def workload_config(
+    settings: Settings, images_per_request: int, seed: int, num_prompts: int
+) -> WorkloadConfig:
     return WorkloadConfig(
         num_prompts=num_prompts,
         seed=seed,
@@ -195,7 +202,7 @@ def workload_config(settings: Settings, images_per_request: int, seed: int, num_
     )
 
 
-def bench_flags(cfg) -> list[str]:
+def bench_flags(cfg: WorkloadConfig) -> list[str]:
     """The `mmserve bench serve` flags of a WorkloadConfig: the bench rebuilds the same list."""
     sizes = ",".join(f"{w}x{h}" for w, h in cfg.image_sizes)
     return [
@@ -206,13 +213,9 @@ def bench_flags(cfg) -> list[str]:
     ]  # fmt: skip
 
 
-def count_images(cfg, shape: disagg_report.ModelShape) -> dict[str, int]:
+def count_images(cfg: WorkloadConfig, shape: disagg_report.ModelShape) -> dict[str, int]:
     """Images and image tokens of the workload the bench sends for `cfg`, from each picture's
     size (rebuilt with the bench's own generator, so exactly the requests it sends)."""
-    from PIL import Image
-
-    from mmserve.bench.workload import build_synthetic
-
     num_images = num_tokens = 0
     for request in build_synthetic(cfg):
         for part in request.messages[-1]["content"]:
@@ -225,7 +228,7 @@ def count_images(cfg, shape: disagg_report.ModelShape) -> dict[str, int]:
     return {"num_images": num_images, "num_image_tokens": num_tokens}
 
 
-def run_bench(cfg, port: int, max_concurrency: int, stem: Path) -> dict:
+def run_bench(cfg: WorkloadConfig, port: int, max_concurrency: int, stem: Path) -> dict:
     cmd = [sys.executable, "-m", "mmserve", "bench", "serve", "--disable-tqdm"]
     cmd += ["--base-url", f"http://127.0.0.1:{port}", "--max-concurrency", str(max_concurrency)]
     cmd += [*bench_flags(cfg), "--result-json", f"{stem}.json"]
@@ -300,7 +303,7 @@ def measure_round(
             before = [scrape(p) for p in (port, *encoder_ports)]
             bench = run_bench(cfg, port, settings.max_concurrency, stem)
             after = [scrape_settled(port), *(scrape_settled(p) for p in encoder_ports)]
-            run = {
+            result = {
                 "round": round_idx,
                 "workload": document["workloads"][w_idx]["name"],
                 "deployment": name,
@@ -313,11 +316,11 @@ def measure_round(
                     for p, b, a in zip(encoder_ports, before[1:], after[1:], strict=True)
                 },
             }
-            document["runs"].append(run)
+            document["runs"].append(result)
             write_document(settings, document)
             log.info(
                 "round %d %s %s: %.2f req/s, TTFT p50 %.0f ms, %d/%d completed",
-                round_idx, name, run["workload"], bench["request_throughput"],
+                round_idx, name, result["workload"], bench["request_throughput"],
                 bench["ttft_p50_ms"], bench["completed"], bench["num_requests"],
             )  # fmt: skip
 
@@ -399,8 +402,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    from mmserve.bench.workload import parse_image_sizes
-
     return Settings(
         out_dir=args.out_dir,
         model_dir=args.model,
