@@ -45,3 +45,15 @@ def test_not_prometheus_is_rejected() -> None:
     with pytest.raises(ValueError):
         parse_metrics("<html><body>Not Found</body></html>")
     assert not parse_metrics("other_counter_total 3\n").has_mmserve_counters()
+
+
+def test_the_two_transfer_directions_are_kept_apart() -> None:
+    text = """\
+# TYPE mmserve_embedding_transfer_bytes counter
+mmserve_embedding_transfer_bytes_total{model_name="m",direction="sent"} 100
+mmserve_embedding_transfer_bytes_total{model_name="m",direction="received"} 7000
+"""
+    later = text.replace(" 100", " 150").replace(" 7000", " 9000")
+    server = diff_snapshots(parse_metrics(text), parse_metrics(later))
+    assert server["embedding_bytes_sent"] == 50
+    assert server["embedding_bytes_received"] == 2000

@@ -53,7 +53,12 @@ def format_table(metrics: BenchmarkMetrics, server: dict) -> str:
             rate = "n/a" if t["hit_rate"] is None else f"{100 * t['hit_rate']:.1f}%"
             counts = f"{rate} ({_n(t['hits'])}/{_n(t['queries'])})"
             lines.append(_row(f"{tier} hit rate (hits/queries)".replace("_cache", ""), counts))
-        for name in ("encoder_items_encoded", "encoder_forward_calls", "embedding_transfer_bytes"):
+        for name in (
+            "encoder_items_encoded",
+            "encoder_forward_calls",
+            "embedding_bytes_sent",
+            "embedding_bytes_received",
+        ):
             lines.append(_row(name.replace("_", " "), _n(server.get(name))))
     lines.append("=" * _WIDTH)
     return "\n".join(lines)

@@ -17,21 +17,25 @@ CACHE_TIERS = (
 COUNTERS = (
     ("encoder_items_encoded", "mmserve_encoder_items_encoded"),
     ("encoder_forward_calls", "mmserve_encoder_forward_calls"),
-    ("embedding_transfer_bytes", "mmserve_embedding_transfer_bytes"),
+    # a disaggregated server's two directions: item bytes to its encoders, embeddings back
+    ("embedding_bytes_sent", 'mmserve_embedding_transfer_bytes{direction="sent"}'),
+    ("embedding_bytes_received", 'mmserve_embedding_transfer_bytes{direction="received"}'),
 )
 
 
 @dataclass(frozen=True)
 class MetricsSnapshot:
-    """Every sample of one scrape, summed over label sets (e.g. one series per model)."""
+    """Every sample of one scrape, summed over label sets (e.g. one series per model), and by
+    its labels other than model_name too (`name{direction="sent"}`)."""
 
     samples: dict[str, float]
 
     def counter(self, name: str) -> float | None:
         # The parser strips `_total` from counter family names but keeps it on samples, and an
         # untyped exposition keeps whatever the server wrote: accept both spellings.
+        name, brace, labels = name.partition("{")
         base = name.removesuffix("_total")
-        for candidate in (base + "_total", base):
+        for candidate in (base + "_total" + brace + labels, base + brace + labels):
             if candidate in self.samples:
                 return self.samples[candidate]
         return None
@@ -56,6 +60,10 @@ def parse_metrics(text: str) -> MetricsSnapshot:
             if sample.name.endswith("_created"):
                 continue  # creation timestamps, not counts
             samples[sample.name] = samples.get(sample.name, 0.0) + float(sample.value)
+            labels = sorted((k, v) for k, v in sample.labels.items() if k != "model_name")
+            if labels:
+                key = sample.name + "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}"
+                samples[key] = samples.get(key, 0.0) + float(sample.value)
     return MetricsSnapshot(samples)
 
 
