@@ -60,10 +60,15 @@ def test_colour_the_cache_oracle_meets_the_target(toy):
     assert _accuracy(toy, "colour", NUM_PER_TASK) >= TARGETS["colour"]
 
 
-def test_greedy_answers_equal_transformers_on_200_held_out_prompts(toy):
+@pytest.mark.parametrize(
+    "num_prompts", [60, pytest.param(200, marks=pytest.mark.slow)], ids=lambda n: f"{n}_prompts"
+)
+def test_greedy_answers_equal_transformers_on_held_out_prompts(toy, num_prompts):
+    """Every task in both runs (60 in the default run, every task's 200 with -m slow)."""
     oracle = HFOracle(bundled_toy_model_dir())
     tokenizer = toy.get_tokenizer()
-    questions = [q for task in TASKS for q in held_out(task, 200 // len(TASKS) + 1, seed=7)][:200]
+    per_task = num_prompts // len(TASKS) + 1
+    questions = [q for task in TASKS for q in held_out(task, per_task, seed=7)][:num_prompts]
     outs = toy.chat([q.messages() for q in questions], GREEDY, use_tqdm=False)
     im_end = tokenizer.token_to_id("<|im_end|>")
     for q, out in zip(questions, outs, strict=True):
