@@ -92,7 +92,7 @@ def labelled(metrics: EngineMetrics, name: str) -> dict[str, float]:
     return metrics.snapshot().labelled_counters[name]
 
 
-def wait_until(check, timeout_s: float = 3.0) -> bool:
+def wait_until(check, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while not check() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -154,7 +154,7 @@ def test_a_hanging_encoder_times_out_and_the_item_is_retried_on_the_other(fakes,
     pool.submit("r1", feature(1))
     arrivals, failures = collect(pool, 1)
     assert failures == [] and [x.encoder for x in arrivals] == [b.url]
-    assert 0.25 < time.monotonic() - start < 3.0
+    assert 0.25 < time.monotonic() - start < 10.0  # generous: a loaded CI machine
     assert metrics.snapshot().counters["remote_encoder_retries"] == 1
     assert wait_until(lambda: a.cancels)  # the hung attempt is cancelled there
     assert a.cancels[0].identifiers == [feature(1).identifier]
@@ -199,7 +199,7 @@ def test_all_encoders_down_fail_mode_is_a_503_kind_failure_within_the_timeouts(f
     pool.submit("req-7", feature(1))
     arrivals, failures = collect(pool, 1)
     assert arrivals == [] and len(failures) == 1
-    assert time.monotonic() - start < 5.0  # one 0.3 s attempt per encoder, then the end
+    assert time.monotonic() - start < 15.0  # one 0.3 s attempt per encoder, then the end
     failure = failures[0].failure
     assert failure.kind is FailureKind.UNAVAILABLE
     assert failure.message.startswith("no encoder could encode image item 0")
