@@ -308,3 +308,31 @@ def test_the_patch_budget_bounds_every_vision_call(secret_encoder, qwen2_vl_dir)
     assert all(isinstance(r, EncodeResult) and r.error_code is None for r in replies)
     assert metric(base, "mmserve_encoder_items_encoded_total") == encoded + 3
     assert metric(base, "mmserve_encoder_forward_calls_total") == calls + 3
+
+
+def test_a_vision_tower_failure_is_an_internal_error_and_the_next_batch_runs(qwen2_vl_dir):
+    """The encoder's own fault (the LM side retries elsewhere); the server goes on."""
+    config = encoder_config(qwen2_vl_dir, 18116)
+    with running_encoder(config) as server:
+        real = server.vision.encode
+        calls = []
+
+        def fail_once(images):
+            calls.append(len(images))
+            if len(calls) == 1:
+                raise RuntimeError("CUDA error: an illegal memory access (simulated)")
+            return real(images)
+
+        server.vision.encode = fail_once
+        client = EncoderClient(18117)
+        try:
+            picture = png(56, 28, seed=31)
+            result, payload = client.encode(bytes_item(qwen2_vl_dir, picture), picture)
+            assert result.error_code == "internal" and payload == b""
+            assert "vision tower" in (result.error_message or "")
+            result, payload = client.encode(bytes_item(qwen2_vl_dir, picture), picture)
+            assert result.error_code is None and not result.cache_hit
+            assert len(payload) == result.shape[0] * result.shape[1] * 4
+        finally:
+            client.close()
+    assert calls == [1, 1]
