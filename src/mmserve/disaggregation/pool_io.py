@@ -101,6 +101,10 @@ class EncoderLink:
     ping_nonce: int = 0
     next_ping_s: float = 0.0
     rejoin_after_nonce: int = 0  # out of rotation: only a pong to a later ping brings it back
+    # times taken out since it last encoded an item; from the second on, it rejoins only after
+    # a doubling wait (an encoder that answers pings but hangs on items is not re-tried hot)
+    strikes: int = 0
+    rejoin_not_before_s: float = 0.0
 
     @property
     def load(self) -> int:
@@ -348,6 +352,7 @@ class PoolIO:
         embeddings = torch.frombuffer(bytearray(payload), dtype=TORCH_DTYPES[msg.dtype])
         embeddings = embeddings.reshape(msg.shape)
         latency_s = time.monotonic() - p.sent_at_s
+        link.strikes = 0  # it encodes again: a later fault starts the backoff afresh
         self._release(p, "done")
         del self.pending[msg.identifier]
         self.metrics.inc_labelled("embedding_transfer_bytes", "received", len(payload))
@@ -375,7 +380,14 @@ class PoolIO:
     def _take_out(self, link: EncoderLink, reason: str) -> None:
         """Out of rotation until it answers a ping; its items go to the other encoders."""
         if link.is_healthy:
-            logger.warning("%s: out of rotation until it answers pings", reason)
+            link.strikes += 1
+            backoff_s = rejoin_backoff_s(link.strikes, self.config.ping_interval_s)
+            link.rejoin_not_before_s = time.monotonic() + backoff_s
+            logger.warning(
+                "%s: out of rotation until it answers pings (not before %.1f s)",
+                reason,
+                backoff_s,
+            )
         link.is_healthy = False
         link.rejoin_after_nonce = link.ping_nonce
         self._set_healthy_gauge()
@@ -417,13 +429,29 @@ class PoolIO:
             return
         link.last_pong_s = time.monotonic()
         link.queued_patches = pong.queued_patches
-        if not link.is_healthy and pong.nonce > link.rejoin_after_nonce:
+        if (
+            not link.is_healthy
+            and pong.nonce > link.rejoin_after_nonce
+            and link.last_pong_s >= link.rejoin_not_before_s
+        ):
             logger.info("encoder %s answers pings again: back in rotation", link.url)
             link.is_healthy = True
             self._set_healthy_gauge()
 
     def _set_healthy_gauge(self) -> None:
         self.metrics.set_gauge("remote_encoder_healthy", sum(ln.is_healthy for ln in self.links))
+
+
+MAX_REJOIN_BACKOFF_S = 30.0
+
+
+def rejoin_backoff_s(strikes: int, ping_interval_s: float) -> float:
+    """How long an encoder taken out for the `strikes`-th time in a row stays out at least: no
+    wait the first time (it rejoins on its next pong), then 2, 4, 8, ... ping intervals, at
+    most MAX_REJOIN_BACKOFF_S."""
+    if strikes <= 1:
+        return 0.0
+    return min(ping_interval_s * 2 ** (strikes - 1), MAX_REJOIN_BACKOFF_S)
 
 
 def _encode_item(p: PendingItem) -> EncodeItem:
