@@ -7,6 +7,8 @@ import signal
 import time
 from typing import Any
 
+REPEAT_S = 0.5  # after the deadline, the alarm fires again this often until the section ends
+
 
 class SectionTimeout(BaseException):
     """Raised by the alarm when a section overruns the suite's budget (a BaseException, so
@@ -18,8 +20,10 @@ class Alarm:
     """`with Alarm(seconds):` raises SectionTimeout in the main thread when time is up.
 
     `fired` survives library code that catches every exception (a swallowed SectionTimeout
-    still marks the section overrun), and a timer armed before (pytest-timeout's, in tests) is
-    re-armed afterwards with what was left of it.
+    still marks the section overrun), and the alarm repeats every REPEAT_S until the section
+    ends: a timeout raised where Python cannot propagate it (a weakref or GC callback prints it
+    as "unraisable" and goes on) is raised again. A timer armed before (pytest-timeout's, in
+    tests) is re-armed afterwards with what was left of it.
     """
 
     seconds: float
@@ -36,7 +40,7 @@ class Alarm:
         self._started = time.perf_counter()
         self._previous_handler = signal.signal(signal.SIGALRM, self._on_alarm)
         self._previous_timer_s = signal.getitimer(signal.ITIMER_REAL)[0]
-        signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        signal.setitimer(signal.ITIMER_REAL, self.seconds, REPEAT_S)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
