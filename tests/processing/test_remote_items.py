@@ -3,7 +3,6 @@ with the local processor as the oracle for grids, placeholder counts, positions 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import blake3
@@ -18,7 +17,6 @@ from mmserve.processing.input_processor import InputProcessor
 from tests.factory import flat_png, random_image, video_frames
 from tests.processing.remote_helpers import (
     ONE_IMAGE,
-    FakePlanner,
     chat,
     data_url,
     encoded,
@@ -28,37 +26,6 @@ from tests.processing.remote_helpers import (
     rotated_jpeg,
     same_plan,
 )
-
-
-@pytest.fixture(scope="module")
-def media_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("media")
-
-
-@pytest.fixture(scope="module")
-def planner(qwen2_vl_dir: Path) -> FakePlanner:
-    return make_planner(qwen2_vl_dir)
-
-
-@pytest.fixture(scope="module")
-def local(qwen2_vl_dir: Path, media_root: Path) -> Iterator[InputProcessor]:
-    proc = make_processor(qwen2_vl_dir, media_root, None)
-    yield proc
-    proc.media_loader.close()
-
-
-@pytest.fixture(scope="module")
-def remote(qwen2_vl_dir: Path, media_root: Path, planner: FakePlanner) -> Iterator[InputProcessor]:
-    proc = make_processor(qwen2_vl_dir, media_root, planner)
-    yield proc
-    proc.media_loader.close()
-
-
-@pytest.fixture
-def no_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Any image decode in this process fails the test (remote planning reads headers only)."""
-    monkeypatch.setattr(image_decode, "decode_first_frame", refuse_decode)
-
 
 # ------------------------------------------------------------- plans equal the local path's
 

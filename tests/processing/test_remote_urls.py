@@ -18,7 +18,6 @@ from mmserve.errors import (
     UnknownMediaUUIDError,
 )
 from mmserve.multimodal import ProcessedPrompt, RemoteItem
-from mmserve.processing import image_decode
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.remote_items import RemoteImagePlanning
 from tests.factory import random_image
@@ -32,39 +31,8 @@ from tests.processing.remote_helpers import (
     encoded,
     make_planner,
     make_processor,
-    refuse_decode,
     same_plan,
 )
-
-
-@pytest.fixture(scope="module")
-def media_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("media")
-
-
-@pytest.fixture(scope="module")
-def planner(qwen2_vl_dir: Path) -> FakePlanner:
-    return make_planner(qwen2_vl_dir)
-
-
-@pytest.fixture(scope="module")
-def local(qwen2_vl_dir: Path, media_root: Path) -> Iterator[InputProcessor]:
-    proc = make_processor(qwen2_vl_dir, media_root, None)
-    yield proc
-    proc.media_loader.close()
-
-
-@pytest.fixture(scope="module")
-def remote(qwen2_vl_dir: Path, media_root: Path, planner: FakePlanner) -> Iterator[InputProcessor]:
-    proc = make_processor(qwen2_vl_dir, media_root, planner)
-    yield proc
-    proc.media_loader.close()
-
-
-@pytest.fixture
-def no_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Any image decode in this process fails the test (remote planning reads headers only)."""
-    monkeypatch.setattr(image_decode, "decode_first_frame", refuse_decode)
 
 
 @pytest.fixture
