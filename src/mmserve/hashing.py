@@ -11,6 +11,13 @@ import blake3
 HASH_ALGORITHMS = ("blake3", "sha256")
 
 
+def content_digest(data: bytes | memoryview) -> str:
+    """The blake3 hex digest of an item's media bytes, whatever --hash-algorithm says: the
+    language-model side plans a remote image with it and the encoder pool recomputes it over
+    what it receives or fetches, so both ends must use this one function."""
+    return blake3.blake3(data).hexdigest()
+
+
 class Hasher:
     """Feeds length-prefixed parts into blake3 (default) or sha256 (FIPS) and returns hex digests.
 

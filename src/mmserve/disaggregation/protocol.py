@@ -28,6 +28,8 @@ from typing import Literal
 import blake3
 import msgspec
 
+from mmserve.hashing import content_digest as content_digest  # re-exported for both ends
+
 MAX_HEADER_BYTES = 64 * 1024
 MAC_BYTES = 32  # SHA-256
 
@@ -214,11 +216,6 @@ def check_result_payload(
 def is_input_error(code: str) -> bool:
     """Whether an error code is the input's fault (no retry: the request fails with a 400)."""
     return code in INPUT_ERROR_CODES
-
-
-def content_digest(data: bytes | memoryview) -> str:
-    """The digest both ends compute over an item's media bytes."""
-    return blake3.blake3(data).hexdigest()
 
 
 def model_fingerprint(model_dir: str | Path) -> str:

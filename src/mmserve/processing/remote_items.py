@@ -21,11 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-import blake3
 from PIL import Image
 
 from mmserve.errors import EncoderUnavailableError
-from mmserve.hashing import ContentKey
+from mmserve.hashing import ContentKey, content_digest
 from mmserve.multimodal import ProcessedImage, RemoteItem
 from mmserve.processing.decode_budget import RequestDecodeBudget
 from mmserve.processing.image_processor import ImageProcessorConfig, get_grid_thw, to_rgb
@@ -65,11 +64,6 @@ class RemoteImageRecord:
 
     width: int
     height: int
-
-
-def content_digest(data: bytes) -> str:
-    """The digest the pool recomputes over what it receives or fetches (always blake3)."""
-    return blake3.blake3(data).hexdigest()
 
 
 @dataclass(frozen=True)
