@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmserve.disaggregation.protocol import read_secret_file
 from mmserve.engine.args import DEVICES, DTYPES, LOG_LEVELS, EngineArgs
 from mmserve.media_flags import ENCODER_SECRET_ENV, add_media_flags
 
@@ -155,13 +156,7 @@ def _media_flag_names() -> list[str]:
 def read_secret(path: str | None, environ: Mapping[str, str]) -> bytes | None:
     """The shared secret from the file (surrounding whitespace dropped), else the environment."""
     if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ValueError(f"{SECRET_FLAG} {path}: cannot read it ({exc.strerror})") from None
-        if not text.strip():
-            raise ValueError(f"{SECRET_FLAG} {path} is empty; put the shared secret in it")
-        return text.strip().encode()
+        return read_secret_file(path, SECRET_FLAG)
     value = environ.get(ENCODER_SECRET_ENV, "").strip()
     return value.encode() if value else None
 

@@ -218,6 +218,24 @@ def is_input_error(code: str) -> bool:
     return code in INPUT_ERROR_CODES
 
 
+def read_secret_file(path: str | Path, flag: str = "--encoder-secret-file") -> bytes:
+    """The secret a language-model server and its encoders share, from `path` (surrounding
+    whitespace dropped). Both ends read it with this one rule: printable ASCII without spaces,
+    since it also travels in an Authorization header. ValueError names `flag` and the path."""
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
+    if not secret:
+        raise ValueError(f"{flag} {path} is empty; write the shared secret in it")
+    if not secret.isascii() or any(c <= 32 or c == 127 for c in secret):
+        raise ValueError(
+            f"{flag} {path}: the secret must be printable ASCII without spaces "
+            "(it travels in an Authorization header)"
+        )
+    return secret
+
+
 def model_fingerprint(model_dir: str | Path) -> str:
     """What makes two servers' embeddings interchangeable: the model and processor configs and
     the names and sizes of the weight files. An LM server refuses an encoder whose

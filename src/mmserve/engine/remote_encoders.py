@@ -14,7 +14,7 @@ from mmserve.disaggregation.discovery import ModelIdentity
 from mmserve.disaggregation.local_fallback import LocalFallback
 from mmserve.disaggregation.planner import HttpUrlPlanner
 from mmserve.disaggregation.pool import PoolConfig, RemoteEncoderPool
-from mmserve.disaggregation.protocol import model_fingerprint
+from mmserve.disaggregation.protocol import model_fingerprint, read_secret_file
 from mmserve.engine.args import EngineArgs
 from mmserve.metrics import EngineMetrics
 from mmserve.processing.image_processor import ImageProcessorConfig
@@ -26,19 +26,7 @@ def read_encoder_secret(args: EngineArgs) -> bytes | None:
     whitespace stripped), else MMSERVE_ENCODER_SECRET (put into args by the CLI), else None."""
     if args.encoder_secret_file is None:
         return None if args.encoder_secret is None else args.encoder_secret.strip().encode()
-    path = Path(args.encoder_secret_file)
-    try:
-        secret = path.read_bytes().strip()
-    except OSError as exc:
-        raise ValueError(f"--encoder-secret-file {path}: cannot read it ({exc.strerror})") from None
-    if not secret:
-        raise ValueError(f"--encoder-secret-file {path} is empty; write the shared secret in it")
-    if not secret.isascii() or any(c <= 32 or c == 127 for c in secret):
-        raise ValueError(
-            f"--encoder-secret-file {path}: the secret must be printable ASCII without spaces "
-            "(it travels in an Authorization header)"
-        )
-    return secret
+    return read_secret_file(args.encoder_secret_file)
 
 
 def build_url_planner(args: EngineArgs) -> HttpUrlPlanner:
