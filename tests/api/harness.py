@@ -81,6 +81,22 @@ def wait_until_idle(url: str, timeout_s: float = 20.0) -> dict[str, float]:
         time.sleep(0.2)
 
 
+def wait_until_healthy(
+    proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float = 180
+) -> None:
+    """Until `url`/health answers 200; fails with the log if the process exits or time is up."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not start:\n" + log_path.read_text()
+        time.sleep(0.2)
+
+
 class Server:
     def __init__(
         self,
@@ -101,16 +117,7 @@ class Server:
             [sys.executable, "-m", "mmserve", *argv], stdout=self.log, stderr=self.log, env=env
         )
         self.log_path = log_path
-        deadline = time.monotonic() + 180
-        while True:
-            assert self.proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start:\n" + log_path.read_text()
-            time.sleep(0.2)
+        wait_until_healthy(self.proc, self.url, log_path)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
 
     def stop(self) -> None:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
-from tests.api.harness import free_port, parse_samples
+from tests.api.harness import free_port, parse_samples, wait_until_healthy
 
 
 class Encoder:
@@ -30,16 +29,9 @@ class Encoder:
         )
 
     def wait_ready(self, timeout_s: float = 180) -> Encoder:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc.poll() is None, self.log_path.read_text()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "encoder did not start:\n" + self.log_text()
-            time.sleep(0.2)
+        self.log.flush()
+        wait_until_healthy(self.proc, self.url, self.log_path, timeout_s)
+        return self
 
     def log_text(self) -> str:
         self.log.flush()
