@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 from tokenizers import Tokenizer
+from toy_aux import picture_labels
 from toy_data import Example, draw, render_prompt
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -71,6 +72,7 @@ class Encoded:
     answer_ids: list[int]  # the answer's tokens followed by <|im_end|>
     patches: list[np.ndarray]
     grids: list[tuple[int, int, int]]
+    aux: tuple[tuple[int, int, float, float], ...] = ()  # toy_aux.picture_labels per picture
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,8 @@ def encode(
             prompt_ids.append(token)
     assert image_idx == len(grids), "every picture needs exactly one <|image_pad|>"
     answer_ids = tok.encode(example.answer, add_special_tokens=False).ids + [ids.im_end]
-    return Encoded(prompt_ids, answer_ids, patches, grids)
+    aux = tuple(picture_labels(p) for p in example.pictures)
+    return Encoded(prompt_ids, answer_ids, patches, grids, aux)
 
 
 def collate(

@@ -1,8 +1,10 @@
 """Synthetic pictures and questions for the bundled toy model: sampling, drawing, chat prompts.
 
 Everything here is a pure function of a `numpy.random.Generator`, so a seed fixes the whole
-stream. Pictures hold one or two solid shapes in distinct colours on a plain grey background;
-each `Example` pairs one or two pictures with a question and its exact answer string.
+stream. Pictures hold one or two shapes in distinct colours, slightly rotated or not, on a
+background of any colour with or without a gradient, noise or texture, with or without
+outlines, anti-aliased or not, PNG or JPEG (`toy_render`); each `Example` pairs one or two
+pictures with a question and its exact answer string.
 """
 
 from __future__ import annotations
@@ -13,7 +15,20 @@ from functools import lru_cache
 
 import jinja2
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image
+
+try:
+    import toy_render
+except ModuleNotFoundError:  # imported as scripts.toy_data (the tests, the GPU smoke run)
+    from scripts import toy_render
+
+PLAIN, Style = toy_render.PLAIN, toy_render.Style
+background_pixels, distance, finish = (
+    toy_render.background_pixels,
+    toy_render.distance,
+    toy_render.finish,
+)
+mask, sample_style = toy_render.mask, toy_render.sample_style
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
@@ -79,10 +94,13 @@ WORDS = tuple(
 # "Where is the shape?" ambiguous, so such centres are never drawn.
 CELL_MARGIN = 0.05
 MIN_SIDE, MAX_SIDE = 56, 448
-# Shape radius as a fraction of the picture's short side: large for the questions about what
-# the shape is, smaller for "Where is the shape?" so that its centre can sit inside any cell.
-BIG_RADIUS = (0.28, 0.42)
-CELL_RADIUS = (0.18, 0.30)
+# Shape radius as a fraction of the picture's short side: 25-90% of it across for the
+# questions about what the shape is, 24-60% for "Where is the shape?" so that its centre can
+# sit inside any cell.
+BIG_RADIUS = (0.125, 0.45)
+CELL_RADIUS = (0.12, 0.30)
+# Share of shapes turned, and by at most how much (radians, either way).
+ROTATED, MAX_ANGLE = 0.5, math.radians(20)
 # Share of pictures that are not square (aspect ratios up to 3:1 either way).
 NON_SQUARE = 0.35
 
@@ -94,7 +112,11 @@ class Shape:
     rgb: tuple[int, int, int]  # the colour, slightly jittered
     cx: float  # centre, pixels from the left
     cy: float  # centre, pixels from the top
-    radius: float  # half the side of the bounding square, pixels
+    radius: float  # half the side of the bounding square before any turn, pixels
+    angle: float = 0.0  # turned clockwise by this, radians
+    # Proportions: a triangle's half base over its radius, a star's inner radius over 0.42 of
+    # its outer one; 1.0 is the first checkpoint's shapes. Circles and squares ignore it.
+    form: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +125,7 @@ class Picture:
     height: int
     background: tuple[int, int, int]
     shapes: tuple[Shape, ...]
+    style: Style = PLAIN
 
 
 @dataclass(frozen=True)
@@ -120,8 +143,12 @@ def position_of(shape: Shape, width: int, height: int) -> str:
     return POSITIONS[row][col]
 
 
+def article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
 def describe(picture: Picture) -> str:
-    return " and ".join(f"a {s.colour} {s.kind}" for s in picture.shapes)
+    return " and ".join(f"{article(s.colour)} {s.colour} {s.kind}" for s in picture.shapes)
 
 
 def sample_size(rng: np.random.Generator) -> tuple[int, int]:
@@ -133,14 +160,57 @@ def sample_size(rng: np.random.Generator) -> tuple[int, int]:
     return (long_px, short_px) if rng.random() < 0.5 else (short_px, long_px)
 
 
-def _jitter(rng: np.random.Generator, rgb: tuple[int, int, int]) -> tuple[int, int, int]:
-    noise = rng.integers(-15, 16, size=3)
-    return tuple(int(np.clip(c + n, 0, 255)) for c, n in zip(rgb, noise, strict=True))
+def nearest_colour(rgb: tuple[int, int, int]) -> str:
+    return min(COLOURS, key=lambda name: distance(COLOURS[name], rgb))
 
 
-def _background(rng: np.random.Generator) -> tuple[int, int, int]:
-    grey = int(rng.integers(20, 236))
-    return (grey, grey, grey)
+def _jitter(rng: np.random.Generator, colour: str) -> tuple[int, int, int]:
+    """The colour, each channel moved by up to 20 levels, still nearest its own name's."""
+    while True:
+        noise = rng.integers(-20, 21, size=3)
+        moved = np.clip(np.asarray(COLOURS[colour]) + noise, 0, 255)
+        rgb = tuple(int(c) for c in moved)
+        if nearest_colour(rgb) == colour:
+            return rgb
+
+
+def _styled(
+    rng: np.random.Generator, width: int, height: int, shapes: tuple[Shape, ...]
+) -> Picture:
+    base, style = sample_style(rng, tuple(s.rgb for s in shapes))
+    return Picture(width, height, base, shapes, style)
+
+
+def _turn_and_form(rng: np.random.Generator, kind: str) -> tuple[float, float]:
+    angle = rng.uniform(-MAX_ANGLE, MAX_ANGLE) if rng.random() < ROTATED else 0.0
+    form = {"triangle": rng.uniform(0.8, 1.15), "star": rng.uniform(0.9, 1.2)}.get(kind, 1.0)
+    return (0.0 if kind == "circle" else angle), form
+
+
+def vertices(kind: str, radius: float, angle: float = 0.0, form: float = 1.0):
+    """The shape's corners around a centre at (0, 0), or None for a circle."""
+    if kind == "circle":
+        return None
+    if kind == "square":
+        points = [(-1, -1), (1, -1), (1, 1), (-1, 1)]
+    elif kind == "triangle":
+        points = [(0, -1), (form, 1), (-form, 1)]
+    elif kind == "star":
+        points = []
+        for i in range(10):
+            r = 1.0 if i % 2 == 0 else 0.42 * form
+            a = -math.pi / 2 + i * math.pi / 5
+            points.append((r * math.cos(a), r * math.sin(a)))
+    else:
+        raise ValueError(f"unknown shape {kind!r}")
+    cos, sin = math.cos(angle), math.sin(angle)
+    return [(radius * (x * cos - y * sin), radius * (x * sin + y * cos)) for x, y in points]
+
+
+def extent(kind: str, angle: float, form: float) -> float:
+    """How far the shape reaches from its centre along x or y, in radii."""
+    points = vertices(kind, 1.0, angle, form)
+    return 1.0 if points is None else max(max(abs(x), abs(y)) for x, y in points)
 
 
 def _axis_range(cell: int, side: int, radius: float) -> tuple[float, float]:
@@ -162,13 +232,17 @@ def sample_single(
     kind = kind or SHAPES[rng.integers(len(SHAPES))]
     colour = colour or list(COLOURS)[rng.integers(len(COLOURS))]
     short = min(width, height)
+    angle, form = _turn_and_form(rng, kind)
+    reach = extent(kind, angle, form)  # a turned shape reaches further
+    rgb = _jitter(rng, colour)
     if not in_cell:
-        # Large shapes: the tiny vision tower tells shapes apart only when they span many
-        # patches, so these fill 56-84% of the short side.
-        radius = rng.uniform(BIG_RADIUS[0], BIG_RADIUS[1]) * short
-        cx, cy = rng.uniform(radius, width - radius), rng.uniform(radius, height - radius)
-        shape = Shape(kind, colour, _jitter(rng, COLOURS[colour]), cx, cy, radius)
-        return Picture(width, height, _background(rng), (shape,))
+        # Larger shapes more often than smaller: what people draw, and easier to learn.
+        share = BIG_RADIUS[0] + (BIG_RADIUS[1] - BIG_RADIUS[0]) * rng.random() ** 0.5
+        radius = share * short / reach
+        half = radius * reach
+        cx, cy = rng.uniform(half, width - half), rng.uniform(half, height - half)
+        shape = Shape(kind, colour, rgb, cx, cy, radius, angle, form)
+        return _styled(rng, width, height, (shape,))
     row, col = int(rng.integers(3)), int(rng.integers(3))
     # The largest radius that still lets the centre sit inside the chosen cell.
     max_radius = min(
@@ -178,18 +252,12 @@ def sample_single(
         ((row + 1) / 3 - CELL_MARGIN) * height if row == 0 else height,
         (1 - (row / 3 + CELL_MARGIN)) * height if row == 2 else height,
     )
-    radius = rng.uniform(min(CELL_RADIUS[0] * short, max_radius), max_radius)
-    x_lo, x_hi = _axis_range(col, width, radius)
-    y_lo, y_hi = _axis_range(row, height, radius)
-    shape = Shape(
-        kind,
-        colour,
-        _jitter(rng, COLOURS[colour]),
-        cx=rng.uniform(x_lo, x_hi),
-        cy=rng.uniform(y_lo, y_hi),
-        radius=radius,
-    )
-    return Picture(width, height, _background(rng), (shape,))
+    half = rng.uniform(min(CELL_RADIUS[0] * short, max_radius), max_radius)
+    x_lo, x_hi = _axis_range(col, width, half)
+    y_lo, y_hi = _axis_range(row, height, half)
+    cx, cy = rng.uniform(x_lo, x_hi), rng.uniform(y_lo, y_hi)
+    shape = Shape(kind, colour, rgb, cx, cy, half / reach, angle, form)
+    return _styled(rng, width, height, (shape,))
 
 
 def sample_pair(rng: np.random.Generator) -> Picture:
@@ -200,21 +268,26 @@ def sample_pair(rng: np.random.Generator) -> Picture:
     while True:
         shapes = []
         for c in colours:
-            radius = rng.uniform(0.12, 0.22) * short
+            kind = SHAPES[rng.integers(len(SHAPES))]
+            angle, form = _turn_and_form(rng, kind)
+            half = rng.uniform(0.12, 0.22) * short
             name = list(COLOURS)[c]
             shapes.append(
                 Shape(
-                    SHAPES[rng.integers(len(SHAPES))],
+                    kind,
                     name,
-                    _jitter(rng, COLOURS[name]),
-                    cx=rng.uniform(radius, width - radius),
-                    cy=rng.uniform(radius, height - radius),
-                    radius=radius,
+                    _jitter(rng, name),
+                    cx=rng.uniform(half, width - half),
+                    cy=rng.uniform(half, height - half),
+                    radius=half / extent(kind, angle, form),
+                    angle=angle,
+                    form=form,
                 )
             )
         a, b = shapes
-        if math.hypot(a.cx - b.cx, a.cy - b.cy) > 1.05 * (a.radius + b.radius) + 2:
-            return Picture(width, height, _background(rng), tuple(shapes))
+        # Each shape lies inside the circle of radius `radius * sqrt(2)` around its centre.
+        if math.hypot(a.cx - b.cx, a.cy - b.cy) > 1.45 * (a.radius + b.radius) + 2:
+            return _styled(rng, width, height, tuple(shapes))
 
 
 def _system_prompt(rng: np.random.Generator) -> str | None:
@@ -272,33 +345,26 @@ def sample_example(rng: np.random.Generator, task: str) -> Example:
     raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
 
 
-def _star_points(s: Shape) -> list[tuple[float, float]]:
-    points = []
-    for i in range(10):
-        r = s.radius if i % 2 == 0 else 0.42 * s.radius
-        angle = -math.pi / 2 + i * math.pi / 5
-        points.append((s.cx + r * math.cos(angle), s.cy + r * math.sin(angle)))
-    return points
-
-
 def draw(picture: Picture) -> Image.Image:
     """Render a picture as an RGB image of exactly picture.width x picture.height."""
-    image = Image.new("RGB", (picture.width, picture.height), picture.background)
-    pen = ImageDraw.Draw(image)
+    w, h, style = picture.width, picture.height, picture.style
+    pixels = background_pixels(w, h, picture.background, style)
     for s in picture.shapes:
-        box = (s.cx - s.radius, s.cy - s.radius, s.cx + s.radius, s.cy + s.radius)
-        if s.kind == "circle":
-            pen.ellipse(box, fill=s.rgb)
-        elif s.kind == "square":
-            pen.rectangle(box, fill=s.rgb)
-        elif s.kind == "triangle":
-            apex = (s.cx, s.cy - s.radius)
-            pen.polygon([apex, (box[2], box[3]), (box[0], box[3])], fill=s.rgb)
-        elif s.kind == "star":
-            pen.polygon(_star_points(s), fill=s.rgb)
-        else:
-            raise ValueError(f"unknown shape {s.kind!r}")
-    return image
+        layers = [(s.rgb, 1.0)]
+        if style.outline is not None:
+            layers = [(style.outline, 1.0), (s.rgb, 1.0 - style.outline_width)]
+        for rgb, share in layers:
+            where, cover = mask(w, h, *_geometry(s, s.radius * share), style.antialias)
+            cover = cover[..., None]
+            pixels[where] = pixels[where] * (1 - cover) + np.asarray(rgb, np.float32) * cover
+    return finish(pixels, style)
+
+
+def _geometry(s: Shape, radius: float) -> tuple[str, tuple | list]:
+    points = vertices(s.kind, radius, s.angle, s.form)
+    if points is None:
+        return "ellipse", (s.cx - radius, s.cy - radius, s.cx + radius, s.cy + radius)
+    return "polygon", [(s.cx + x, s.cy + y) for x, y in points]
 
 
 def render_prompt(example: Example, chat_template: str) -> str:

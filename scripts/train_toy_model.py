@@ -35,9 +35,11 @@ from tests.factory import (  # noqa: E402
     special_token_ids,
     tiny_config_dict,
 )
+from toy_aux import AuxHeads  # noqa: E402
 from toy_batches import IGNORE_INDEX, Encoded, PixelConfig, SpecialIds, collate, encode  # noqa: E402
-from toy_card import STAGE_GATE_EVERY, StageEnd, TrainStats, write_model_card  # noqa: E402
+from toy_card import TrainStats, write_model_card  # noqa: E402
 from toy_data import TASKS, sample_example, tokenizer_corpus  # noqa: E402
+from toy_stages import StageWalker, focus_task  # noqa: E402
 
 log = logging.getLogger("train_toy_model")
 
@@ -100,6 +102,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=500, help="steps between held-out checks")
     parser.add_argument("--vision-dim", type=int, default=VISION["embed_dim"])
     parser.add_argument("--vision-lr-scale", type=float, default=1.0)
+    parser.add_argument(
+        "--aux-weight",
+        type=float,
+        default=1.0,
+        help="weight of the auxiliary shape and colour heads' loss (scripts/toy_aux.py; 0: off)",
+    )
     parser.add_argument(
         "--weights",
         default="",
@@ -320,72 +328,6 @@ def save(model, out: Path, ids: SpecialIds) -> None:
     bf16.save_pretrained(out, safe_serialization=True)
 
 
-class StageWalker:
-    """Walks the curriculum ({planned first step: task weights}) during training.
-
-    A stage that teaches one question (see `focus_task`) is there to teach a skill the mix does
-    not (see the model card), and whether it takes in its planned steps varies from run to run.
-    So such a stage runs on past its planned end, `every` steps at a time and at most
-    `max_extra` steps, until that question's held-out monitor accuracy reaches `gate`; later
-    stages start that much later, and the run's total steps do not change. Deterministic.
-    """
-
-    def __init__(
-        self,
-        stages: dict[int, dict[str, float]],
-        gate: float,
-        max_extra: int,
-        every: int = STAGE_GATE_EVERY,
-    ) -> None:
-        self.planned = sorted(stages.items())
-        self.gate, self.max_extra, self.every = gate, max_extra, every
-        self.index = -1  # the stage being trained
-        self.extra = 0  # steps the current stage has run past its plan
-        self.started: dict[int, dict[str, float]] = {}  # as run: {first step: task weights}
-        self.ends: list[StageEnd] = []  # how each gated stage ended
-
-    def next_mix(self, step: int, accuracy) -> dict[str, float] | None:
-        """The task weights of a stage that starts at `step`, or None. `accuracy(task)` is the
-        held-out monitor accuracy now; asked only at the end of a stage teaching one question."""
-        following = self.index + 1
-        # Every stage starts as late as the stages before it ran over their plans.
-        delay = sum(end.extra_steps for end in self.ends) + self.extra
-        if following >= len(self.planned) or step != self.planned[following][0] + delay:
-            return None
-        task = self.index >= 0 and focus_task(self.planned[self.index][1])
-        if task and self.gate > 0:
-            acc = accuracy(task)
-            if acc < self.gate and self.extra < self.max_extra:
-                log.info(
-                    "step %d: %s held-out %.3f < %.2f, its stage runs on",
-                    step,
-                    task,
-                    acc,
-                    self.gate,
-                )
-                self.extra += self.every
-                return None
-            self.ends.append(StageEnd(task, step, self.extra, acc))
-            log.info(
-                "step %d: %s stage ends (held-out %.3f, %d steps over plan)",
-                step,
-                task,
-                acc,
-                self.extra,
-            )
-        self.index, self.extra = following, 0
-        self.started[step] = self.planned[following][1]
-        return self.started[step]
-
-
-def focus_task(mix: dict[str, float]) -> str | None:
-    """The question a stage is there to teach: the one it draws at least three times in four
-    (a few other questions may keep their answers alive meanwhile), if any."""
-    total = sum(mix.values())
-    task, weight = max(mix.items(), key=lambda item: item[1])
-    return task if weight >= 0.75 * total else None
-
-
 def train(
     model,
     args,
@@ -404,6 +346,9 @@ def train(
         groups.append({"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.01})
         groups.append({"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0})
         groups[-1]["scale"] = groups[-2]["scale"] = scale
+    heads = AuxHeads(model.config.text_config.hidden_size).to(args.device)
+    model.model.visual.merger.register_forward_hook(heads.capture)
+    groups.append({"params": list(heads.parameters()), "weight_decay": 0.0, "scale": 1.0})
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
     walker = StageWalker(stages, args.stage_gate, args.stage_max_extra)
 
@@ -423,8 +368,15 @@ def train(
         for group in opt.param_groups:
             group["lr"] = group["scale"] * lr_at(step, args.steps, args.lr)
         model.train()
-        inputs = {k: v.to(args.device) for k, v in collate(next(batches), ids).items()}
+        batch = next(batches)
+        inputs = {k: v.to(args.device) for k, v in collate(batch, ids).items()}
+        grids = inputs["image_grid_thw"]
+        heads.captured.clear()
         loss = answer_loss(model, inputs)
+        if args.aux_weight > 0:
+            aux = torch.tensor([lab for e in batch for lab in e.aux], device=args.device)
+            merge = model.config.vision_config.spatial_merge_size
+            loss = loss + args.aux_weight * heads.loss(grids, aux, merge)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import sys
 from pathlib import Path
 
@@ -21,10 +23,13 @@ from toy_data import (  # noqa: E402
     TASKS,
     Example,
     Picture,
+    describe,
     draw,
+    nearest_colour,
     render_prompt,
     sample_example,
 )
+from toy_render import BACKGROUNDS, MAX_OUTLINE, MIN_CONTRAST, PLAIN  # noqa: E402
 
 
 def _stream(seed: int, n: int) -> list[Example]:
@@ -41,8 +46,15 @@ def test_same_seed_same_examples_and_pixels() -> None:
     assert _stream(8, 28) != a
 
 
+def _plain(picture: Picture) -> Picture:
+    """The same shapes, upright, hard-edged on the flat base background, PNG: what the answer
+    checks below read exact pixel colours from (the styles are checked on their own)."""
+    upright = tuple(dataclasses.replace(s, angle=0.0) for s in picture.shapes)
+    return dataclasses.replace(picture, shapes=upright, style=PLAIN)
+
+
 def _pixels_of(picture: Picture, rgb: tuple[int, int, int]) -> np.ndarray:
-    arr = np.asarray(draw(picture))  # [H, W, 3]
+    arr = np.asarray(draw(_plain(picture)))  # [H, W, 3]
     return np.argwhere((arr == np.array(rgb)).all(axis=-1))  # [num_pixels, 2] (row, col)
 
 
@@ -57,7 +69,7 @@ def _seen_shape(picture: Picture, rgb: tuple[int, int, int]) -> str:
         else "circle"
         if fill > 0.65
         else "triangle"
-        if fill > 0.43
+        if fill > 0.465
         else "star"
     )
 
@@ -77,7 +89,7 @@ def _seen_position(picture: Picture, rgb: tuple[int, int, int]) -> str:
 
 
 def _seen_colours(picture: Picture) -> list[str]:
-    arr = np.asarray(draw(picture)).reshape(-1, 3)
+    arr = np.asarray(draw(_plain(picture))).reshape(-1, 3)
     colours = {tuple(int(v) for v in px) for px in np.unique(arr, axis=0)}
     return [_seen_colour(c) for c in colours if c != picture.background]
 
@@ -94,9 +106,12 @@ def test_answers_match_the_drawn_pictures(task: str) -> None:
                 "colour": _seen_colour(rgb),
                 "shape": _seen_shape(pic, rgb),
                 "position": _seen_position(pic, rgb),
-                "describe": f"a {_seen_colour(rgb)} {_seen_shape(pic, rgb)}",
+                "describe": describe(pic),
             }[task]
             assert ex.answer == seen, ex
+            if task == "describe":
+                colour, kind = _seen_colour(rgb), _seen_shape(pic, rgb)
+                assert seen == f"{'an' if colour == 'orange' else 'a'} {colour} {kind}"
         elif task == "count":
             assert ex.answer == COUNTS[len(_seen_colours(ex.pictures[0])) - 1]
         elif task == "which":
@@ -173,3 +188,55 @@ def test_training_pixels_match_the_transformers_image_processor(
             got, grid = image_patches(image, px)
             assert [list(grid)] == want["image_grid_thw"].tolist()
             np.testing.assert_allclose(got, want["pixel_values"], atol=1e-5)
+
+
+def _single_pictures(seed: int, n: int) -> list[Picture]:
+    rng = np.random.default_rng(seed)
+    tasks = ("describe", "colour", "shape", "position")
+    return [sample_example(rng, tasks[i % 4]).pictures[0] for i in range(n)]
+
+
+def test_styles_cover_what_people_draw() -> None:
+    pictures = _single_pictures(11, 600)
+    styles = [p.style for p in pictures]
+    assert {s.background for s in styles} == set(BACKGROUNDS)
+    assert {s.antialias for s in styles} == {True, False}
+    outlined = [s for s in styles if s.outline is not None]
+    assert 0.2 < len(outlined) / len(styles) < 0.5
+    assert all(0 < s.outline_width <= MAX_OUTLINE for s in outlined)
+    qualities = [s.jpeg_quality for s in styles if s.jpeg_quality is not None]
+    assert 0.25 < len(qualities) / len(styles) < 0.55
+    assert min(qualities) >= 60 and max(qualities) <= 95
+    bases = np.array([p.background for p in pictures])
+    assert (np.ptp(bases, axis=1) > 60).mean() > 0.2  # plenty of colours, not only greys
+    turned = [abs(s.angle) for p in pictures for s in p.shapes if s.kind != "circle"]
+    assert 0.3 < np.mean(np.array(turned) > 0) < 0.7
+    assert max(turned) <= math.radians(20)
+    # A big shape spans ~25-90% of the short side, whatever its turn.
+    rng = np.random.default_rng(12)
+    spans = []
+    for _ in range(400):
+        pic = sample_example(rng, "shape").pictures[0]
+        pts = _pixels_of(pic, pic.shapes[0].rgb)
+        spans.append((np.ptp(pts, axis=0) + 1).max() / min(pic.width, pic.height))
+    assert 0.2 < min(spans) < 0.35 and 0.8 < max(spans) <= 1.0
+
+
+def test_colour_names_stay_truthful_under_every_style() -> None:
+    """Each background colour keeps its distance from the fill, and after outlines, noise,
+    gradients and JPEG the shape's middle is still nearest its own name's colour."""
+    for pic in _single_pictures(13, 300):
+        s = pic.shapes[0]
+        assert nearest_colour(s.rgb) == s.colour
+        for colour in pic.style.colours or (pic.background,):
+            assert math.dist(colour, s.rgb) >= MIN_CONTRAST
+        row = int(s.cy + (0.3 * s.radius if s.kind == "triangle" else 0))
+        middle = np.asarray(draw(pic))[row, int(s.cx)]
+        assert nearest_colour(tuple(int(v) for v in middle)) == s.colour, pic
+
+
+def test_an_orange_shape_takes_an() -> None:
+    rng = np.random.default_rng(14)
+    answers = {sample_example(rng, "describe").answer for _ in range(200)}
+    assert any(a.startswith("an orange ") for a in answers)
+    assert not any(a.startswith("a orange") for a in answers)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import train_toy_model as train  # noqa: E402
 from toy_batches import PixelConfig, SpecialIds, collate, encode  # noqa: E402
-from toy_card import _curriculum, _gate_text, _shortfalls, _stages_text  # noqa: E402
+from toy_card import StageEnd, _curriculum, _gate_text, _shortfalls, _stages_text  # noqa: E402
 from toy_data import TASKS, sample_example  # noqa: E402
 
 from mmserve.engine.args import bundled_toy_model_dir  # noqa: E402
@@ -73,7 +73,7 @@ def test_stages_start_as_planned_when_each_one_question_stage_has_taken() -> Non
     started = _walk(walker, 300, lambda task: asked.append(task) or 0.95)
     assert list(started) == [0, 100, 200]
     assert asked == ["which"]  # only a one-question stage is checked, once, at its end
-    assert walker.ends == [train.StageEnd("which", 200, 0, 0.95)]
+    assert walker.ends == [StageEnd("which", 200, 0, 0.95)]
 
 
 def test_a_one_question_stage_runs_on_until_it_has_taken_and_later_stages_move() -> None:
@@ -83,7 +83,7 @@ def test_a_one_question_stage_runs_on_until_it_has_taken_and_later_stages_move()
     )
     started = _walk(walker, 400, lambda task: next(scores, 1.0))
     assert list(started) == [0, 100, 300, 350]
-    assert walker.ends[0] == train.StageEnd("which", 300, 100, 0.92)
+    assert walker.ends[0] == StageEnd("which", 300, 100, 0.92)
 
 
 def test_a_stage_teaches_the_question_it_draws_at_least_three_times_in_four() -> None:
@@ -96,14 +96,14 @@ def test_a_stage_teaches_the_question_it_draws_at_least_three_times_in_four() ->
     walker = train.StageWalker({0: ONE_PICTURE, 100: kept_alive, 200: ONE_PICTURE}, 0.9, 300)
     started = _walk(walker, 300, lambda task: 0.95)
     assert list(started) == [0, 100, 200]
-    assert walker.ends == [train.StageEnd("which", 200, 0, 0.95)]
+    assert walker.ends == [StageEnd("which", 200, 0, 0.95)]
 
 
 def test_a_stage_that_never_takes_ends_after_the_most_extra_steps() -> None:
     walker = train.StageWalker({0: WHICH_ALONE, 100: ONE_PICTURE}, 0.9, 100)
     started = _walk(walker, 400, lambda task: 0.1)
     assert list(started) == [0, 200]
-    assert walker.ends == [train.StageEnd("which", 200, 100, 0.1)]
+    assert walker.ends == [StageEnd("which", 200, 100, 0.1)]
 
 
 def test_gate_zero_keeps_the_plan_and_asks_nothing() -> None:
@@ -116,7 +116,7 @@ def test_gate_zero_keeps_the_plan_and_asks_nothing() -> None:
 
 def test_the_card_says_how_each_one_question_stage_ended() -> None:
     args = argparse.Namespace(stage_gate=0.9, stage_max_extra=300)
-    ends = [train.StageEnd("nth_colour", 2900, 0, 1.0), train.StageEnd("which", 3650, 50, 0.91)]
+    ends = [StageEnd("nth_colour", 2900, 0, 1.0), StageEnd("which", 3650, 50, 0.91)]
     text = " ".join(_gate_text(args, ends).split())
     assert "until that question's held-out monitor accuracy" in text
     assert "nth_colour ended at step 2900, as planned (100%)" in text
@@ -172,3 +172,33 @@ def test_the_answer_only_loss_is_the_models_own_loss() -> None:
         full = model(**collate(batch, ids)).loss
         answers_only = train.answer_loss(model, collate(batch, ids))
     torch.testing.assert_close(answers_only, full, rtol=1e-5, atol=1e-6)
+
+
+def test_the_auxiliary_heads_train_the_vision_tower_and_skip_two_shape_pictures() -> None:
+    from toy_aux import IGNORE, AuxHeads, picture_labels
+
+    toy = Path(bundled_toy_model_dir())
+    tok = Tokenizer.from_file(str(toy / "tokenizer.json"))
+    ids = SpecialIds.from_vocab(tok.get_vocab())
+    template = json.loads((toy / "tokenizer_config.json").read_text())["chat_template"]
+    px = PixelConfig.from_dict(json.loads((toy / "preprocessor_config.json").read_text()))
+    rng = np.random.default_rng(6)
+    examples = [sample_example(rng, t) for t in ("shape", "which", "count", "count", "count")]
+    pair = next(p for ex in examples for p in ex.pictures if len(p.shapes) == 2)
+    assert picture_labels(pair)[:2] == (IGNORE, IGNORE)
+    batch = [encode(ex, tok, ids, px, template) for ex in examples]
+    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(toy, dtype=torch.float32)
+    heads = AuxHeads(model.config.text_config.hidden_size)
+    model.model.visual.merger.register_forward_hook(heads.capture)
+    inputs = collate(batch, ids)
+    labels = torch.tensor([label for e in batch for label in e.aux])
+    assert len(labels) == len(inputs["image_grid_thw"])
+    train.answer_loss(model, dict(inputs))
+    loss = heads.loss(inputs["image_grid_thw"], labels, 2)
+    loss.backward()
+    assert loss.item() > 0 and heads.captured == []
+    assert model.model.visual.patch_embed.proj.weight.grad.abs().sum() > 0
+    # Only one-shape pictures are scored: labels all ignored give no loss.
+    train.answer_loss(model, dict(inputs))
+    none = heads.loss(inputs["image_grid_thw"], torch.full_like(labels, IGNORE), 2)
+    assert none.item() == 0.0
