@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from toy_data import (  # noqa: E402
     COLOURS,
     COUNTS,
+    MAX_ANGLE,
     ORDINALS,
     POSITIONS,
     SHAPES,
@@ -211,7 +212,7 @@ def test_styles_cover_what_people_draw() -> None:
     assert (np.ptp(bases, axis=1) > 60).mean() > 0.2  # plenty of colours, not only greys
     turned = [abs(s.angle) for p in pictures for s in p.shapes if s.kind != "circle"]
     assert 0.3 < np.mean(np.array(turned) > 0) < 0.7
-    assert max(turned) <= math.radians(20)
+    assert max(turned) <= MAX_ANGLE
     # A big shape spans ~25-90% of the short side, whatever its turn.
     rng = np.random.default_rng(12)
     spans = []
