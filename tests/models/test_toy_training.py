@@ -155,14 +155,20 @@ def test_the_defaults_are_the_shipped_checkpoints_command(monkeypatch) -> None:
     assert documented.seed == 0 and documented.threads == 2
 
 
-def test_the_answer_only_loss_is_the_models_own_loss() -> None:
-    """The training loss applies the output layer only at answer positions; it must equal the
-    loss transformers computes over the whole sequence."""
+def _shipped_encoding() -> tuple[Path, Tokenizer, SpecialIds, PixelConfig, str]:
+    """The bundled checkpoint's directory and what `encode` needs from it."""
     toy = Path(bundled_toy_model_dir())
     tok = Tokenizer.from_file(str(toy / "tokenizer.json"))
     ids = SpecialIds.from_vocab(tok.get_vocab())
     template = json.loads((toy / "tokenizer_config.json").read_text())["chat_template"]
     px = PixelConfig.from_dict(json.loads((toy / "preprocessor_config.json").read_text()))
+    return toy, tok, ids, px, template
+
+
+def test_the_answer_only_loss_is_the_models_own_loss() -> None:
+    """The training loss applies the output layer only at answer positions; it must equal the
+    loss transformers computes over the whole sequence."""
+    toy, tok, ids, px, template = _shipped_encoding()
     rng = np.random.default_rng(5)
     batch = [encode(sample_example(rng, t), tok, ids, px, template) for t in TASKS]
     model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
@@ -177,11 +183,7 @@ def test_the_answer_only_loss_is_the_models_own_loss() -> None:
 def test_the_auxiliary_heads_train_the_vision_tower_and_skip_two_shape_pictures() -> None:
     from toy_aux import IGNORE, AuxHeads, picture_labels
 
-    toy = Path(bundled_toy_model_dir())
-    tok = Tokenizer.from_file(str(toy / "tokenizer.json"))
-    ids = SpecialIds.from_vocab(tok.get_vocab())
-    template = json.loads((toy / "tokenizer_config.json").read_text())["chat_template"]
-    px = PixelConfig.from_dict(json.loads((toy / "preprocessor_config.json").read_text()))
+    toy, tok, ids, px, template = _shipped_encoding()
     rng = np.random.default_rng(6)
     examples = [sample_example(rng, t) for t in ("shape", "which", "count", "count", "count")]
     pair = next(p for ex in examples for p in ex.pictures if len(p.shapes) == 2)
