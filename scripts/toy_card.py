@@ -174,7 +174,19 @@ def _lessons(args: argparse.Namespace) -> str:
         "- **Whether a stage takes.** A stage does not take in the same number of steps from run "
         "to run: nth_shape needed 500 steps in one run and 750 in another. So the stage gate "
         "(`--stage-gate`) lets a stage run on until its held-out monitor says it has taken (at "
-        "most `--stage-max-extra` more steps), and later stages start that much later.",
+        "most `--stage-max-extra` more steps), holding the learning rate where the plan had it; "
+        "later stages start that much later and the run grows by as much. When the run's length "
+        "was fixed instead, every step a stage ran over came out of the last mix: the checkpoint "
+        "before this one got 1,250 of its planned 1,750 mix steps and ended with which at 85%.",
+        "- **Turned shapes.** A shape turned further than any in training is misread. The "
+        "checkpoint before this one, trained on turns of up to 20 degrees, read 30 of 30 upright "
+        "squares right, 20 at 20 degrees, 10 at 25 and 1 at 40 (triangles 29, 27, 10 and 0, "
+        "mostly read as stars); the foreign routine turns shapes by up to 25 degrees, and its "
+        "turned shapes were most of that checkpoint's foreign errors. Weights trained on turns "
+        "of up to 30 degrees (a run stopped at step 4000) read 23 and 25 of 30 at 25 degrees. "
+        "But wider turns are harder to learn in the same steps: with turns of up to 30 degrees "
+        "(60% of shapes) nth_shape did not take in 800 steps (73%) and which stayed at chance; "
+        "with 40 degrees the monitor read shape 67% at step 2000, against 81% at 20 degrees.",
         "- **Forgetting.** Each one-question stage makes the model forget the answers before it: "
         "every one-picture answer falls to near 0% (it answers the stage's question to "
         "everything), and same-colour fell from 100% to 14% over two later stages in one run. "
@@ -188,13 +200,16 @@ def _lessons(args: argparse.Namespace) -> str:
         "- **Learning rate.** Holding the peak rate (1e-3) through the one-question stages, "
         "instead of the cosine decay from the start, left which at chance after 1,000 steps "
         "alone; at the ~5e-4 the cosine gives there it learns.",
-        "- **Twenty-five minutes.** On 2 cores a step costs about 0.24 s in the first stage "
-        "(batch 24) and in the stages that teach one two-picture question (batch 16, "
-        "`--focus-batch-size`), and 0.30 s in the last mix; drawing the varied pictures costs "
-        "about 1.5 ms each, a fifth of a first-stage step, and the first generator's steps "
-        "cost 0.18 s. The output layer is applied only where an answer token is predicted (5% "
-        "off every step). With the first generator a 6000-step run at batch 24 throughout took "
-        "21.8 minutes and fell short (see Other runs).",
+        "- **Twenty-five minutes.** On the 2-core machine of 2026-12-01 a step cost about "
+        "0.24 s in the first stage (batch 24) and in the stages that teach one two-picture "
+        "question (batch 16, `--focus-batch-size`), and 0.30 s in the last mix; drawing the "
+        "varied pictures cost about 1.5 ms each, a fifth of a first-stage step, and the first "
+        "generator's steps 0.18 s. The output layer is applied only where an answer token is "
+        "predicted (5% off every step). With the first generator a 6000-step run at batch 24 "
+        "throughout took 21.8 minutes and fell short (see Other runs). Machines differ: on "
+        "2026-12-02 the same code, seed and thread count cost 0.43-0.47 s a step, with the "
+        "same held-out figures at step 500 as the run of the day before, so the run that "
+        "trained this checkpoint took longer than 25 minutes (How to reproduce).",
         f"- **Rotary base.** The language model's rotary base is {args.rope_theta:g} "
         f"(`rope_theta`; Qwen2-VL uses 10000) and its M-RoPE bands are [{t}, {h}, {w}] (time, "
         f"height, width) of the head's {t + h + w} frequencies, fastest first. M-RoPE hands the "
@@ -259,10 +274,12 @@ def _gate_text(args: argparse.Namespace, ends: list[StageEnd]) -> str:
         " its planned end,"
         f" {STAGE_GATE_EVERY} steps at a time and at most {args.stage_max_extra} steps, until"
         " that question's held-out monitor"
-        f" accuracy (64 questions, teacher-forced) reaches {100 * args.stage_gate:.0f}%; later"
-        " stages start that much later and the run's length does not change. In this run: "
+        f" accuracy (64 questions, teacher-forced) reaches {100 * args.stage_gate:.0f}%"
+        " (the learning-rate schedule holds meanwhile). Later stages start that much later and"
+        " the run grows by as much, so the last mix always gets its planned steps. In this run: "
         + outcomes
-        + "."
+        + f"; {args.steps + sum(end.extra_steps for end in ends)} steps in all ({args.steps}"
+        " planned)."
     )
     return "\n\n" + textwrap.fill(text, width=96)
 
@@ -270,13 +287,14 @@ def _gate_text(args: argparse.Namespace, ends: list[StageEnd]) -> str:
 def _stages_text(
     stages: dict[int, dict[str, float]] | None, args: argparse.Namespace, ends: list[StageEnd]
 ) -> str:
+    """The curriculum as it ran: `ends` say how far each gated stage ran past its plan."""
     if stages is None:
         return "The training curriculum is in the command under How to reproduce."
     if len(stages) == 1:
         return f"Every step drew from one mix of questions: {_mix(stages[0])}."
     return (
         "Training is a curriculum: each stage draws its questions in these shares.\n\n"
-        + _curriculum(stages, args.steps)
+        + _curriculum(stages, args.steps + sum(end.extra_steps for end in ends))
         + _gate_text(args, ends)
         + _aids_text(stages)
     )

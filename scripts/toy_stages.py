@@ -15,8 +15,9 @@ class StageWalker:
     A stage that teaches one question (see `focus_task`) is there to teach a skill the mix does
     not (see the model card), and whether it takes in its planned steps varies from run to run.
     So such a stage runs on past its planned end, `every` steps at a time and at most
-    `max_extra` steps, until that question's held-out monitor accuracy reaches `gate`; later
-    stages start that much later, and the run's total steps do not change. Deterministic.
+    `max_extra` steps, until that question's held-out monitor accuracy reaches `gate`. Later
+    stages start that much later and the run grows by as much (`delay`), so the last stage, the
+    mix that brings every answer back, always gets its planned steps. Deterministic.
     """
 
     def __init__(
@@ -33,13 +34,23 @@ class StageWalker:
         self.started: dict[int, dict[str, float]] = {}  # as run: {first step: task weights}
         self.ends: list[StageEnd] = []  # how each gated stage ended
 
+    @property
+    def delay(self) -> int:
+        """Steps the stages have run past their plans so far."""
+        return sum(end.extra_steps for end in self.ends) + self.extra
+
+    def planned_step(self, step: int) -> int:
+        """Where `step` falls in the plan: a stage running on stays at its last planned step."""
+        if self.extra:
+            return self.planned[self.index + 1][0] - 1
+        return step - self.delay
+
     def next_mix(self, step: int, accuracy) -> dict[str, float] | None:
         """The task weights of a stage that starts at `step`, or None. `accuracy(task)` is the
         held-out monitor accuracy now; asked only at the end of a stage teaching one question."""
         following = self.index + 1
         # Every stage starts as late as the stages before it ran over their plans.
-        delay = sum(end.extra_steps for end in self.ends) + self.extra
-        if following >= len(self.planned) or step != self.planned[following][0] + delay:
+        if following >= len(self.planned) or step != self.planned[following][0] + self.delay:
             return None
         task = self.index >= 0 and focus_task(self.planned[self.index][1])
         if task and self.gate > 0:

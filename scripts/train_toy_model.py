@@ -358,15 +358,19 @@ def train(
 
     start = time.time()
     max_load = os.getloadavg()[0]
-    for step in range(args.steps):
+    step = 0
+    # --steps is the plan; a stage that runs on adds its extra steps to the run (walker.delay).
+    while step < args.steps + walker.delay:
         if (mix := walker.next_mix(step, monitor_accuracy)) is not None:
             sampler.set_mix(mix)
             focused = focus_task(mix) is not None and args.focus_batch_size > 0
             batch_size = args.focus_batch_size if focused else args.batch_size
             batches = sampler.batches(batch_size)  # a fresh pool, all in the new mix
             log.info("from step %d: task mix %s", step, mix)
+        # The schedule follows the plan: it holds its place while a stage runs on.
+        planned = walker.planned_step(step)
         for group in opt.param_groups:
-            group["lr"] = group["scale"] * lr_at(step, args.steps, args.lr)
+            group["lr"] = group["scale"] * lr_at(planned, args.steps, args.lr)
         model.train()
         batch = next(batches)
         inputs = {k: v.to(args.device) for k, v in collate(batch, ids).items()}
@@ -381,14 +385,16 @@ def train(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % 50 == 0 or step == args.steps - 1:
+        last = step == args.steps + walker.delay - 1
+        if step % 50 == 0 or last:
             log.info("step %d loss %.4f (%.0fs)", step, loss.item(), time.time() - start)
             max_load = max(max_load, os.getloadavg()[0])
-        if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
+        if (step + 1) % args.eval_every == 0 or last:
             model.eval()
             accs = {t: teacher_forced_accuracy(model, b, ids) for t, b in monitor.items()}
             log.info("step %d held-out: %s", step + 1, _fmt(accs))
             save(model, args.out, ids)
+        step += 1
     seconds = time.time() - start
     return TrainStats(seconds, torch.get_num_threads(), max_load, walker.started, walker.ends)
 

@@ -86,6 +86,24 @@ def test_a_one_question_stage_runs_on_until_it_has_taken_and_later_stages_move()
     assert walker.ends[0] == StageEnd("which", 300, 100, 0.92)
 
 
+def test_a_stage_that_runs_on_lengthens_the_run_and_holds_the_schedule() -> None:
+    scores = iter([0.5, 0.92])  # one extra chunk of steps, then taken
+    every = train.StageWalker({}, 0.9, 300).every
+    walker = train.StageWalker({0: ONE_PICTURE, 100: WHICH_ALONE, 200: ONE_PICTURE}, 0.9, 300)
+    planned = []
+    step = 0
+    while step < 300 + walker.delay:  # as the training loop runs a 300-step plan
+        walker.next_mix(step, lambda task: next(scores))
+        planned.append(walker.planned_step(step))
+        step += 1
+    assert step == 300 + every  # the last stage still got its planned 100 steps
+    assert list(walker.started) == [0, 100, 200 + every]
+    # The extra steps sit at the stage's last planned step; the plan then goes on where it was.
+    assert planned[:200] == list(range(200))
+    assert planned[200 : 200 + every] == [199] * every
+    assert planned[200 + every :] == list(range(200, 300))
+
+
 def test_a_stage_teaches_the_question_it_draws_at_least_three_times_in_four() -> None:
     assert train.focus_task(WHICH_ALONE) == "which"
     assert train.focus_task({"which": 1.0, "describe": 0.1, "shape": 0.1, "colour": 0.0}) == "which"
@@ -115,13 +133,15 @@ def test_gate_zero_keeps_the_plan_and_asks_nothing() -> None:
 
 
 def test_the_card_says_how_each_one_question_stage_ended() -> None:
-    args = argparse.Namespace(stage_gate=0.9, stage_max_extra=300)
+    args = argparse.Namespace(steps=5000, stage_gate=0.9, stage_max_extra=300)
     ends = [StageEnd("nth_colour", 2900, 0, 1.0), StageEnd("which", 3650, 50, 0.91)]
     text = " ".join(_gate_text(args, ends).split())
     assert "until that question's held-out monitor accuracy" in text
     assert "nth_colour ended at step 2900, as planned (100%)" in text
     assert "which ended at step 3650, 50 steps over plan (91%)" in text
-    assert _gate_text(argparse.Namespace(stage_gate=0.0, stage_max_extra=300), ends) == ""
+    assert "5050 steps in all (5000 planned)" in text
+    off = argparse.Namespace(steps=5000, stage_gate=0.0, stage_max_extra=300)
+    assert _gate_text(off, ends) == ""
 
 
 def test_the_card_explains_each_training_aid_only_when_the_run_trained_it() -> None:
