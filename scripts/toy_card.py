@@ -259,6 +259,11 @@ def _curriculum(stages: dict[int, dict[str, float]], steps: int) -> str:
     )
 
 
+def _steps_run(args: argparse.Namespace, ends: list[StageEnd]) -> int:
+    """The planned --steps plus every step the gated stages ran past their plans."""
+    return args.steps + sum(end.extra_steps for end in ends)
+
+
 def _gate_text(args: argparse.Namespace, ends: list[StageEnd]) -> str:
     """How the stages that teach one question were allowed to run on, and how each ended."""
     if args.stage_gate <= 0 or not ends:
@@ -278,8 +283,7 @@ def _gate_text(args: argparse.Namespace, ends: list[StageEnd]) -> str:
         " (the learning-rate schedule holds meanwhile). Later stages start that much later and"
         " the run grows by as much, so the last mix always gets its planned steps. In this run: "
         + outcomes
-        + f"; {args.steps + sum(end.extra_steps for end in ends)} steps in all ({args.steps}"
-        " planned)."
+        + f"; {_steps_run(args, ends)} steps in all ({args.steps} planned)."
     )
     return "\n\n" + textwrap.fill(text, width=96)
 
@@ -294,7 +298,7 @@ def _stages_text(
         return f"Every step drew from one mix of questions: {_mix(stages[0])}."
     return (
         "Training is a curriculum: each stage draws its questions in these shares.\n\n"
-        + _curriculum(stages, args.steps + sum(end.extra_steps for end in ends))
+        + _curriculum(stages, _steps_run(args, ends))
         + _gate_text(args, ends)
         + _aids_text(stages)
     )

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import train_toy_model as train  # noqa: E402
 from toy_batches import PixelConfig, SpecialIds, collate, encode  # noqa: E402
-from toy_card import StageEnd, _curriculum, _gate_text, _shortfalls, _stages_text  # noqa: E402
+from toy_card import STAGE_GATE_EVERY, StageEnd, _curriculum, _gate_text, _shortfalls, _stages_text  # noqa: E402
 from toy_data import TASKS, sample_example  # noqa: E402
 
 from mmserve.engine.args import bundled_toy_model_dir  # noqa: E402
@@ -88,7 +88,7 @@ def test_a_one_question_stage_runs_on_until_it_has_taken_and_later_stages_move()
 
 def test_a_stage_that_runs_on_lengthens_the_run_and_holds_the_schedule() -> None:
     scores = iter([0.5, 0.92])  # one extra chunk of steps, then taken
-    every = train.StageWalker({}, 0.9, 300).every
+    every = STAGE_GATE_EVERY
     walker = train.StageWalker({0: ONE_PICTURE, 100: WHICH_ALONE, 200: ONE_PICTURE}, 0.9, 300)
     planned = []
     step = 0
