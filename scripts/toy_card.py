@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 from toy_data import (
-    BIG_RADIUS,
     CELL_RADIUS,
     COLOURS,
     EXTRA_TASKS,
-    MAX_ANGLE,
+    FIRST,
+    LARGEST_RADIUS,
     NON_SQUARE,
     POSITIONS,
     QUESTIONS,
-    ROTATED,
     SHAPES,
+    VARIETIES,
     accuracy_target,
 )
 from toy_render import BACKGROUND_SHARES, BACKGROUNDS, MAX_OUTLINE, MIN_CONTRAST
@@ -47,6 +48,7 @@ class TrainStats:
     max_load: float  # the busiest 1-minute load average seen while training
     stages: dict[int, dict[str, float]]  # the curriculum as it ran: {first step: task weights}
     stage_ends: list[StageEnd]  # one per stage that teaches one question, in order
+    pictures: dict[int, str]  # as it ran: {first step: the name of its pictures' Variety}
 
 
 TASK_ROWS = {
@@ -81,6 +83,11 @@ def _commands(args: argparse.Namespace) -> str:
             else ""
         )
         + (f" --focus-batch-size {args.focus_batch_size}" if args.focus_batch_size else "")
+        + (
+            f" --last-stage-stretch {args.last_stage_stretch:g}"
+            if args.last_stage_stretch != 1
+            else ""
+        )
         + (f" --threads {args.threads}" if args.threads else "")
     )
     if not args.resume:
@@ -170,23 +177,54 @@ def _lessons(args: argparse.Namespace) -> str:
         "steps; the fifth had a same-colour stage between nth_colour and nth_shape); without "
         "nth_shape, in one run of four. Same-colour took in all five runs that trained it right "
         "after nth_colour (100-450 steps), and failed in three of the four that trained it right "
-        "after which.",
+        "after which. Which also needs nth_shape kept alive while it learns: from the same "
+        "weights (2026-12-03), with only the one-picture questions kept alive nth_shape fell from "
+        "91% to 50% in the which stage's first 100 steps and to 11% by its 600th, and which "
+        "stayed at chance (47-56%) for 1,100 steps; with nth_shape at a thirteenth of the stage "
+        "it stayed at 84-89% and which took in 600 steps (91%). When which falls short it is "
+        "nearly always on one pair of look-alike shapes, at chance there and right on the other "
+        "five: circle and square or triangle and star in the checkpoint before this one (15 of 59 "
+        "and 41 of 68 wrong, 1 of 273 on the rest), square and triangle in a run of 2026-12-03 "
+        "(23 of 52, 2 of 348 on the rest). Which pair varies from run to run, and a pair left "
+        "at chance by the which stage stayed there through the last mix (27 of 52 wrong with "
+        "look-alike pairs three times as often in the mix alone). So the which stage and the "
+        "last mix both show look-alike pairs (neighbours in circle, square, triangle, star) "
+        "three times as often as the others: from the same weights which then ended its stage "
+        "at 92%, and this checkpoint is right on every look-alike pair (0 of 261 wrong on "
+        "held-out pictures) but at 72% on square and star (20 of 72).",
         "- **Whether a stage takes.** A stage does not take in the same number of steps from run "
         "to run: nth_shape needed 500 steps in one run and 750 in another. So the stage gate "
         "(`--stage-gate`) lets a stage run on until its held-out monitor says it has taken (at "
         "most `--stage-max-extra` more steps), holding the learning rate where the plan had it; "
         "later stages start that much later and the run grows by as much. When the run's length "
         "was fixed instead, every step a stage ran over came out of the last mix: the checkpoint "
-        "before this one got 1,250 of its planned 1,750 mix steps and ended with which at 85%.",
-        "- **Turned shapes.** A shape turned further than any in training is misread. The "
-        "checkpoint before this one, trained on turns of up to 20 degrees, read 30 of 30 upright "
-        "squares right, 20 at 20 degrees, 10 at 25 and 1 at 40 (triangles 29, 27, 10 and 0, "
-        "mostly read as stars); the foreign routine turns shapes by up to 25 degrees, and its "
-        "turned shapes were most of that checkpoint's foreign errors. Weights trained on turns "
-        "of up to 30 degrees (a run stopped at step 4000) read 23 and 25 of 30 at 25 degrees. "
-        "But wider turns are harder to learn in the same steps: with turns of up to 30 degrees "
-        "(60% of shapes) nth_shape did not take in 800 steps (73%) and which stayed at chance; "
-        "with 40 degrees the monitor read shape 67% at step 2000, against 81% at 20 degrees.",
+        "before this one got 1,250 of its planned 1,750 mix steps and ended with which at 85%. "
+        "Runs differ from machine to machine too: the same command, seed and thread count gave "
+        "the same monitor figures on the machines of 2026-12-01 and 2026-12-02, but on that of "
+        "2026-12-03 it read describe 39, shape 45 and position 27% at step 500 (before: 42, 42 "
+        "and 23%), nth_shape ran 200 steps over where it had run none, and which never took. "
+        "The pictures are the same numbers from the same seed; the processor's floating-point "
+        "kernels (or the unpinned numpy and Pillow of that day's install) differ, and a "
+        "curriculum amplifies any difference. On one machine a run is repeatable: this command "
+        "gave the same figures twice there up to the last stage.",
+        "- **Turned and small shapes, late.** A shape turned further than any in training is "
+        "misread: the checkpoint two before this one, trained on turns of up to 20 degrees, read "
+        "30 of 30 upright squares right, 20 at 20 degrees, 10 at 25 and 1 at 40 (triangles 29, "
+        "27, 10 and 0, mostly read as stars), and the foreign routine turns shapes by up to 25 "
+        "degrees. Wider turns from the start are harder to learn in the same steps: with turns "
+        "of up to 30 degrees (60% of shapes) nth_shape did not take in 800 steps (73%) and which "
+        "stayed at chance; with 40 degrees the monitor read shape 67% at step 2000, against 81% "
+        "at 20 degrees. Taught late they are not: 1,000 steps of the last mix with turns of up "
+        "to 40 degrees on 60% of shapes, resumed from the previous checkpoint, read 24 of 27 "
+        "squares and 29 of 33 triangles turned by 25 degrees (before: 11 and 14). The foreign "
+        "pictures also hold small shapes three times as often as the first stages draw them (30% "
+        "under 45% across, against 9.5%), and the previous checkpoint's remaining foreign errors "
+        "were mostly small or turned shapes. So the stages before the last draw the easier "
+        "pictures and the last mix the wide ones (smaller shapes as often as large, turned "
+        "further); 1,500 such steps resumed from the previous checkpoint took foreign shape from "
+        "90.5 to 94.5% and small shapes from 93 to 96%. The held-out figures above ask about the "
+        "first stages' pictures, as every earlier card did; the wide column shows the harder "
+        "ones.",
         "- **Forgetting.** Each one-question stage makes the model forget the answers before it: "
         "every one-picture answer falls to near 0% (it answers the stage's question to "
         "everything), and same-colour fell from 100% to 14% over two later stages in one run. "
@@ -206,10 +244,13 @@ def _lessons(args: argparse.Namespace) -> str:
         "varied pictures cost about 1.5 ms each, a fifth of a first-stage step, and the first "
         "generator's steps 0.18 s. The output layer is applied only where an answer token is "
         "predicted (5% off every step). With the first generator a 6000-step run at batch 24 "
-        "throughout took 21.8 minutes and fell short (see Other runs). Machines differ: on "
-        "2026-12-02 the same code, seed and thread count cost 0.43-0.47 s a step, with the "
-        "same held-out figures at step 500 as the run of the day before, so the run that "
-        "trained this checkpoint took longer than 25 minutes (How to reproduce).",
+        "throughout took 21.8 minutes and fell short (see Other runs). Machines differ: the "
+        "same code, seed and thread count cost 0.43-0.47 s a step on the machine of "
+        "2026-12-02 (the checkpoint before this one took 53 minutes there), and 0.18 s in the "
+        "first stage, 0.19-0.20 s in the one-question stages and 0.25 s in the last mix on that "
+        "of 2026-12-03, where this checkpoint's run took the time under How to reproduce. The "
+        "last mix was stretched to 1.6 times its planned 1,750 steps with what that machine "
+        "saved.",
         f"- **Rotary base.** The language model's rotary base is {args.rope_theta:g} "
         f"(`rope_theta`; Qwen2-VL uses 10000) and its M-RoPE bands are [{t}, {h}, {w}] (time, "
         f"height, width) of the head's {t + h + w} frequencies, fastest first. M-RoPE hands the "
@@ -236,9 +277,9 @@ def _looks() -> str:
         " channel, always still nearest its own name: the answer's colour word stays true."
         " About a third of the pictures outline their shapes (dark, light, or a darker shade of"
         f" the fill, up to {100 * MAX_OUTLINE:.0f}% of the radius wide); 60% have anti-aliased"
-        f" edges (4x supersampled), the rest hard ones; {100 * ROTATED:.0f}% of the shapes are"
-        f" turned by up to {MAX_ANGLE * 57.2958:.0f} degrees either way; triangles vary in"
-        " width and stars in how deep their points are; 40% of the pictures are saved as JPEG"
+        f" edges (4x supersampled), the rest hard ones; shapes may be turned (below); triangles"
+        " vary in width and stars in how deep their points are; 40% of the pictures are saved as"
+        " JPEG"
         " at quality 60-95 and read back, the rest stay lossless."
     )
     return textwrap.fill(text, width=96)
@@ -249,19 +290,68 @@ def _mix(weights: dict[str, float]) -> str:
     return ", ".join(f"{task} {100 * w / total:.0f}%" for task, w in weights.items() if w > 0)
 
 
-def _curriculum(stages: dict[int, dict[str, float]], steps: int) -> str:
-    """The task mix of each training stage ({first step: full task weights}), in words."""
+def _variety_text(name: str) -> str:
+    """How big and how turned a variety's shapes are, in words."""
+    v = VARIETIES[name]
+    sizes = "larger more often" if v.skew < 1 else "every size as often"
+    alike = (
+        f", and the two-picture shape questions pair look-alike shapes (circle and square, square"
+        f" and triangle, triangle and star) {v.alike:g} times as often as others"
+        if v.alike != 1
+        else ""
+    )
+    return (
+        f"{200 * v.smallest:.0f}-{200 * LARGEST_RADIUS:.0f}% of the picture's short side across"
+        f" ({sizes}),"
+        f" {100 * v.turned:.0f}% of them turned by up to {math.degrees(v.max_angle):.0f} degrees"
+        + alike
+    )
+
+
+def _sizes_text(pictures: dict[int, str]) -> str:
+    """The sizes and turns of the shapes asked about, stage by stage."""
+    names = list(dict.fromkeys(pictures[start] for start in sorted(pictures)))
+    if len(names) == 1:
+        return f"A shape is {_variety_text(names[0])}, anywhere it fits"
+    later = [n for n in names if n != FIRST.name]
+    return (
+        f"A shape is {_variety_text(FIRST.name)}, anywhere it fits; the stages marked"
+        + " and ".join(f" {n} draw them {_variety_text(n)}" for n in later)
+    )
+
+
+def _curriculum(
+    stages: dict[int, dict[str, float]], steps: int, pictures: dict[int, str] | None = None
+) -> str:
+    """The task mix of each training stage ({first step: full task weights}), in words, with
+    the pictures' variety where it is not the first."""
+    pictures = pictures or {}
     starts = sorted(stages)
     ends = [*starts[1:], steps]
     return "\n".join(
         f"- steps {start}-{end - 1}: {_mix(stages[start])}"
+        + (
+            f" ({pictures[start]} pictures)"
+            if pictures.get(start, FIRST.name) != FIRST.name
+            else ""
+        )
         for start, end in zip(starts, ends, strict=True)
     )
 
 
+def last_stage_extra(args: argparse.Namespace) -> int:
+    """Steps the last stage runs past its planned length when stretched (--last-stage-stretch):
+    it runs `stretch` times as long, its learning rate decaying as the plan had it."""
+    if not args.stage:
+        return 0
+    last_start = max(int(item.partition(":")[0]) for item in args.stage)
+    return round((args.last_stage_stretch - 1) * (args.steps - last_start))
+
+
 def _steps_run(args: argparse.Namespace, ends: list[StageEnd]) -> int:
-    """The planned --steps plus every step the gated stages ran past their plans."""
-    return args.steps + sum(end.extra_steps for end in ends)
+    """The planned --steps, the last stage's stretch and every step the gated stages ran past
+    their plans."""
+    return args.steps + last_stage_extra(args) + sum(end.extra_steps for end in ends)
 
 
 def _gate_text(args: argparse.Namespace, ends: list[StageEnd]) -> str:
@@ -283,13 +373,21 @@ def _gate_text(args: argparse.Namespace, ends: list[StageEnd]) -> str:
         " (the learning-rate schedule holds meanwhile). Later stages start that much later and"
         " the run grows by as much, so the last mix always gets its planned steps. In this run: "
         + outcomes
-        + f"; {_steps_run(args, ends)} steps in all ({args.steps} planned)."
+        + f"; {_steps_run(args, ends)} steps in all ({args.steps} planned"
+        + (
+            f", the last stage stretched {args.last_stage_stretch:g} times)."
+            if args.last_stage_stretch != 1
+            else ")."
+        )
     )
     return "\n\n" + textwrap.fill(text, width=96)
 
 
 def _stages_text(
-    stages: dict[int, dict[str, float]] | None, args: argparse.Namespace, ends: list[StageEnd]
+    stages: dict[int, dict[str, float]] | None,
+    args: argparse.Namespace,
+    ends: list[StageEnd],
+    pictures: dict[int, str] | None = None,
 ) -> str:
     """The curriculum as it ran: `ends` say how far each gated stage ran past its plan."""
     if stages is None:
@@ -298,7 +396,7 @@ def _stages_text(
         return f"Every step drew from one mix of questions: {_mix(stages[0])}."
     return (
         "Training is a curriculum: each stage draws its questions in these shares.\n\n"
-        + _curriculum(stages, _steps_run(args, ends))
+        + _curriculum(stages, _steps_run(args, ends), pictures)
         + _gate_text(args, ends)
         + _aids_text(stages)
     )
@@ -353,12 +451,18 @@ def write_model_card(
     pre: dict,
     stats: TrainStats | None = None,
     stages: dict[int, dict[str, float]] | None = None,
+    pictures: dict[int, str] | None = None,
+    wide_accs: dict[str, float] | None = None,
 ) -> None:
     """README.md and accuracy.json for the checkpoint in `out`. `stages` is the training
-    curriculum ({first step: task weights}); None when only re-evaluating."""
+    curriculum ({first step: task weights}) and `pictures` its varieties ({first step: name}),
+    as planned; `wide_accs` the held-out accuracy on the wide pictures, if measured."""
+    pictures = stats.pictures if stats else (pictures or {0: FIRST.name})
+    wide_head, wide_rule = (" wide pictures |", "---|") if wide_accs else ("", "")
     rows = "\n".join(
         f"| {task} | {TASK_ROWS[task][0]} | {TASK_ROWS[task][1]} | {100 * acc:.1f}% |"
-        f" {_target_text(task)} |"
+        + (f" {100 * wide_accs[task]:.1f}% |" if wide_accs else "")
+        + f" {_target_text(task)} |"
         for task, acc in accs.items()
     )
     positions = ", ".join(p for row in POSITIONS for p in row)
@@ -379,8 +483,7 @@ Pictures generated by `scripts/toy_data.py` and `scripts/toy_render.py`: one sha
 for the counting question); the two-picture questions show two one-shape pictures.
 {_looks()}
 
-A shape is {200 * BIG_RADIUS[0]:.0f}-{200 * BIG_RADIUS[1]:.0f}% of the picture's short side
-across (larger more often), anywhere it fits; for "Where is the shape?" it is
+{_sizes_text(pictures)}; for "Where is the shape?" it is
 {200 * CELL_RADIUS[0]:.0f}-{200 * CELL_RADIUS[1]:.0f}% across with its centre well inside one
 cell of a 3x3 grid; two-shape pictures hold shapes 24-44% across. Shapes: {", ".join(SHAPES)}.
 Colours: {", ".join(COLOURS)}. Picture sizes range from 56 to 448 pixels a side, mostly
@@ -392,17 +495,17 @@ or (one time in four) a random system prompt of up to ~120 plain words. Loss is 
 and `<|im_end|>` only. The tokenizer is a 512-token byte-level BPE trained on the same text,
 with the Qwen2-VL special tokens and chat template.
 
-{_stages_text(stats.stages if stats else stages, args, stats.stage_ends if stats else [])}
+{_stages_text(stats.stages if stats else stages, args, stats.stage_ends if stats else [], pictures)}
 
 ## What it answers
 
 Answers are exact strings, ending with `<|im_end|>`. Positions use a 3x3 grid: {positions}.
 
 Held-out greedy accuracy ({args.eval_per_task} fresh examples per question, transformers
-`generate`, these bf16 weights computed in float32):
+`generate`, these bf16 weights computed in float32){_wide_note(wide_accs)}:
 
-| task | question | answers | accuracy | target |
-|---|---|---|---|---|
+| task | question | answers | accuracy |{wide_head} target |
+|---|---|---|---|{wide_rule}---|
 {rows}
 
 The same figures are in `accuracy.json` (machine-readable): mmserve's tests check that the
@@ -438,14 +541,28 @@ API (`LLM.chat`):
 {_timing(stats)} The held-out evaluation afterwards takes a minute or two.
 It needs only the development dependencies (transformers and torch); `--device cuda` also
 works. Add `--eval-only` to re-measure the accuracy of the checkpoint in `--out` without
-training. The run is deterministic for a given seed and thread count (`--threads` above);
-a different thread count changes floating-point rounding and so the exact weights.
+training. The run is deterministic for a given seed and thread count (`--threads` above) on
+one machine; a different thread count or processor changes floating-point rounding and so the
+exact weights (Whether a stage takes).
 """
     (out / "README.md").write_text(text)
-    write_accuracy(out, accs, args.eval_per_task)
+    write_accuracy(out, accs, args.eval_per_task, wide_accs)
 
 
-def write_accuracy(out: Path, accs: dict[str, float], num_per_task: int) -> None:
+def _wide_note(wide_accs: dict[str, float] | None) -> str:
+    if not wide_accs:
+        return ""
+    return (
+        "; the accuracy column asks about pictures of the first stages' variety, the targets'"
+        " held-out set since the first generator, and the next one about the wide pictures of"
+        " the last stage (small shapes as often as large, turned further, and look-alike"
+        " shapes paired more often in the two-picture shape questions)"
+    )
+
+
+def write_accuracy(
+    out: Path, accs: dict[str, float], num_per_task: int, wide_accs: dict[str, float] | None = None
+) -> None:
     """accuracy.json: the card's figures, machine-readable, for tests/models/test_toy_model.py."""
     record = {
         "measured_by": (
@@ -455,4 +572,6 @@ def write_accuracy(out: Path, accs: dict[str, float], num_per_task: int) -> None
         "num_per_task": num_per_task,
         "accuracy": {task: round(acc, 4) for task, acc in accs.items()},
     }
+    if wide_accs:
+        record["wide"] = {task: round(acc, 4) for task, acc in wide_accs.items()}
     (out / "accuracy.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -9,6 +9,9 @@ pictures with a question and its exact answer string.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -38,7 +41,9 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "purple": (135, 40, 185),
     "orange": (245, 135, 20),
 }
+# In order of roundness: neighbours are the look-alike pairs (see Variety.alike).
 SHAPES = ("circle", "square", "triangle", "star")
+SHAPE_PAIRS = tuple(itertools.combinations(range(len(SHAPES)), 2))
 # The answer to "Where is the shape?" for the 3x3 cell [row][col] holding the shape's centre.
 POSITIONS = (
     ("top left", "top", "top right"),
@@ -94,15 +99,49 @@ WORDS = tuple(
 # "Where is the shape?" ambiguous, so such centres are never drawn.
 CELL_MARGIN = 0.05
 MIN_SIDE, MAX_SIDE = 56, 448
-# Shape radius as a fraction of the picture's short side: 25-90% of it across for the
-# questions about what the shape is, 24-60% for "Where is the shape?" so that its centre can
-# sit inside any cell.
-BIG_RADIUS = (0.125, 0.45)
+# Shape radius as a fraction of the picture's short side: for "Where is the shape?" 24-60% of
+# it across, so that its centre can sit inside any cell. For the questions about what the shape
+# is, the largest is 90% across; how small and how turned depends on the stage (`Variety`).
+LARGEST_RADIUS = 0.45
 CELL_RADIUS = (0.12, 0.30)
-# Share of shapes turned, and by at most how much (radians, either way).
-ROTATED, MAX_ANGLE = 0.5, math.radians(20)
 # Share of pictures that are not square (aspect ratios up to 3:1 either way).
 NON_SQUARE = 0.35
+
+
+@dataclass(frozen=True)
+class Variety:
+    """How far a training stage's shapes stray from the easiest: the share of shapes turned and
+    by how much, and how small a shape about which the model is asked what it is may be, and
+    how often. Easy pictures let the first stage learn to read shapes at all; the last mix
+    widens them to what people draw (see the model card)."""
+
+    name: str
+    turned: float  # share of shapes (circles aside) that are turned
+    max_angle: float  # radians, either way
+    smallest: float  # the smallest radius, as a share of the short side (half its width across)
+    # Radius drawn as smallest + (LARGEST_RADIUS - smallest) * u ** skew: below 1 skews towards
+    # large shapes, 1 is uniform.
+    skew: float
+    # How many times as often a two-picture shape question (which, nth_shape) shows two look-alike
+    # shapes (neighbours in SHAPES: circle and square, square and triangle, triangle and star) as
+    # any other two. 1: every pair as often.
+    alike: float = 1.0
+
+    def size_share(self, rng: np.random.Generator) -> float:
+        """A shape's radius as a share of the picture's short side."""
+        return self.smallest + (LARGEST_RADIUS - self.smallest) * rng.random() ** self.skew
+
+    def turn(self, rng: np.random.Generator) -> float:
+        return rng.uniform(-self.max_angle, self.max_angle) if rng.random() < self.turned else 0.0
+
+
+# 25-90% across, larger more often, half turned by up to 20 degrees: what the first stages see.
+FIRST = Variety("first", turned=0.5, max_angle=math.radians(20), smallest=0.125, skew=0.5)
+# 20-90% across, every size as often, 60% turned by up to 40 degrees; look-alike pairs 3x as often.
+WIDE = Variety("wide", turned=0.6, max_angle=math.radians(40), smallest=0.1, skew=1.0, alike=3.0)
+# The first stages' pictures, with look-alike pairs 3x as often: for the stage that teaches which.
+PAIRS = dataclasses.replace(FIRST, name="pairs", alike=3.0)
+VARIETIES = {v.name: v for v in (FIRST, PAIRS, WIDE)}
 
 
 @dataclass(frozen=True)
@@ -181,8 +220,8 @@ def _styled(
     return Picture(width, height, base, shapes, style)
 
 
-def _turn_and_form(rng: np.random.Generator, kind: str) -> tuple[float, float]:
-    angle = rng.uniform(-MAX_ANGLE, MAX_ANGLE) if rng.random() < ROTATED else 0.0
+def _turn_and_form(rng: np.random.Generator, kind: str, variety: Variety) -> tuple[float, float]:
+    angle = variety.turn(rng)
     form = {"triangle": rng.uniform(0.8, 1.15), "star": rng.uniform(0.9, 1.2)}.get(kind, 1.0)
     return (0.0 if kind == "circle" else angle), form
 
@@ -225,20 +264,20 @@ def sample_single(
     kind: str | None = None,
     colour: str | None = None,
     in_cell: bool = False,
+    variety: Variety = FIRST,
 ) -> Picture:
     """A picture of one shape. With `in_cell` its centre lies well inside a random cell of the
-    3x3 grid (for "Where is the shape?"); otherwise the shape is large and anywhere it fits."""
+    3x3 grid (for "Where is the shape?"); otherwise it is anywhere it fits, as large as the
+    variety says."""
     width, height = sample_size(rng)
     kind = kind or SHAPES[rng.integers(len(SHAPES))]
     colour = colour or list(COLOURS)[rng.integers(len(COLOURS))]
     short = min(width, height)
-    angle, form = _turn_and_form(rng, kind)
+    angle, form = _turn_and_form(rng, kind, variety)
     reach = extent(kind, angle, form)  # a turned shape reaches further
     rgb = _jitter(rng, colour)
     if not in_cell:
-        # Larger shapes more often than smaller: what people draw, and easier to learn.
-        share = BIG_RADIUS[0] + (BIG_RADIUS[1] - BIG_RADIUS[0]) * rng.random() ** 0.5
-        radius = share * short / reach
+        radius = variety.size_share(rng) * short / reach
         half = radius * reach
         cx, cy = rng.uniform(half, width - half), rng.uniform(half, height - half)
         shape = Shape(kind, colour, rgb, cx, cy, radius, angle, form)
@@ -260,7 +299,7 @@ def sample_single(
     return _styled(rng, width, height, (shape,))
 
 
-def sample_pair(rng: np.random.Generator) -> Picture:
+def sample_pair(rng: np.random.Generator, variety: Variety = FIRST) -> Picture:
     """A picture of two shapes in different colours that do not touch."""
     width, height = sample_size(rng)
     short = min(width, height)
@@ -269,7 +308,7 @@ def sample_pair(rng: np.random.Generator) -> Picture:
         shapes = []
         for c in colours:
             kind = SHAPES[rng.integers(len(SHAPES))]
-            angle, form = _turn_and_form(rng, kind)
+            angle, form = _turn_and_form(rng, kind, variety)
             half = rng.uniform(0.12, 0.22) * short
             name = list(COLOURS)[c]
             shapes.append(
@@ -290,6 +329,17 @@ def sample_pair(rng: np.random.Generator) -> Picture:
             return _styled(rng, width, height, tuple(shapes))
 
 
+def _two_kinds(rng: np.random.Generator, variety: Variety) -> tuple[int, int]:
+    """Two different shapes (indices into SHAPES), in random order; look-alike pairs as often
+    as the variety says."""
+    if variety.alike == 1:
+        first, second = rng.choice(len(SHAPES), size=2, replace=False)
+        return int(first), int(second)
+    weights = np.array([variety.alike if b - a == 1 else 1.0 for a, b in SHAPE_PAIRS])
+    a, b = SHAPE_PAIRS[rng.choice(len(SHAPE_PAIRS), p=weights / weights.sum())]
+    return (a, b) if rng.random() < 0.5 else (b, a)
+
+
 def _system_prompt(rng: np.random.Generator) -> str | None:
     if rng.random() < 0.75:
         return None
@@ -304,11 +354,12 @@ def _nth_question(task: str, target: int) -> str:
     return QUESTIONS[task].format(ordinal=ORDINALS[target].removeprefix("the "))
 
 
-def sample_example(rng: np.random.Generator, task: str) -> Example:
+def sample_example(rng: np.random.Generator, task: str, variety: Variety = FIRST) -> Example:
     """One question of `task` (see TASKS) about freshly drawn pictures, with its exact answer."""
     system = _system_prompt(rng)
+    single = functools.partial(sample_single, rng, variety=variety)
     if task in ("describe", "colour", "shape", "position"):
-        pic = sample_single(rng, in_cell=task == "position")
+        pic = single(in_cell=task == "position")
         s = pic.shapes[0]
         answer = {
             "describe": describe(pic),
@@ -319,11 +370,11 @@ def sample_example(rng: np.random.Generator, task: str) -> Example:
         return Example(task, (pic,), QUESTIONS[task], answer, system)
     if task == "count":
         num_shapes = int(rng.integers(1, 3))
-        pic = sample_single(rng) if num_shapes == 1 else sample_pair(rng)
+        pic = single() if num_shapes == 1 else sample_pair(rng, variety)
         return Example(task, (pic,), QUESTIONS[task], COUNTS[num_shapes - 1], system)
     if task in ("which", "nth_shape"):  # two pictures of different shapes
-        kinds = rng.choice(len(SHAPES), size=2, replace=False)
-        pics = tuple(sample_single(rng, kind=SHAPES[k]) for k in kinds)
+        kinds = _two_kinds(rng, variety)
+        pics = tuple(single(kind=SHAPES[k]) for k in kinds)
         target = int(rng.integers(2))
         if task == "which":
             question = QUESTIONS[task].format(shape=SHAPES[kinds[target]])
@@ -333,13 +384,13 @@ def sample_example(rng: np.random.Generator, task: str) -> Example:
         is_same = bool(rng.random() < 0.5)
         colours = rng.choice(len(COLOURS), size=2, replace=False)
         names = [list(COLOURS)[c] for c in colours]
-        first = sample_single(rng, colour=names[0])
-        second = sample_single(rng, colour=names[0] if is_same else names[1])
+        first = single(colour=names[0])
+        second = single(colour=names[0] if is_same else names[1])
         return Example(task, (first, second), QUESTIONS[task], "yes" if is_same else "no", system)
     if task == "nth_colour":
         colours = rng.choice(len(COLOURS), size=2, replace=False)
         names = [list(COLOURS)[c] for c in colours]
-        pics = tuple(sample_single(rng, colour=name) for name in names)
+        pics = tuple(single(colour=name) for name in names)
         target = int(rng.integers(2))
         return Example(task, pics, _nth_question(task, target), names[target], system)
     raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")

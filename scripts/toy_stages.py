@@ -26,9 +26,11 @@ class StageWalker:
         gate: float,
         max_extra: int,
         every: int = STAGE_GATE_EVERY,
+        stretch: float = 1.0,
     ) -> None:
         self.planned = sorted(stages.items())
         self.gate, self.max_extra, self.every = gate, max_extra, every
+        self.stretch = stretch  # the last stage runs this many times its planned length
         self.index = -1  # the stage being trained
         self.extra = 0  # steps the current stage has run past its plan
         self.started: dict[int, dict[str, float]] = {}  # as run: {first step: task weights}
@@ -39,11 +41,21 @@ class StageWalker:
         """Steps the stages have run past their plans so far."""
         return sum(end.extra_steps for end in self.ends) + self.extra
 
-    def planned_step(self, step: int) -> int:
-        """Where `step` falls in the plan: a stage running on stays at its last planned step."""
+    @property
+    def planned_start(self) -> int:
+        """The planned first step of the stage being trained."""
+        return self.planned[self.index][0]
+
+    def planned_step(self, step: int) -> float:
+        """Where `step` falls in the plan: a stage running on stays at its last planned step; the
+        last stage, stretched, moves through its planned steps `stretch` times slower."""
         if self.extra:
             return self.planned[self.index + 1][0] - 1
-        return step - self.delay
+        planned = step - self.delay
+        last_start = self.planned[-1][0]
+        if planned <= last_start:
+            return planned
+        return last_start + (planned - last_start) / self.stretch
 
     def next_mix(self, step: int, accuracy) -> dict[str, float] | None:
         """The task weights of a stage that starts at `step`, or None. `accuracy(task)` is the

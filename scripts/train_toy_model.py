@@ -37,8 +37,8 @@ from tests.factory import (  # noqa: E402
 )
 from toy_aux import AuxHeads  # noqa: E402
 from toy_batches import IGNORE_INDEX, Encoded, PixelConfig, SpecialIds, collate, encode  # noqa: E402
-from toy_card import TrainStats, write_model_card  # noqa: E402
-from toy_data import TASKS, sample_example, tokenizer_corpus  # noqa: E402
+from toy_card import TrainStats, last_stage_extra, write_model_card  # noqa: E402
+from toy_data import FIRST, TASKS, VARIETIES, WIDE, Variety, sample_example, tokenizer_corpus  # noqa: E402
 from toy_stages import StageWalker, focus_task  # noqa: E402
 
 log = logging.getLogger("train_toy_model")
@@ -61,12 +61,14 @@ TASK_WEIGHTS = {
 KEEP = "describe=0.1,position=0.05,shape=0.05"
 CURRICULUM = (
     f"2200:nth_shape=1,{KEEP}",
-    f"2700:which=1,{KEEP}",
+    f"2700:which=1,nth_shape=0.1,{KEEP}@pairs",
     f"3500:nth_colour=1,{KEEP}",
     f"3800:same_colour=1,{KEEP}",
-    "4150:describe=1.2,colour=0.2,shape=1.4,position=1.2,count=0.5,which=1.4,same_colour=1.0,"
-    "nth_colour=0.3,nth_shape=0.3",
+    "4150:describe=1.2,colour=0.2,shape=1.4,position=1.4,count=0.4,which=1.6,same_colour=0.8,"
+    "nth_colour=0.3,nth_shape=0.3@wide",
 )
+# The last mix, on the wide pictures, runs this many times its planned 1750 steps.
+LAST_STAGE_STRETCH = 1.6
 # 84x84 to 112x112 pixels: 9-16 image tokens. Fewer tokens per picture train no worse per step
 # and each step costs about half of one at 112x112 to 168x168.
 MIN_PIXELS, MAX_PIXELS = 84 * 84, 112 * 112
@@ -118,7 +120,9 @@ def parse_args() -> argparse.Namespace:
         action="append",
         metavar="STEP:WEIGHTS",
         help="from STEP on, draw only the tasks named in WEIGHTS (e.g. '2400:nth_colour=1'),"
-        " in those proportions; repeat for a curriculum (default: CURRICULUM; 'none': no stages)",
+        " in those proportions, with pictures of the variety after '@' (default 'first'; "
+        f"one of {', '.join(VARIETIES)}); repeat for a curriculum"
+        " (default: CURRICULUM; 'none': no stages)",
     )
     parser.add_argument(
         "--stage-gate",
@@ -131,8 +135,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--stage-max-extra",
         type=int,
-        default=300,
+        default=500,
         help="the most steps such a stage may run past its planned end",
+    )
+    parser.add_argument(
+        "--last-stage-stretch",
+        type=float,
+        default=LAST_STAGE_STRETCH,
+        help="run the last stage (the mix) this many times its planned length, its learning"
+        " rate decaying over the longer stretch as the plan had it; earlier stages unchanged",
     )
     parser.add_argument(
         "--focus-batch-size",
@@ -188,14 +199,23 @@ def parse_weights(text: str) -> dict[str, float]:
     return mix
 
 
+def _split_stage(item: str) -> tuple[int, str, Variety]:
+    """'1200:which=2@wide' -> (1200, 'which=2', WIDE)."""
+    start, sep, rest = item.partition(":")
+    if not sep or not start.isdigit():
+        raise SystemExit(f"--stage: expected STEP:WEIGHTS[@VARIETY], got {item!r}")
+    weights, _, name = rest.partition("@")
+    if (name or FIRST.name) not in VARIETIES:
+        raise SystemExit(f"--stage: unknown picture variety {name!r}; expected one of {VARIETIES}")
+    return int(start), weights, VARIETIES[name or FIRST.name]
+
+
 def parse_stages(items: list[str]) -> dict[int, dict[str, float]]:
     """['1200:which=2,nth_colour=1'] -> {1200: {"which": 2.0, "nth_colour": 1.0, others: 0}}."""
     stages = {}
     for item in items:
-        start, sep, weights = item.partition(":")
-        if not sep or not start.isdigit():
-            raise SystemExit(f"--stage: expected STEP:WEIGHTS, got {item!r}")
-        stages[int(start)] = {**dict.fromkeys(TASKS, 0.0), **parse_weights(weights)}
+        start, weights, _ = _split_stage(item)
+        stages[start] = {**dict.fromkeys(TASKS, 0.0), **parse_weights(weights)}
     return stages
 
 
@@ -203,6 +223,11 @@ def curriculum(args: argparse.Namespace) -> dict[int, dict[str, float]]:
     """{first step: the full task weights from there on}: --weights from step 0, then --stage."""
     mixes = {0: {**TASK_WEIGHTS, **parse_weights(args.weights)}, **parse_stages(args.stage)}
     return dict(sorted(mixes.items()))
+
+
+def stage_varieties(args: argparse.Namespace) -> dict[int, Variety]:
+    """{planned first step: the variety of its pictures} for every stage, step 0's included."""
+    return {0: FIRST} | {start: variety for start, _, variety in map(_split_stage, args.stage)}
 
 
 def free_cores() -> int:
@@ -250,10 +275,13 @@ class Sampler:
     ) -> None:
         self.rng = np.random.default_rng(seed)
         self.tok, self.ids, self.px, self.template = tok, ids, px, template
+        self.variety = FIRST
         self.set_mix(mix)
 
-    def set_mix(self, mix: dict[str, float] | None) -> None:
-        """Draw tasks in these proportions (overrides of TASK_WEIGHTS) from the next pool on."""
+    def set_mix(self, mix: dict[str, float] | None, variety: Variety = FIRST) -> None:
+        """Draw tasks in these proportions (overrides of TASK_WEIGHTS), pictures of this
+        variety, from the next pool on."""
+        self.variety = variety
         mix = {**TASK_WEIGHTS, **(mix or {})}
         weights = np.array([mix[t] for t in TASKS])
         self.probs = weights / weights.sum()
@@ -271,7 +299,7 @@ class Sampler:
         out = []
         for _ in range(num):
             name = task or TASKS[self.rng.choice(len(TASKS), p=self.probs)]
-            ex = sample_example(self.rng, name)
+            ex = sample_example(self.rng, name, self.variety)
             out.append(encode(ex, self.tok, self.ids, self.px, self.template))
         return out
 
@@ -312,7 +340,7 @@ def answer_loss(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.float(), targets[scored])
 
 
-def lr_at(step: int, total: int, peak: float) -> float:
+def lr_at(step: float, total: int, peak: float) -> float:
     warmup = max(1, total // 30)
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -333,6 +361,7 @@ def train(
     args,
     sampler: Sampler,
     stages: dict[int, dict[str, float]],
+    varieties: dict[int, Variety],
     monitor: dict[str, list[Encoded]],
     ids: SpecialIds,
 ) -> TrainStats:
@@ -350,23 +379,30 @@ def train(
     model.model.visual.merger.register_forward_hook(heads.capture)
     groups.append({"params": list(heads.parameters()), "weight_decay": 0.0, "scale": 1.0})
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
-    walker = StageWalker(stages, args.stage_gate, args.stage_max_extra)
+    walker = StageWalker(
+        stages, args.stage_gate, args.stage_max_extra, stretch=args.last_stage_stretch
+    )
+    planned_total = args.steps + last_stage_extra(args)
 
     def monitor_accuracy(task: str) -> float:
         model.eval()
         return teacher_forced_accuracy(model, monitor[task], ids)
 
+    pictures: dict[int, str] = {}  # as run: {first step: variety name}
     start = time.time()
     max_load = os.getloadavg()[0]
     step = 0
-    # --steps is the plan; a stage that runs on adds its extra steps to the run (walker.delay).
-    while step < args.steps + walker.delay:
+    # --steps is the plan (the last stage stretched); a stage that runs on adds its extra steps
+    # to the run (walker.delay).
+    while step < planned_total + walker.delay:
         if (mix := walker.next_mix(step, monitor_accuracy)) is not None:
-            sampler.set_mix(mix)
+            variety = varieties[walker.planned_start]
+            sampler.set_mix(mix, variety)
+            pictures[step] = variety.name
             focused = focus_task(mix) is not None and args.focus_batch_size > 0
             batch_size = args.focus_batch_size if focused else args.batch_size
             batches = sampler.batches(batch_size)  # a fresh pool, all in the new mix
-            log.info("from step %d: task mix %s", step, mix)
+            log.info("from step %d: task mix %s, %s pictures", step, mix, variety.name)
         # The schedule follows the plan: it holds its place while a stage runs on.
         planned = walker.planned_step(step)
         for group in opt.param_groups:
@@ -385,7 +421,7 @@ def train(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        last = step == args.steps + walker.delay - 1
+        last = step == planned_total + walker.delay - 1
         if step % 50 == 0 or last:
             log.info("step %d loss %.4f (%.0fs)", step, loss.item(), time.time() - start)
             max_load = max(max_load, os.getloadavg()[0])
@@ -396,7 +432,9 @@ def train(
             save(model, args.out, ids)
         step += 1
     seconds = time.time() - start
-    return TrainStats(seconds, torch.get_num_threads(), max_load, walker.started, walker.ends)
+    return TrainStats(
+        seconds, torch.get_num_threads(), max_load, walker.started, walker.ends, pictures
+    )
 
 
 def _fmt(accs: dict[str, float]) -> str:
@@ -457,7 +495,8 @@ def main() -> None:
         train_seed = args.seed + 1 if args.resume else args.seed
         stages = curriculum(args)
         sampler = Sampler(train_seed, tok, special, px, template)
-        stats = train(model, args, sampler, stages, monitor, special)
+        varieties = stage_varieties(args)
+        stats = train(model, args, sampler, stages, varieties, monitor, special)
         save(model, out, special)
     reloaded = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
         out, dtype=torch.float32
@@ -465,8 +504,15 @@ def main() -> None:
     evaluation = {t: held_out.draw(args.eval_per_task, t) for t in TASKS}
     accs = {t: greedy_accuracy(reloaded, b, special, tok) for t, b in evaluation.items()}
     log.info("held-out greedy accuracy (bf16 weights, float32 compute): %s", _fmt(accs))
+    planned_pictures = {start: v.name for start, v in stage_varieties(args).items()}
+    wide_accs = None
+    if WIDE.name in planned_pictures.values():
+        held_out.set_mix(None, WIDE)  # after the first draw, which stays as it always was
+        wide = {t: held_out.draw(args.eval_per_task, t) for t in TASKS}
+        wide_accs = {t: greedy_accuracy(reloaded, b, special, tok) for t, b in wide.items()}
+        log.info("held-out greedy accuracy, wide pictures: %s", _fmt(wide_accs))
     num_params = sum(p.numel() for p in reloaded.parameters())
-    write_model_card(out, accs, args, num_params, pre, stats, stages)
+    write_model_card(out, accs, args, num_params, pre, stats, stages, planned_pictures, wide_accs)
 
 
 if __name__ == "__main__":

@@ -99,10 +99,13 @@ def test_the_offline_api_starts_from_the_checkpoints_values(tmp_path: Path) -> N
         defaults = llm.get_default_sampling_params()
         assert (defaults.temperature, defaults.max_tokens) == (0.0, 2)
         assert defaults.repetition_penalty == 1.3
-        text = llm.generate(["a red"])[0].outputs[0]
+        # A bare question with no chat template: the toy rambles on rather than stopping, so
+        # the checkpoint's max_new_tokens is what ends it.
+        prompt = "What is in the image?"
+        text = llm.generate([prompt])[0].outputs[0]
         explicit = SamplingParams(temperature=0, max_tokens=2, repetition_penalty=1.3)
-        assert text.token_ids == llm.generate(["a red"], explicit)[0].outputs[0].token_ids
-        assert len(text.token_ids) == 2
+        assert text.token_ids == llm.generate([prompt], explicit)[0].outputs[0].token_ids
+        assert len(text.token_ids) == 2 and text.finish_reason == "length"
     with LLM(model=str(model), generation_config="vllm") as llm:
         assert llm.get_default_sampling_params() == SamplingParams()
 

@@ -17,11 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from toy_data import (  # noqa: E402
     COLOURS,
     COUNTS,
-    MAX_ANGLE,
+    FIRST,
     ORDINALS,
     POSITIONS,
     SHAPES,
     TASKS,
+    VARIETIES,
+    WIDE,
     Example,
     Picture,
     describe,
@@ -191,14 +193,15 @@ def test_training_pixels_match_the_transformers_image_processor(
             np.testing.assert_allclose(got, want["pixel_values"], atol=1e-5)
 
 
-def _single_pictures(seed: int, n: int) -> list[Picture]:
+def _single_pictures(seed: int, n: int, variety=FIRST) -> list[Picture]:
     rng = np.random.default_rng(seed)
     tasks = ("describe", "colour", "shape", "position")
-    return [sample_example(rng, tasks[i % 4]).pictures[0] for i in range(n)]
+    return [sample_example(rng, tasks[i % 4], variety).pictures[0] for i in range(n)]
 
 
-def test_styles_cover_what_people_draw() -> None:
-    pictures = _single_pictures(11, 600)
+@pytest.mark.parametrize("variety", VARIETIES.values(), ids=lambda v: v.name)
+def test_styles_cover_what_people_draw(variety) -> None:
+    pictures = _single_pictures(11, 600, variety)
     styles = [p.style for p in pictures]
     assert {s.background for s in styles} == set(BACKGROUNDS)
     assert {s.antialias for s in styles} == {True, False}
@@ -210,17 +213,21 @@ def test_styles_cover_what_people_draw() -> None:
     assert min(qualities) >= 60 and max(qualities) <= 95
     bases = np.array([p.background for p in pictures])
     assert (np.ptp(bases, axis=1) > 60).mean() > 0.2  # plenty of colours, not only greys
-    turned = [abs(s.angle) for p in pictures for s in p.shapes if s.kind != "circle"]
-    assert 0.3 < np.mean(np.array(turned) > 0) < 0.7
-    assert max(turned) <= MAX_ANGLE
-    # A big shape spans ~25-90% of the short side, whatever its turn.
+    turned = np.array([abs(s.angle) for p in pictures for s in p.shapes if s.kind != "circle"])
+    assert abs(np.mean(turned > 0) - variety.turned) < 0.1
+    assert variety.max_angle * 0.9 < max(turned) <= variety.max_angle
+    # A shape asked about spans from twice the variety's smallest radius to ~90% of the short
+    # side, whatever its turn; the wide variety draws small ones as often as large ones.
     rng = np.random.default_rng(12)
     spans = []
     for _ in range(400):
-        pic = sample_example(rng, "shape").pictures[0]
+        pic = sample_example(rng, "shape", variety).pictures[0]
         pts = _pixels_of(pic, pic.shapes[0].rgb)
         spans.append((np.ptp(pts, axis=0) + 1).max() / min(pic.width, pic.height))
-    assert 0.2 < min(spans) < 0.35 and 0.8 < max(spans) <= 1.0
+    smallest = 2 * variety.smallest
+    assert smallest - 0.05 < min(spans) < smallest + 0.1 and 0.8 < max(spans) <= 1.0
+    small = np.mean(np.array(spans) < 0.45)
+    assert (0.2 < small < 0.45) if variety is WIDE else (small < 0.2)
 
 
 def test_colour_names_stay_truthful_under_every_style() -> None:

@@ -18,8 +18,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import train_toy_model as train  # noqa: E402
 from toy_batches import PixelConfig, SpecialIds, collate, encode  # noqa: E402
-from toy_card import STAGE_GATE_EVERY, StageEnd, _curriculum, _gate_text, _shortfalls, _stages_text  # noqa: E402
-from toy_data import TASKS, sample_example  # noqa: E402
+from toy_card import (  # noqa: E402
+    STAGE_GATE_EVERY,
+    StageEnd,
+    _curriculum,
+    _gate_text,
+    _shortfalls,
+    _stages_text,
+    last_stage_extra,
+)
+from toy_data import FIRST, TASKS, WIDE, sample_example  # noqa: E402
 
 from mmserve.engine.args import bundled_toy_model_dir  # noqa: E402
 
@@ -31,7 +39,15 @@ def test_a_stage_draws_only_the_tasks_it_names() -> None:
     assert sum(stages[500].values()) == 3.0
 
 
-@pytest.mark.parametrize("bad", ["which=1", "x:which=1", "300:nope=1"])
+def test_a_stage_names_the_variety_of_its_pictures_after_an_at() -> None:
+    items = ["300:which=1", "500:colour=2,shape=1@wide"]
+    args = argparse.Namespace(stage=items)
+    assert train.stage_varieties(args) == {0: FIRST, 300: FIRST, 500: WIDE}
+    assert train.parse_stages(items)[500]["colour"] == 2.0  # the weights stop at the '@'
+    assert train.stage_varieties(argparse.Namespace(stage=["0:shape=1@wide"])) == {0: WIDE}
+
+
+@pytest.mark.parametrize("bad", ["which=1", "x:which=1", "300:nope=1", "300:which=1@huge"])
 def test_bad_stages_are_refused_with_the_reason(bad: str) -> None:
     with pytest.raises(SystemExit, match="--stage|--weights"):
         train.parse_stages([bad])
@@ -49,6 +65,30 @@ def test_the_card_lists_each_stage_with_its_steps_and_shares() -> None:
         "- steps 0-99: shape 75%, colour 25%",
         "- steps 100-249: which 100%",
     ]
+
+
+def test_the_card_marks_the_stages_that_draw_wide_pictures() -> None:
+    stages = {0: {"shape": 1.0}, 100: {"which": 1.0}}
+    lines = _curriculum(stages, 250, {0: "first", 100: "wide"}).splitlines()
+    assert lines == ["- steps 0-99: shape 100%", "- steps 100-249: which 100% (wide pictures)"]
+
+
+def test_a_stretched_last_stage_runs_longer_on_the_same_decay() -> None:
+    """The last stage runs `stretch` times its planned steps; the schedule before it is the
+    plan's own, and through it the plan's steps pass `stretch` times slower."""
+    stages = ["100:which=1", "200:shape=1"]
+    args = argparse.Namespace(steps=300, stage=stages, last_stage_stretch=1.5)
+    assert last_stage_extra(args) == 50
+    plan = {0: ONE_PICTURE, 100: ONE_PICTURE, 200: ONE_PICTURE}
+    walker = train.StageWalker(plan, 0.9, 300, stretch=1.5)
+    planned = []
+    for step in range(350):
+        walker.next_mix(step, lambda task: 1.0)
+        planned.append(walker.planned_step(step))
+    assert list(walker.started) == [0, 100, 200]
+    assert planned[:201] == list(range(201))
+    assert planned[201:] == pytest.approx([200 + k / 1.5 for k in range(1, 150)])
+    assert 299 <= planned[-1] < 300  # the decay ends where the plan's did
 
 
 def test_extra_questions_have_no_target() -> None:
@@ -133,19 +173,25 @@ def test_gate_zero_keeps_the_plan_and_asks_nothing() -> None:
 
 
 def test_the_card_says_how_each_one_question_stage_ended() -> None:
-    args = argparse.Namespace(steps=5000, stage_gate=0.9, stage_max_extra=300)
+    args = argparse.Namespace(
+        steps=5000, stage_gate=0.9, stage_max_extra=300, stage=[], last_stage_stretch=1.0
+    )
     ends = [StageEnd("nth_colour", 2900, 0, 1.0), StageEnd("which", 3650, 50, 0.91)]
     text = " ".join(_gate_text(args, ends).split())
     assert "until that question's held-out monitor accuracy" in text
     assert "nth_colour ended at step 2900, as planned (100%)" in text
     assert "which ended at step 3650, 50 steps over plan (91%)" in text
     assert "5050 steps in all (5000 planned)" in text
-    off = argparse.Namespace(steps=5000, stage_gate=0.0, stage_max_extra=300)
+    off = argparse.Namespace(
+        steps=5000, stage_gate=0.0, stage_max_extra=300, stage=[], last_stage_stretch=1.0
+    )
     assert _gate_text(off, ends) == ""
 
 
 def test_the_card_explains_each_training_aid_only_when_the_run_trained_it() -> None:
-    args = argparse.Namespace(steps=300, stage_gate=0.0, stage_max_extra=0)
+    args = argparse.Namespace(
+        steps=300, stage_gate=0.0, stage_max_extra=0, stage=[], last_stage_stretch=1.0
+    )
     without = _stages_text({0: ONE_PICTURE, 100: WHICH_ALONE}, args, [])
     with_nth = _stages_text({0: ONE_PICTURE, 100: {"nth_colour": 1.0}}, args, [])
     both = _stages_text(
@@ -168,6 +214,7 @@ def test_the_defaults_are_the_shipped_checkpoints_command(monkeypatch) -> None:
     monkeypatch.setattr(sys, "argv", ["train_toy_model.py", "--out", str(documented.out)])
     defaults = train.parse_args()
     assert train.curriculum(documented) == train.curriculum(defaults)
+    assert train.stage_varieties(documented) == train.stage_varieties(defaults)
     ignored = {"threads", "weights", "stage"}  # the curriculum compares the last two
     assert {k: v for k, v in vars(documented).items() if k not in ignored} == {
         k: v for k, v in vars(defaults).items() if k not in ignored
