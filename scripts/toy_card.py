@@ -313,11 +313,12 @@ def _sizes_text(pictures: dict[int, str]) -> str:
     names = list(dict.fromkeys(pictures[start] for start in sorted(pictures)))
     if len(names) == 1:
         return f"A shape is {_variety_text(names[0])}, anywhere it fits"
-    later = [n for n in names if n != FIRST.name]
-    return (
-        f"A shape is {_variety_text(FIRST.name)}, anywhere it fits; the stages marked"
-        + " and ".join(f" {n} draw them {_variety_text(n)}" for n in later)
+    later = "".join(
+        f"; in the stages marked ({n} pictures) below, {_variety_text(n)}"
+        for n in names
+        if n != FIRST.name
     )
+    return f"A shape is {_variety_text(FIRST.name)}, anywhere it fits{later}"
 
 
 def _curriculum(

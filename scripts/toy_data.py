@@ -9,11 +9,10 @@ pictures with a question and its exact answer string.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import jinja2
@@ -140,7 +139,7 @@ FIRST = Variety("first", turned=0.5, max_angle=math.radians(20), smallest=0.125,
 # 20-90% across, every size as often, 60% turned by up to 40 degrees; look-alike pairs 3x as often.
 WIDE = Variety("wide", turned=0.6, max_angle=math.radians(40), smallest=0.1, skew=1.0, alike=3.0)
 # The first stages' pictures, with look-alike pairs 3x as often: for the stage that teaches which.
-PAIRS = dataclasses.replace(FIRST, name="pairs", alike=3.0)
+PAIRS = replace(FIRST, name="pairs", alike=3.0)
 VARIETIES = {v.name: v for v in (FIRST, PAIRS, WIDE)}
 
 

@@ -206,7 +206,9 @@ def _split_stage(item: str) -> tuple[int, str, Variety]:
         raise SystemExit(f"--stage: expected STEP:WEIGHTS[@VARIETY], got {item!r}")
     weights, _, name = rest.partition("@")
     if (name or FIRST.name) not in VARIETIES:
-        raise SystemExit(f"--stage: unknown picture variety {name!r}; expected one of {VARIETIES}")
+        raise SystemExit(
+            f"--stage: unknown picture variety {name!r}; expected one of {', '.join(VARIETIES)}"
+        )
     return int(start), weights, VARIETIES[name or FIRST.name]
 
 
@@ -275,7 +277,6 @@ class Sampler:
     ) -> None:
         self.rng = np.random.default_rng(seed)
         self.tok, self.ids, self.px, self.template = tok, ids, px, template
-        self.variety = FIRST
         self.set_mix(mix)
 
     def set_mix(self, mix: dict[str, float] | None, variety: Variety = FIRST) -> None:
@@ -479,6 +480,7 @@ def main() -> None:
     held_out = Sampler(args.seed + 1_000_003, tok, special, px, template)
     monitor = {t: held_out.draw(64, t) for t in TASKS}
     stats = stages = None
+    varieties = stage_varieties(args)
     if not args.eval_only:
         if args.resume:
             model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
@@ -495,7 +497,6 @@ def main() -> None:
         train_seed = args.seed + 1 if args.resume else args.seed
         stages = curriculum(args)
         sampler = Sampler(train_seed, tok, special, px, template)
-        varieties = stage_varieties(args)
         stats = train(model, args, sampler, stages, varieties, monitor, special)
         save(model, out, special)
     reloaded = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
@@ -504,7 +505,7 @@ def main() -> None:
     evaluation = {t: held_out.draw(args.eval_per_task, t) for t in TASKS}
     accs = {t: greedy_accuracy(reloaded, b, special, tok) for t, b in evaluation.items()}
     log.info("held-out greedy accuracy (bf16 weights, float32 compute): %s", _fmt(accs))
-    planned_pictures = {start: v.name for start, v in stage_varieties(args).items()}
+    planned_pictures = {start: v.name for start, v in varieties.items()}
     wide_accs = None
     if WIDE.name in planned_pictures.values():
         held_out.set_mix(None, WIDE)  # after the first draw, which stays as it always was
