@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 from scripts.toy_data import COLOURS, Picture, Shape, draw
 
-from mmserve.engine.args import bundled_toy_model_dir
+from mmserve.config.model import bundled_toy_model_dir
 from tests.api.harness import Server, data_url, wait_until_idle
 from tests.factory import video_bytes
 from tests.local_http import MediaServer, png_bytes, running_media_server

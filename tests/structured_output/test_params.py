@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mmserve.engine.args import bundled_toy_model_dir
+from mmserve.config.model import bundled_toy_model_dir
 from mmserve.errors import InvalidRequestError
 from mmserve.sampling_params import SamplingParams
 from mmserve.structured_output.compiler import GrammarCompiler, check_structured_output

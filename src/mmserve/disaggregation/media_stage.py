@@ -78,8 +78,8 @@ class MediaStage:
     ) -> None:
         self.media = media
         self.image_config = image_config
-        policy = media.config.fetch_policy
-        self._fetcher = AsyncFetcher(policy, media.config.max_concurrent_fetches)
+        policy = media.fetch_policy
+        self._fetcher = AsyncFetcher(policy, media.config.max_concurrent_media_fetches)
         self._plans: ByteBudgetLRU[bytes] = ByteBudgetLRU(PLAN_STORE_BYTES, PLAN_STORE_TTL_S)
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="mmserve-encode-cpu")
 
@@ -166,7 +166,7 @@ class MediaStage:
 
     def _rgb_image(self, data: bytes, size: tuple[int, int]) -> Image.Image:
         width, height = size
-        max_pixels = self.media.config.max_image_pixels
+        max_pixels = self.media.config.image_pixel_cap
         if width * height > max_pixels:
             raise MediaError(
                 f"the image is {width}x{height} = {width * height} pixels, over the "

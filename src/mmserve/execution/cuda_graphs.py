@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from mmserve.config.device import DeviceConfig
 from mmserve.execution.device_memory import CudaMemory
 from mmserve.execution.graph_capture import CapturedGraph, GraphFactory, cuda_graph_factory
 from mmserve.execution.input_batch import StepBatch
@@ -37,7 +38,6 @@ from mmserve.layers.attention import AttentionMetadata
 from mmserve.layers.attention.triton_backend import TritonAttentionBackend, TritonPlan
 
 if TYPE_CHECKING:
-    from mmserve.engine.args import EngineArgs
     from mmserve.execution.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -192,14 +192,16 @@ def graph_sizes_for(
     return capture_sizes(max_num_seqs, requested)
 
 
-def start_decode_graphs(runner: ModelRunner, args: EngineArgs) -> tuple[int, ...]:
+def start_decode_graphs(
+    runner: ModelRunner, device_config: DeviceConfig, max_num_seqs: int
+) -> tuple[int, ...]:
     """Capture the runner's decode graphs at start-up as the flags say; the sizes captured."""
     sizes = graph_sizes_for(
-        enforce_eager=args.enforce_eager,
+        enforce_eager=device_config.enforce_eager,
         device=runner.device,
         backend_name=runner.attention_backend.name,
-        max_num_seqs=args.max_num_seqs,
-        requested=args.cuda_graph_sizes,
+        max_num_seqs=max_num_seqs,
+        requested=device_config.cuda_graph_sizes,
     )
     if not sizes:
         return ()

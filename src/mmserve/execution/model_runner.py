@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from mmserve.config.scheduler import SchedulerConfig
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.cuda_graphs import DecodeGraphs
 from mmserve.execution.encoder_runner import EncoderRunner
@@ -27,8 +28,16 @@ from mmserve.scheduling.outputs import Logprobs, ModelRunnerOutput, SchedulerOut
 
 logger = logging.getLogger(__name__)
 
-# Buffers of a runner built without limits (tests): grown past by falling back to exact ones.
-_DEFAULT_LIMITS = BatchLimits(max_num_tokens=8192, max_num_seqs=256, max_blocks_per_seq=512)
+
+def _default_limits() -> BatchLimits:
+    """Buffers of a runner built without limits (tests): the scheduler's default budgets;
+    grown past by falling back to exact ones."""
+    budgets = SchedulerConfig()
+    return BatchLimits(
+        max_num_tokens=budgets.max_num_batched_tokens,
+        max_num_seqs=budgets.max_num_seqs,
+        max_blocks_per_seq=512,
+    )
 
 
 class ModelRunner:
@@ -60,7 +69,7 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}
         # the engine's generator, on the device: unseeded rows draw their noise from it
         self._generator = make_device_generator(seed, device)
-        self.buffers = InputBuffers(limits or _DEFAULT_LIMITS, device)
+        self.buffers = InputBuffers(limits or _default_limits(), device)
         self.decode_graphs: DecodeGraphs | None = None
         self.encoder_source = encoder_source
         hidden_size = model.config.text.hidden_size if encoder_source is not None else 0

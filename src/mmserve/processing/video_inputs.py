@@ -135,10 +135,10 @@ def video_from_frames(frames: Any, cfg: VideoConfig, limits: VideoLimits) -> Dec
             param="multi_modal_data",
         )
     _, height, width, _ = frames.shape
-    if width * height > limits.max_frame_pixels:
+    if width * height > limits.max_video_frame_pixels:
         raise VideoTooLargeError(
             f"the video's frames are {width}x{height} pixels, over the limit of "
-            f"{limits.max_frame_pixels} (--max-video-frame-pixels); downscale them",
+            f"{limits.max_video_frame_pixels} (--max-video-frame-pixels); downscale them",
             param="multi_modal_data",
         )
     frames = np.ascontiguousarray(frames)
