@@ -20,8 +20,8 @@ from mmserve.execution.request_state import payload_from_wire
 from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
 from mmserve.scheduling.scheduler import Scheduler
 from mmserve.wire import WireModelRunnerOutput, WireSchedulerOutput, convert, decode, encode
-from tests.engine.faults import rewired, run_all
-from tests.factory import random_image
+from tests.support.factory import random_image
+from tests.support.faults import rewired, run_all
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

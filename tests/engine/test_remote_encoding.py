@@ -28,9 +28,9 @@ from mmserve.multimodal import ProcessedImage, ProcessedPrompt, RemoteItem
 from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
 from mmserve.scheduling.scheduler import Scheduler
 from mmserve.wire import WireModelRunnerOutput, WireSchedulerOutput, convert, decode, encode
-from tests.engine.fake_encoder_source import FakeEncoderSource
-from tests.engine.faults import FaultyExecutor, assert_nothing_held, rewired, run_all
-from tests.factory import random_image
+from tests.support.factory import random_image
+from tests.support.fake_encoder_source import FakeEncoderSource
+from tests.support.faults import FaultyExecutor, assert_nothing_held, rewired, run_all
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

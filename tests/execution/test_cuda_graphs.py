@@ -22,8 +22,8 @@ from mmserve.execution.cuda_graphs import (
     report_graph_memory,
 )
 from mmserve.execution.graph_capture import EagerGraph
-from tests.engine.conftest import DIVERSE
-from tests.factory import random_image, write_tiny_checkpoint
+from tests.support.factory import random_image, write_tiny_checkpoint
+from tests.support.parity_cases import DIVERSE
 
 triton = pytest.importorskip("triton")
 needs_interpreter = pytest.mark.skipif(

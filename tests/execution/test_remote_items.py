@@ -10,7 +10,7 @@ from mmserve.errors import FailureKind
 from mmserve.execution.encoder_runner import EncoderRunner
 from mmserve.execution.remote_items import RemoteItemIntake
 from mmserve.multimodal import MultiModalFeature, PlaceholderRange, ProcessedImage, RemoteItem
-from tests.engine.fake_encoder_source import FakeEncoderSource
+from tests.support.fake_encoder_source import FakeEncoderSource
 
 HIDDEN = 3
 GRID = (1, 2, 4)  # 8 patches merged 2x2: 2 embeddings

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from mmserve.layers.attention import allocate_kv_caches, build_attention_metadata
 from mmserve.models.config import ModelConfig
 from mmserve.processing.mrope import decode_positions, get_mrope_positions
-from tests.factory import random_image
+from tests.support.factory import random_image
 
 
 @dataclass

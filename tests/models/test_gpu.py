@@ -16,7 +16,7 @@ from mmserve.models.config import QWEN2_5_VL, QWEN2_VL, ModelConfig, TextConfig,
 from mmserve.models.qwen2_vl_vision import VisionTransformer
 from mmserve.models.registry import get_model_class
 from mmserve.processing.mrope import decode_positions, get_mrope_positions
-from tests.layers.test_attention import check_paged_equals_dense
+from tests.support.paged_attention import check_paged_equals_dense
 
 pytestmark = [
     pytest.mark.gpu,

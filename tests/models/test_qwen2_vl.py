@@ -9,8 +9,8 @@ import torch
 from mmserve.errors import RequestFailedError
 from mmserve.layers.attention import allocate_kv_caches, build_attention_metadata
 from mmserve.processing.mrope import get_mrope_positions
-from tests.models.conftest import LoadedPair
 from tests.models.driver import Prompt, build_prompt, generate_paged
+from tests.support.oracle import LoadedPair
 
 TWO_IMAGES = [
     "Describe the first picture.",

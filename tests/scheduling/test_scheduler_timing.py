@@ -6,7 +6,7 @@ import itertools
 
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.scheduling import Scheduler
-from tests.scheduling.fake_runner import FakeRunner, make_request, run_step
+from tests.support.fake_runner import FakeRunner, make_request, run_step
 
 
 def _scheduler(num_blocks: int = 200, max_num_batched_tokens: int = 256):

@@ -8,7 +8,7 @@ from mmserve.errors import FailureKind
 from mmserve.scheduling.outputs import ModelRunnerOutput
 from mmserve.structured_output.manager import StructuredOutputManager
 from mmserve.structured_output.params import StructuredOutputParams
-from tests.structured_output.test_params import toy_compiler
+from tests.support.grammar import toy_compiler
 
 
 def manager_with(**grammars: StructuredOutputParams) -> StructuredOutputManager:

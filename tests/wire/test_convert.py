@@ -54,7 +54,7 @@ from mmserve.wire import (
     decode,
     encode,
 )
-from tests.scheduling.fake_runner import FakeRunner, image, make_request
+from tests.support.fake_runner import FakeRunner, image, make_request
 from tests.wire.samples import positions
 
 PIXEL_WIDTH = 6  # narrow pixel rows keep the workload fast; the codec does not care
