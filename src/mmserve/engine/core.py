@@ -17,7 +17,7 @@ from mmserve.execution.request_state import RunnerPayload
 from mmserve.metrics import EngineMetrics, record_scheduler_stats
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.mrope import decode_positions
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams, check_seed
 from mmserve.scheduling.outputs import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from mmserve.scheduling.request import Request, RequestStatus
 from mmserve.scheduling.scheduler import Scheduler
@@ -67,6 +67,8 @@ def make_request(
 ) -> Request:
     """The scheduler's request for a processed prompt; `with_payload=False` builds one only to
     run the admission checks on (nothing for a runner)."""
+    if params.seed is not None:
+        check_seed(params.seed)  # past SamplingParams (a caller that bypassed it)
     num_prompt = len(prompt.prompt_token_ids)
     max_tokens = max_model_len - num_prompt
     if params.max_tokens is not None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.errors import FailureKind, InvalidRequestError, RequestFailure
+from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.host_copy import to_device
 from mmserve.execution.penalties import apply_penalties
 from mmserve.execution.random_draw import (
@@ -30,13 +30,10 @@ from mmserve.execution.random_draw import (
     seeded_keys,
 )
 from mmserve.execution.token_bitmask import apply_token_bitmask_
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, check_seed
 
 logger = logging.getLogger(__name__)
 
-# What torch.Generator.manual_seed accepts, and what a row's seed is keyed by (mod 2**64): any
-# signed or unsigned 64-bit integer.
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Dividing float32 logits by less than this underflows the divisor to 0 (and 0/0 is NaN).
 _MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
 
@@ -291,11 +288,7 @@ def _non_finite(row: SamplingRow) -> RequestFailure:
 
 def make_device_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """A generator on `device` seeded with `seed` (the engine's, for unseeded rows)."""
-    if not (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
-        raise InvalidRequestError(
-            f"seed must be an integer in [-2**63, 2**64 - 1], got {_describe(seed)}",
-            param="seed",
-        )
+    check_seed(seed)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
