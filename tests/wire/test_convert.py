@@ -54,7 +54,7 @@ from mmserve.wire import (
     decode,
     encode,
 )
-from tests.scheduling.fake_runner import FakeRunner, image, make_request
+from tests.scheduling.fake_runner import FakeRunner, image, make_request, make_scheduler
 from tests.wire.samples import positions
 
 PIXEL_WIDTH = 6  # narrow pixel rows keep the workload fast; the codec does not care
@@ -367,7 +367,7 @@ def _run_workload(seed: int, through_wire: bool) -> tuple[list[tuple], int]:
         max_model_len=96, max_num_batched_tokens=32, max_num_seqs=5, max_tokens_per_mm_item=20
     )
     clock = itertools.count(1000.0, 0.5)  # a step clock: both runs stamp the same times
-    scheduler = Scheduler(
+    scheduler = make_scheduler(
         config,
         CacheConfig(num_blocks=24, block_size=4),
         eos_token_ids=[EOS],
