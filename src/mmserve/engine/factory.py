@@ -29,15 +29,12 @@ from mmserve.execution.input_batch import input_buffer_bytes
 from mmserve.execution.memory_profile import ProfileShape
 from mmserve.execution.model_runner import ModelRunner
 from mmserve.generation_config import load_sampling_defaults
-from mmserve.layers.attention import (
-    allocate_kv_caches,
-    kv_cache_bytes_per_block,
-    select_backend,
-)
+from mmserve.layers.attention import select_backend
 from mmserve.layers.attention.buffers import BatchLimits
 from mmserve.layers.fused import select_layer_ops
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import ModelConfig, load_model_config
+from mmserve.models.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from mmserve.models.loader import load_model
 from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.input_processor import InputProcessor

@@ -13,8 +13,9 @@ from torch import nn
 from mmserve.execution.device_memory import DeviceMemory, MemorySnapshot
 from mmserve.execution.sampler import SamplingRow, make_device_generator
 from mmserve.execution.sampling_step import sample_step
-from mmserve.layers.attention import AttentionBackend, allocate_kv_caches
+from mmserve.layers.attention import AttentionBackend
 from mmserve.models.config import ModelConfig
+from mmserve.models.kv_cache import allocate_kv_caches
 from mmserve.sampling_params import SamplingParams
 
 # The sampler's costliest settings: temperature, top-k and top-p (a full-vocabulary sort), and

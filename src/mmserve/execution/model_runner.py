@@ -136,9 +136,7 @@ class ModelRunner:
         mm_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden]: embeddings (images spliced in), the decoder."""
-        embeds = self.model.embed_input_ids(input_ids)  # [num_tokens, hidden]
-        if mm_embeds is not None:
-            embeds[mm_index] = mm_embeds.to(embeds.dtype)
+        embeds = self.model.embed_input_ids(input_ids, mm_embeds, mm_index)  # [num_tokens, hidden]
         return self.model(None, positions, attn_metadata, self.kv_caches, inputs_embeds=embeds)
 
     def _sample(
@@ -297,8 +295,8 @@ class ModelRunner:
                 )
             if emb.shape[0] != feature.placeholder.length:
                 raise SpliceError(
-                    f"Attempted to assign {emb.shape[0]} = {emb.shape[0]} multimodal tokens to "
-                    f"{feature.placeholder.length} placeholders"
+                    f"Attempted to assign {emb.shape[0]} multimodal tokens of item "
+                    f"{feature.identifier[:16]} to {feature.placeholder.length} placeholders"
                 )
             parts.append(emb[lo - feature.placeholder.offset : hi - feature.placeholder.offset])
             sizes.append(hi - lo)
