@@ -12,8 +12,8 @@ import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.engine.args import EngineArgs
-from mmserve.execution.cuda_graphs import (
-    DUMMY_BLOCK,
+from mmserve.execution.graphs.capture import EagerGraph
+from mmserve.execution.graphs.decode import (
     DecodeGraphs,
     GraphMemory,
     capture_sizes,
@@ -21,7 +21,6 @@ from mmserve.execution.cuda_graphs import (
     padded_size,
     report_graph_memory,
 )
-from mmserve.execution.graph_capture import EagerGraph
 from tests.engine.conftest import DIVERSE
 from tests.factory import random_image, write_tiny_checkpoint
 
@@ -48,27 +47,37 @@ def test_a_batch_pads_to_the_next_captured_size() -> None:
 
 
 def test_graphs_are_off_with_a_reason_unless_triton_on_cuda(caplog) -> None:
+    from mmserve.layers.attention import TorchAttentionBackend
+    from mmserve.layers.attention.triton_backend import TritonAttentionBackend
+
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     args = dict(max_num_seqs=8, requested=None)
-    with caplog.at_level(logging.INFO, logger="mmserve.execution.cuda_graphs"):
-        assert graph_sizes_for(enforce_eager=True, device=cuda, backend_name="triton", **args) == ()
-        assert graph_sizes_for(enforce_eager=False, device=cpu, backend_name="triton", **args) == ()
-        assert graph_sizes_for(enforce_eager=False, device=cuda, backend_name="torch", **args) == ()
+    triton_backend, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
+    with caplog.at_level(logging.INFO, logger="mmserve.execution.graphs.decode"):
+        assert (
+            graph_sizes_for(enforce_eager=True, device=cuda, backend=triton_backend, **args) == ()
+        )
+        assert (
+            graph_sizes_for(enforce_eager=False, device=cpu, backend=triton_backend, **args) == ()
+        )
+        assert (
+            graph_sizes_for(enforce_eager=False, device=cuda, backend=torch_backend, **args) == ()
+        )
     assert "--enforce-eager: decode CUDA graphs and encoder CUDA graphs off" in caplog.text
     assert "they need a CUDA device" in caplog.text and "not capturable" in caplog.text
-    on = graph_sizes_for(enforce_eager=False, device=cuda, backend_name="triton", **args)
+    on = graph_sizes_for(enforce_eager=False, device=cuda, backend=triton_backend, **args)
     assert on == (1, 2, 4, 8)
 
 
 def test_what_the_capture_took_is_logged_beside_the_reserve_and_warned_past_it(caplog) -> None:
     mib = 1 << 20
-    with caplog.at_level(logging.INFO, logger="mmserve.execution.cuda_graphs"):
+    with caplog.at_level(logging.INFO, logger="mmserve.execution.graphs.decode"):
         assert report_graph_memory(GraphMemory(40 * mib, 42 * mib), 256 * mib)
     (record,) = caplog.records
     assert record.levelno == logging.INFO
     assert "took 42.0 MiB (pool 40.0 MiB, device 42.0 MiB) of the 256 MiB" in record.message
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="mmserve.execution.cuda_graphs"):
+    with caplog.at_level(logging.INFO, logger="mmserve.execution.graphs.decode"):
         # the pool grew past the reserve though the device figure (another process) did not
         assert not report_graph_memory(GraphMemory(300 * mib, 10 * mib), 256 * mib)
     (record,) = caplog.records
@@ -95,7 +104,7 @@ def test_the_sizes_flag_reaches_engine_args_and_is_checked() -> None:
 
 @needs_interpreter
 def test_the_padded_plan_has_one_tile_per_row_and_dummy_rows() -> None:
-    from mmserve.layers.attention.triton_backend import TritonAttentionBackend
+    from mmserve.layers.attention.triton_backend import DUMMY_BLOCK, TritonAttentionBackend
 
     graphs = DecodeGraphs((1, 2, 4, 8), 6, TritonAttentionBackend(), 16, torch.device("cpu"))
     meta = graphs.padded_metadata(4)
@@ -105,9 +114,19 @@ def test_the_padded_plan_has_one_tile_per_row_and_dummy_rows() -> None:
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert meta.slot_mapping.tolist() == [-1] * 4  # captured storing nothing
     assert meta.block_tables.shape == (4, 6)
-    # views of the fixed buffers: what a replay reads after run() refilled them
-    assert meta.slot_mapping.data_ptr() == graphs.slot_mapping.data_ptr()
-    assert (graphs.block_tables == DUMMY_BLOCK).all()
+    # views of the backend's fixed capture buffers: what a replay reads after run() refilled
+    # them, the same memory for every size
+    largest = graphs.padded_metadata(8)
+    assert meta.slot_mapping.data_ptr() == largest.slot_mapping.data_ptr()
+    assert meta.block_tables.data_ptr() == largest.block_tables.data_ptr()
+    assert (largest.block_tables == DUMMY_BLOCK).all()
+
+
+def test_the_torch_backend_refuses_capture() -> None:
+    from mmserve.layers.attention import TorchAttentionBackend
+
+    with pytest.raises(ValueError, match="cannot be captured"):
+        DecodeGraphs((1, 2), 4, TorchAttentionBackend(), 16, torch.device("cpu"))
 
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"

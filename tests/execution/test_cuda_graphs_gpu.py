@@ -73,7 +73,7 @@ def test_the_sizes_cross_to_the_engine_process(checkpoint: str) -> None:
 def test_the_capture_logs_what_the_graphs_took_beside_the_reserve(checkpoint: str, caplog) -> None:
     import logging
 
-    with caplog.at_level(logging.INFO, logger="mmserve.execution.cuda_graphs"):
+    with caplog.at_level(logging.INFO, logger="mmserve.execution.graphs.decode"):
         _greedy(checkpoint, _prompts(2), dtype="bfloat16", multiprocess=False)
     (line,) = [r for r in caplog.records if "decode CUDA graphs took" in r.message]
     assert "of the 256 MiB CUDA graph reserve" in line.message

@@ -15,7 +15,7 @@ from mmserve.execution.encoder_graphs import (
     padded_shape,
     smallest_budget,
 )
-from mmserve.execution.graph_capture import eager_graph_factory
+from mmserve.execution.graphs.capture import eager_graph_factory
 from mmserve.models.config import VisionConfig
 from mmserve.models.qwen2_vl_vision import VisionTransformer
 from mmserve.processing.image_processor import smart_resize

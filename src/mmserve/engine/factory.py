@@ -20,7 +20,6 @@ from mmserve.engine.media_config import media_config_from_args
 from mmserve.engine.model_source import with_local_sources
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.engine.remote_encoders import build_encoder_pool, build_url_planner
-from mmserve.execution.cuda_graphs import start_decode_graphs
 from mmserve.execution.device_memory import CudaMemory
 from mmserve.execution.encoder_graphs import make_encoder_embed
 from mmserve.execution.encoder_runner import EncoderRunner
@@ -28,6 +27,7 @@ from mmserve.execution.executor import InProcessExecutor
 from mmserve.execution.input_batch import input_buffer_bytes
 from mmserve.execution.memory_profile import ProfileShape
 from mmserve.execution.model_runner import ModelRunner
+from mmserve.execution.worker import start_decode_graphs
 from mmserve.generation_config import load_sampling_defaults
 from mmserve.layers.attention import select_backend
 from mmserve.layers.attention.buffers import BatchLimits
@@ -305,7 +305,12 @@ def build_core(
         limits=limits,
         encoder_source=encoder_source,
     )
-    graph_sizes = start_decode_graphs(runner, args)
+    graph_sizes = start_decode_graphs(
+        runner,
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=args.max_num_seqs,
+        requested=args.cuda_graph_sizes,
+    )
     metrics.set_gauge("kv_blocks_total", num_blocks)
     metrics.set_gauge("kv_blocks_free", num_blocks)
     metrics.set_gauge("encoder_cache_total_slots", scheduler_config.effective_encoder_cache_size)
@@ -404,7 +409,7 @@ def _num_kv_blocks(
             encoder_cache_bytes=sched.effective_encoder_cache_bytes,
             input_buffer_bytes=buffer_bytes,
             # decode graphs are captured with the Triton backend only (`graph_sizes_for`)
-            has_cuda_graphs=not args.enforce_eager and gpu.attention_backend.name == "triton",
+            has_cuda_graphs=not args.enforce_eager and gpu.attention_backend.supports_capture,
             has_encoder_cuda_graphs=args.enable_encoder_cuda_graph and not args.enforce_eager,
         )
     else:

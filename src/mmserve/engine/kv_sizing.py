@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mmserve.execution.cuda_graphs import CUDA_GRAPH_RESERVE_BYTES
 from mmserve.execution.device_memory import DeviceMemory, MemorySnapshot
+from mmserve.execution.graphs.decode import CUDA_GRAPH_RESERVE_BYTES
 from mmserve.execution.memory_profile import MemoryFigures, ProfileShape, profile_memory
 from mmserve.layers.attention import AttentionBackend
 from mmserve.models.config import ModelConfig

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.execution.graph_capture import CapturedGraph, GraphFactory, cuda_graph_factory
+from mmserve.execution.graphs.capture import CapturedGraph, GraphFactory, cuda_graph_factory
 from mmserve.layers.attention.vision import VisionAttentionMetadata
 from mmserve.models.qwen2_vl_vision import VisionTransformer
 from mmserve.models.vision_metadata import (

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from mmserve.errors import FailureKind, RequestFailure
-from mmserve.execution.cuda_graphs import DecodeGraphs
 from mmserve.execution.encoder_runner import EncoderRunner
 from mmserve.execution.encoder_source import EncoderSource
-from mmserve.execution.graph_capture import GraphFactory
+from mmserve.execution.graphs.capture import GraphFactory
+from mmserve.execution.graphs.decode import DecodeGraphs
 from mmserve.execution.input_batch import InputBuffers, SpliceError, StepBatch, prepare_batch
 from mmserve.execution.remote_items import RemoteItemIntake, RemoteResults
 from mmserve.execution.request_state import RequestState, RunnerPayload
@@ -113,14 +113,15 @@ class ModelRunner:
         self.remote.wait(timeout_s)
 
     def capture_decode_graphs(self, sizes: Sequence[int], factory: GraphFactory) -> float:
-        """Capture decode graphs of these batch sizes (the Triton backend only); seconds taken.
-        `factory` makes each graph: CUDA graphs on the GPU, `eager_graph_factory` in tests."""
-        from mmserve.layers.attention.triton_backend import TritonAttentionBackend
-
-        backend = self.attention_backend
-        assert isinstance(backend, TritonAttentionBackend), "only Triton attention is capturable"
+        """Capture decode graphs of these batch sizes; seconds taken. `factory` makes each
+        graph: CUDA graphs on the GPU, `eager_graph_factory` in tests. ValueError when the
+        attention backend cannot be captured."""
         graphs = DecodeGraphs(
-            sizes, self.buffers.limits.max_blocks_per_seq, backend, self.block_size, self.device
+            sizes,
+            self.buffers.limits.max_blocks_per_seq,
+            self.attention_backend,
+            self.block_size,
+            self.device,
         )
         with torch.inference_mode():
             seconds = graphs.capture(self._forward, factory)

@@ -6,15 +6,14 @@ largest size) runs eagerly. The graphs read fixed device buffers of the largest 
 
     row:          0 ........ n-1 | n ......... size-1
     input id      real tokens    | 0
-    slot          real slots     | -1 (the KV store skips it: nothing is written)
-    seq_len       real lengths   | 1  (a dummy sequence: one key, the dummy block's slot 0)
-    block table   real rows      | [DUMMY_BLOCK, ...]
-    tile          one per row (tile i = sequence i, its only token): the grid is `size` tiles
+    position      real positions | 0
+    attention     the backend's capture buffers (`AttentionBackend.prepare_for_replay`): a
+                  padding row stores nothing and reads one key of a dummy block
 
-A padding row only reads (one key of the dummy block) and its output rows are dropped; rows
-never mix in a decoder (attention, norms and MLPs are per token), so the real rows equal the
-eager step's. Only the Triton backend is capturable (the torch backend loops in Python over
-host values), so graphs run with it on CUDA only.
+A padding row's output rows are dropped; rows never mix in a decoder (attention, norms and
+MLPs are per token), so the real rows equal the eager step's. The backend says whether it can
+be captured (`supports_capture`: the Triton backend; the torch backend loops in Python over
+host values), and graphs run on CUDA only.
 
 Tests on the CPU inject `eager_graph_factory`: "replay" runs the captured callable again, so
 the capture, padding and replay code is the same one the GPU runs.
@@ -26,19 +25,13 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from mmserve.execution.device_memory import CudaMemory
-from mmserve.execution.graph_capture import CapturedGraph, GraphFactory, cuda_graph_factory
+from mmserve.execution.graphs.capture import CapturedGraph, GraphFactory
 from mmserve.execution.input_batch import StepBatch
-from mmserve.layers.attention import AttentionMetadata
-from mmserve.layers.attention.triton_backend import TritonAttentionBackend, TritonPlan
-
-if TYPE_CHECKING:
-    from mmserve.engine.args import EngineArgs
-    from mmserve.execution.model_runner import ModelRunner
+from mmserve.layers.attention import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +42,6 @@ MIB = 1 << 20
 # took and warns when it is more (`report_graph_memory`).
 CUDA_GRAPH_RESERVE_BYTES = 256 * MIB
 
-# Padding rows read block 0: any block serves, since they store nothing and their rows are
-# dropped; reading a real sequence's block changes nothing for that sequence.
-DUMMY_BLOCK = 0
 # The ladder: every size up to 8 that a small batch hits, then steps of 8 to 64, then 16.
 _LADDER_HEAD = (1, 2, 4, 8)
 _STEP_TO_64, _STEP_AFTER_64 = 8, 16
@@ -87,25 +77,17 @@ class DecodeGraphs:
         self,
         sizes: Sequence[int],
         max_blocks_per_seq: int,
-        backend: TritonAttentionBackend,
+        backend: AttentionBackend,
         block_size: int,
         device: torch.device,
     ) -> None:
         assert sizes and list(sizes) == sorted(set(sizes)), sizes
         self.sizes = tuple(sizes)
         self.backend = backend
-        self.block_size = block_size
         n = self.sizes[-1]
-        i32 = dict(dtype=torch.int32, device=device)
+        backend.init_capture(n, max_blocks_per_seq, block_size, device)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(3, n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, **i32)
-        self.block_tables = torch.full((n, max_blocks_per_seq), DUMMY_BLOCK, **i32)
-        # constant for every decode step: sequence i is row i, its one token is token i
-        self.query_start_loc = torch.arange(n + 1, **i32)
-        self.tile_seq_idx = torch.arange(n, **i32)
-        self.tile_q_start = torch.zeros(n, **i32)
         self.graphs: dict[int, CapturedGraph] = {}
 
     def capture(self, forward: DecodeForward, factory: GraphFactory) -> float:
@@ -118,49 +100,24 @@ class DecodeGraphs:
         return time.perf_counter() - start
 
     def padded_metadata(self, size: int) -> AttentionMetadata:
-        """The metadata a graph of `size` rows is captured with: views of the fixed buffers,
-        the padded plan (one tile per row, `size` tiles: a grid fixed at capture)."""
-        plan = TritonPlan(
-            tile_seq_idx=self.tile_seq_idx[:size],
-            tile_q_start=self.tile_q_start[:size],
-            num_tiles=size,
-            tokens_per_tile=self.backend.tokens_per_tile,
-        )
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            block_tables=self.block_tables[:size],
-            seq_lens=self.seq_lens[:size],
-            query_start_loc=self.query_start_loc[: size + 1],
-            query_start_loc_cpu=tuple(range(size + 1)),
-            seq_lens_cpu=(1,) * size,  # capture time's; the kernels read the device buffer
-            block_size=self.block_size,
-            backend=self.backend,
-            plan=plan,
-            has_padding=True,
-        )
+        """The metadata a graph of `size` rows is captured with (the backend's views of its
+        capture buffers: what every replay of that graph reads)."""
+        return self.backend.prepare_for_capture(size)
 
     def run(self, batch: StepBatch) -> torch.Tensor | None:
         """Hidden states [n, hidden] of a pure-decode batch from its graph; None when no
         captured size holds it (the caller runs it eagerly)."""
-        meta = batch.attn_metadata
-        n = meta.num_seqs
+        n = batch.attn_metadata.num_seqs
         size = padded_size(self.sizes, n)
-        if size is None or not batch.is_pure_decode or meta.block_size != self.block_size:
+        if size is None or not batch.is_pure_decode:
             return None
-        width = meta.block_tables.shape[1]
-        if width > self.block_tables.shape[1]:
+        if not self.backend.prepare_for_replay(batch.attn_metadata, size):
             return None
         # device-to-device copies from the step's buffers, then the padding rows' values
         self.input_ids[:n].copy_(batch.input_ids)
         self.input_ids[n:size].zero_()
         self.positions[:, :n].copy_(batch.positions)
         self.positions[:, n:size].zero_()
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:size].fill_(-1)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.seq_lens[n:size].fill_(1)
-        self.block_tables[:n, :width].copy_(meta.block_tables)
-        self.block_tables[n:size, 0].fill_(DUMMY_BLOCK)
         return self.graphs[size].replay()[:n]
 
 
@@ -168,7 +125,7 @@ def graph_sizes_for(
     *,
     enforce_eager: bool,
     device: torch.device,
-    backend_name: str,
+    backend: AttentionBackend,
     max_num_seqs: int,
     requested: Sequence[int] | None,
 ) -> tuple[int, ...]:
@@ -182,48 +139,14 @@ def graph_sizes_for(
     if device.type != "cuda":
         logger.info("decode CUDA graphs: off (device %s; they need a CUDA device)", device)
         return ()
-    if backend_name != "triton":
+    if not backend.supports_capture:
         logger.info(
             "decode CUDA graphs: off (the %s attention backend is not capturable; "
             "--attention-backend triton captures them)",
-            backend_name,
+            backend.name,
         )
         return ()
     return capture_sizes(max_num_seqs, requested)
-
-
-def start_decode_graphs(runner: ModelRunner, args: EngineArgs) -> tuple[int, ...]:
-    """Capture the runner's decode graphs at start-up as the flags say; the sizes captured."""
-    sizes = graph_sizes_for(
-        enforce_eager=args.enforce_eager,
-        device=runner.device,
-        backend_name=runner.attention_backend.name,
-        max_num_seqs=args.max_num_seqs,
-        requested=args.cuda_graph_sizes,
-    )
-    if not sizes:
-        return ()
-    memory = CudaMemory(runner.device)
-    memory.synchronize()
-    before = memory.snapshot()
-    seconds = runner.capture_decode_graphs(sizes, cuda_graph_factory())
-    memory.synchronize()
-    after = memory.snapshot()
-    logger.info(
-        "decode CUDA graphs: captured %d batch sizes %s in %.2f s (--enforce-eager turns "
-        "them off, --cuda-graph-sizes picks the sizes)",
-        len(sizes),
-        list(sizes),
-        seconds,
-    )
-    report_graph_memory(
-        GraphMemory(
-            pool_bytes=after.reserved_bytes - before.reserved_bytes,
-            device_bytes=before.free_bytes - after.free_bytes,
-        ),
-        CUDA_GRAPH_RESERVE_BYTES,
-    )
-    return sizes
 
 
 class GraphMemory(NamedTuple):
