@@ -269,7 +269,7 @@ def _payload_from_wire(w: WireRunnerPayload) -> _Payload:
 
 def test_the_receiving_side_rebuilds_the_generator_from_the_seed():
     from mmserve.execution.request_state import RunnerPayload
-    from mmserve.execution.sampler import make_generator
+    from mmserve.execution.sample.sampler import make_generator
 
     def make_payload(w: WireRunnerPayload) -> RunnerPayload:
         params = convert.sampling_params_from_wire(w.sampling_params)

@@ -14,7 +14,7 @@ from typing import NoReturn, Protocol
 from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError, RequestFailure
 from mmserve.execution.executor import Executor
 from mmserve.execution.request_state import RunnerPayload
-from mmserve.execution.sampler import make_generator
+from mmserve.execution.sample.sampler import make_generator
 from mmserve.metrics import EngineMetrics, record_scheduler_stats
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.mrope import decode_positions

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from mmserve.execution.device_memory import DeviceMemory, MemorySnapshot
-from mmserve.execution.sampler import SamplingRow, make_device_generator
-from mmserve.execution.sampling_step import sample_step
+from mmserve.execution.sample.rows import SamplingRow
+from mmserve.execution.sample.sampler import make_device_generator
+from mmserve.execution.sample.step import sample_step
 from mmserve.layers.attention import AttentionBackend
 from mmserve.models.config import ModelConfig
 from mmserve.models.kv_cache import allocate_kv_caches

@@ -17,9 +17,10 @@ from mmserve.execution.graphs.decode import DecodeGraphs
 from mmserve.execution.input_batch import InputBuffers, SpliceError, StepBatch, prepare_batch
 from mmserve.execution.remote_items import RemoteItemIntake, RemoteResults
 from mmserve.execution.request_state import RequestState, RunnerPayload
-from mmserve.execution.sampler import SamplingRow, make_device_generator
-from mmserve.execution.sampling_step import sample_step
-from mmserve.execution.token_bitmask import sampling_bitmask
+from mmserve.execution.sample.bitmask import sampling_bitmask
+from mmserve.execution.sample.rows import SamplingRow
+from mmserve.execution.sample.sampler import make_device_generator
+from mmserve.execution.sample.step import sample_step
 from mmserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from mmserve.layers.attention.buffers import BatchLimits
 from mmserve.multimodal import MultiModalFeature, ProcessedImage, RemoteItem

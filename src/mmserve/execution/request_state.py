@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mmserve.execution.sampler import make_generator
+from mmserve.execution.sample.sampler import make_generator
 from mmserve.multimodal import MultiModalFeature
 from mmserve.sampling_params import SamplingParams
 from mmserve.wire.convert import sampling_params_from_wire

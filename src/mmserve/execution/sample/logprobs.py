@@ -2,7 +2,7 @@
 
 `raw_logprobs` runs before sampling (the logits as the model produced them, before penalties,
 bias, masks or temperature, as vLLM's default reports); `logprob_table` after it, on the
-device, from the device's picks, so that `sampling_step.py` reads it back in the step's one
+device, from the device's picks, so that `step.py` reads it back in the step's one
 copy; `unpack_logprobs` turns that copy into each row's `Logprobs`.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from mmserve.errors import RequestFailure
 from mmserve.execution.host_copy import to_device
-from mmserve.execution.sampler import SamplingRow
+from mmserve.execution.sample.rows import SamplingRow
 from mmserve.scheduling.outputs import Logprobs
 
 

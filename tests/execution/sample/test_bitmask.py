@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from mmserve.execution.sampler import SamplingRow, sample
-from mmserve.execution.token_bitmask import apply_token_bitmask_, sampling_bitmask
+from mmserve.execution.sample.bitmask import apply_token_bitmask_, sampling_bitmask
+from mmserve.execution.sample.rows import SamplingRow
+from mmserve.execution.sample.sampler import sample
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.outputs import GrammarBitmask
 

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from mmserve.execution.logprobs import gather_logprobs, logprob_table, raw_logprobs
 from mmserve.execution.random_draw import hashed_noise
-from mmserve.execution.sampler import SamplingRow, make_generator, sample, sample_on_device
-from mmserve.execution.sampling_step import sample_step
+from mmserve.execution.sample.logprobs import gather_logprobs, logprob_table, raw_logprobs
+from mmserve.execution.sample.rows import SamplingRow
+from mmserve.execution.sample.sampler import make_generator, sample, sample_on_device
+from mmserve.execution.sample.step import sample_step
 from mmserve.sampling_params import SamplingParams
 
 

@@ -2,9 +2,9 @@
 
 Order: min_tokens bans EOS, then logit_bias and penalties (only rows that have some), then a
 grammar's bitmask, then greedy rows take the argmax and random rows draw by race (temperature,
-top-k, top-p; see `random_draw.py`). Everything the host decides (which rows are greedy, their
-parameters, their keys) is sent with non-blocking copies; the only read back is one
-`[3, num_rows]` copy of tokens and flags (`sample`), logprobs joined to it by `sampling_step.py`.
+top-k, top-p; see `execution/random_draw.py`). Everything the host decides (which rows are
+greedy, their parameters, their keys) is sent with non-blocking copies; the only read back is one
+`[3, num_rows]` copy of tokens and flags (`sample`), logprobs joined to it by `step.py`.
 
 A row that cannot be sampled (parameters that slipped past validation, NaN or +inf logits, a
 draw of a token of zero probability) gets a `RequestFailure` instead of a token; the other rows
@@ -22,9 +22,10 @@ import torch
 
 from mmserve.errors import FailureKind, InvalidRequestError, RequestFailure
 from mmserve.execution.host_copy import to_device
-from mmserve.execution.penalties import apply_penalties
 from mmserve.execution.random_draw import draw_keys, exponential_noise, hashed_noise
-from mmserve.execution.token_bitmask import apply_token_bitmask_
+from mmserve.execution.sample.bitmask import apply_token_bitmask_
+from mmserve.execution.sample.penalties import apply_penalties
+from mmserve.execution.sample.rows import SamplingRow
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,19 +34,6 @@ logger = logging.getLogger(__name__)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Dividing float32 logits by less than this underflows the divisor to 0 (and 0/0 is NaN).
 _MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
-
-
-@dataclass(frozen=True)
-class SamplingRow:
-    """What the sampler needs to know about one request in this step."""
-
-    request_id: str
-    params: SamplingParams
-    generator: torch.Generator | None  # a per-request generator when params.seed is set
-    num_output_tokens: int  # tokens generated before this step (for min_tokens)
-    eos_token_ids: tuple[int, ...]
-    # prompt + tokens generated so far: read only by the penalties of a row that has them
-    token_ids: Sequence[int] = ()
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.errors import RequestFailure
-from mmserve.execution.logprobs import logprob_table, raw_logprobs, unpack_logprobs
-from mmserve.execution.sampler import SamplingRow, resolve_draw, sample_on_device
+from mmserve.execution.sample.logprobs import logprob_table, raw_logprobs, unpack_logprobs
+from mmserve.execution.sample.rows import SamplingRow
+from mmserve.execution.sample.sampler import resolve_draw, sample_on_device
 from mmserve.scheduling.outputs import Logprobs
 
 

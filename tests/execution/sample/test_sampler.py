@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from mmserve.errors import FailureKind, InvalidRequestError, RequestFailure
-from mmserve.execution.sampler import SamplingRow, make_generator, sample
+from mmserve.execution.sample.rows import SamplingRow
+from mmserve.execution.sample.sampler import make_generator, sample
 from mmserve.sampling_params import SamplingParams
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from mmserve.errors import RequestFailure
-from mmserve.execution.logprobs import gather_logprobs, raw_logprobs
-from mmserve.execution.sampler import SamplingRow, make_generator, sample
+from mmserve.execution.sample.logprobs import gather_logprobs, raw_logprobs
+from mmserve.execution.sample.rows import SamplingRow
+from mmserve.execution.sample.sampler import make_generator, sample
 from mmserve.sampling_params import SamplingParams
 
 VOCAB = 50

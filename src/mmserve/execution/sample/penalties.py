@@ -10,15 +10,12 @@ rows' token ids (no Python loop over the vocabulary, no host sync).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.host_copy import to_device
-
-if TYPE_CHECKING:
-    from mmserve.execution.sampler import SamplingRow
+from mmserve.execution.sample.rows import SamplingRow
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> dict[int, RequestFailure]:
