@@ -16,7 +16,7 @@ from benchmarks.suite.profile import Profile
 from benchmarks.suite.timing import best_seconds, release_memory
 from benchmarks.suite.vit import MAX_PIXELS, MIN_PIXELS
 
-from mmserve.execution.encoder_graphs import (
+from mmserve.execution.encoder.graphs import (
     EncoderGraphs,
     smallest_budget,
 )

@@ -21,8 +21,9 @@ from mmserve.engine.model_source import with_local_sources
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.engine.remote_encoders import build_encoder_pool, build_url_planner
 from mmserve.execution.device_memory import CudaMemory
-from mmserve.execution.encoder_graphs import make_encoder_embed
-from mmserve.execution.encoder_runner import EncoderRunner
+from mmserve.execution.encoder.cache import EncoderCache
+from mmserve.execution.encoder.graphs import make_encoder_embed
+from mmserve.execution.encoder.runner import EncoderRunner
 from mmserve.execution.executor import InProcessExecutor
 from mmserve.execution.input_batch import input_buffer_bytes
 from mmserve.execution.memory_profile import ProfileShape
@@ -275,8 +276,7 @@ def build_core(
     )
     encoder = EncoderRunner(
         embed,
-        device=device,
-        dtype=dtype,
+        EncoderCache(device, dtype),
         max_patches_per_call=max_patches_per_call,
         metrics=metrics,
     )

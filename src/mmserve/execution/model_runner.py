@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from mmserve.errors import FailureKind, RequestFailure
-from mmserve.execution.encoder_runner import EncoderRunner
-from mmserve.execution.encoder_source import EncoderSource
+from mmserve.execution.encoder.intake import RemoteItemIntake, RemoteResults
+from mmserve.execution.encoder.runner import EncoderRunner
+from mmserve.execution.encoder.source import EncoderSource
 from mmserve.execution.graphs.capture import GraphFactory
 from mmserve.execution.graphs.decode import DecodeGraphs
 from mmserve.execution.input_batch import InputBuffers, SpliceError, StepBatch, prepare_batch
-from mmserve.execution.remote_items import RemoteItemIntake, RemoteResults
 from mmserve.execution.request_state import RequestState, RunnerPayload
 from mmserve.execution.sample.bitmask import sampling_bitmask
 from mmserve.execution.sample.rows import SamplingRow
@@ -54,6 +54,7 @@ class ModelRunner:
         self.model = model
         self.kv_caches = kv_caches
         self.encoder = encoder_runner
+        self.encoder_cache = encoder_runner.cache
         self.block_size = block_size
         self.placeholder_token_ids = placeholder_token_ids
         self.device = device
@@ -194,7 +195,7 @@ class ModelRunner:
         for request_id in so.finished_req_ids | so.preempted_req_ids:
             self.states.pop(request_id, None)
         self.remote.cancel(so.free_encoder_identifiers)  # those still in flight
-        self.encoder.free(so.free_encoder_identifiers)
+        self.encoder_cache.free(so.free_encoder_identifiers)
         for new in so.scheduled_new_reqs:
             payload = new.payload
             assert isinstance(payload, RunnerPayload), type(payload)
@@ -327,7 +328,7 @@ class ModelRunner:
         it. Encoding it here keeps one failure from failing every later request that shares
         the item; the scheduler frees the entry as usual.
         """
-        emb = self.encoder.get(feature.identifier)
+        emb = self.encoder_cache.get(feature.identifier)
         if emb is not None or not isinstance(feature.data, ProcessedImage):
             return emb
         logger.warning(
@@ -339,7 +340,7 @@ class ModelRunner:
             raise SpliceError(
                 f"encoding multimodal item failed: {type(exc).__name__}", FailureKind.INTERNAL
             ) from exc
-        return self.encoder.get(feature.identifier)
+        return self.encoder_cache.get(feature.identifier)
 
 
 def _with_pixels(

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from mmserve.errors import FailureKind
-from mmserve.execution.encoder_runner import EncoderRunner
-from mmserve.execution.remote_items import RemoteItemIntake
+from mmserve.execution.encoder.cache import EncoderCache
+from mmserve.execution.encoder.intake import RemoteItemIntake
+from mmserve.execution.encoder.runner import EncoderRunner
 from mmserve.multimodal import MultiModalFeature, PlaceholderRange, ProcessedImage, RemoteItem
 from tests.engine.fake_encoder_source import FakeEncoderSource
 
@@ -22,7 +23,7 @@ def _embed_rows(pixels: torch.Tensor, grids):  # [8 * n, 2] -> two [2, HIDDEN] p
 
 def _setup(embeddings: torch.Tensor | None = None):
     encoder = EncoderRunner(
-        _embed_rows, device=torch.device("cpu"), dtype=torch.float32, max_patches_per_call=64
+        _embed_rows, EncoderCache(torch.device("cpu"), torch.float32), max_patches_per_call=64
     )
     source = FakeEncoderSource(lambda p: embeddings if embeddings is not None else torch.ones(2, 3))
     return encoder, source, RemoteItemIntake(source, encoder, HIDDEN)
@@ -44,7 +45,7 @@ def test_embeddings_are_checked_moved_to_the_cache_dtype_and_reported_once() -> 
     assert source.submitted == [("r1", "a")]  # pending: not sent twice
     results = intake.collect()
     assert results.arrived == ["a"] and not results.failed
-    assert encoder.get("a").dtype == torch.float32 and not intake.pending
+    assert encoder.cache.get("a").dtype == torch.float32 and not intake.pending
 
 
 def test_embeddings_of_the_wrong_shape_or_dtype_fail_the_item_and_stay_out() -> None:
@@ -53,7 +54,7 @@ def test_embeddings_of_the_wrong_shape_or_dtype_fail_the_item_and_stay_out() -> 
         source.register("a", _pixels())
         intake.submit({"r": [_feature("a")]})
         results = intake.collect()
-        assert not results.arrived and "a" not in encoder
+        assert not results.arrived and "a" not in encoder.cache
         failure = results.failed["a"]
         assert failure.kind is FailureKind.INTERNAL and "expected floating point [2, 3]" in (
             failure.message
@@ -69,8 +70,8 @@ def test_fallback_pixels_are_encoded_here_and_a_wrong_grid_fails() -> None:
     results = intake.collect()
     # the local tower's answer: rows 0 and 1 of the pixels' first column, widened
     assert results.arrived == ["a"]
-    assert torch.equal(encoder.get("a"), torch.tensor([[0.0] * HIDDEN, [2.0] * HIDDEN]))
-    assert "grid (1, 4, 2)" in results.failed["b"].message and "b" not in encoder
+    assert torch.equal(encoder.cache.get("a"), torch.tensor([[0.0] * HIDDEN, [2.0] * HIDDEN]))
+    assert "grid (1, 4, 2)" in results.failed["b"].message and "b" not in encoder.cache
 
 
 def test_a_cancelled_item_is_cancelled_at_the_source_and_its_late_reply_dropped() -> None:
@@ -81,13 +82,13 @@ def test_a_cancelled_item_is_cancelled_at_the_source_and_its_late_reply_dropped(
     intake.cancel(["a", "never-sent"])
     assert source.cancelled == ["a"]  # only what is pending goes to the source
     results = intake.collect()
-    assert not results.arrived and not results.failed and "a" not in encoder
+    assert not results.arrived and not results.failed and "a" not in encoder.cache
     assert intake.num_dropped == 1
 
 
 def test_without_a_source_a_remote_item_fails_with_an_internal_error() -> None:
     encoder = EncoderRunner(
-        _embed_rows, device=torch.device("cpu"), dtype=torch.float32, max_patches_per_call=64
+        _embed_rows, EncoderCache(torch.device("cpu"), torch.float32), max_patches_per_call=64
     )
     intake = RemoteItemIntake(None, encoder, HIDDEN)
     failed = intake.submit({"r": [_feature("a")]})

@@ -1,13 +1,14 @@
-"""Runs scheduled multimodal items through the vision tower; keeps their embeddings by identity."""
+"""Runs scheduled multimodal items through the vision tower, into the encoder cache."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
+from mmserve.execution.encoder.cache import EncoderCache
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import MultiModalFeature, ProcessedImage
 
@@ -16,51 +17,21 @@ EmbedFn = Callable[[torch.Tensor, list[tuple[int, int, int]]], list[torch.Tensor
 
 
 class EncoderRunner:
-    """The runner-side encoder cache: identifier -> embeddings tensor on the model's device.
-
-    The scheduler decides what lives here: it asks for items to be encoded and, after logical
-    eviction, names the identifiers to drop (`free`). This class never evicts on its own.
-    """
+    """Encodes the items the scheduler names, in as few vision-tower calls as its budget
+    allows, and keeps their embeddings in `cache` (which it never evicts from)."""
 
     def __init__(
         self,
         embed: EmbedFn,
+        cache: EncoderCache,
         *,
-        device: torch.device,
-        dtype: torch.dtype,
         max_patches_per_call: int,
         metrics: EngineMetrics | None = None,
     ) -> None:
         self._embed = embed
-        self._device = device
-        self._dtype = dtype
+        self.cache = cache
         self._max_patches_per_call = max(1, max_patches_per_call)
         self._metrics = metrics
-        self._cache: dict[str, torch.Tensor] = {}
-
-    def __contains__(self, identifier: str) -> bool:
-        return identifier in self._cache
-
-    def __len__(self) -> int:
-        return len(self._cache)
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes of the embeddings held: what the scheduler's ledger counts for them."""
-        return sum(t.nbytes for t in self._cache.values())
-
-    def get(self, identifier: str) -> torch.Tensor | None:
-        return self._cache.get(identifier)
-
-    def put(self, identifier: str, embeddings: torch.Tensor) -> None:
-        """Keep embeddings computed elsewhere (the remote encoder pool), moved to the model's
-        device and dtype: the ledger counts them like those encoded here."""
-        # [num_embeds, hidden]
-        self._cache[identifier] = embeddings.to(device=self._device, dtype=self._dtype).contiguous()
-
-    def free(self, identifiers: Iterable[str]) -> None:
-        for identifier in identifiers:
-            self._cache.pop(identifier, None)
 
     def encode(self, features: Sequence[MultiModalFeature]) -> None:
         """Encode every feature not already cached, deduplicated by identifier.
@@ -70,7 +41,7 @@ class EncoderRunner:
         """
         todo: dict[str, MultiModalFeature] = {}
         for f in features:
-            if f.identifier not in self._cache and f.identifier not in todo:
+            if f.identifier not in self.cache and f.identifier not in todo:
                 if not isinstance(f.data, ProcessedImage):
                     raise RuntimeError(
                         f"encoder input for item {f.identifier[:16]} has no pixels to encode"
@@ -103,11 +74,11 @@ class EncoderRunner:
         # [total_patches, C * T * P * P]
         joined = np.concatenate(arrays, axis=0) if len(arrays) > 1 else arrays[0]
         pixels = _as_tensor(joined)
-        pixels = pixels.to(device=self._device, dtype=self._dtype)
+        pixels = pixels.to(device=self.cache.device, dtype=self.cache.dtype)
         grids = [f.data.grid_thw for f in batch]  # type: ignore[union-attr]
         outputs = self._embed(pixels, grids)
         for f, emb in zip(batch, outputs, strict=True):
-            self._cache[f.identifier] = emb
+            self.cache.put(f.identifier, emb)
         if self._metrics is not None:
             modality = batch[0].modality  # a batch never mixes modalities
             self._metrics.inc("encoder_items_encoded", len(batch), modality=modality)

@@ -9,8 +9,8 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from mmserve.errors import FailureKind, RequestFailure
-from mmserve.execution.encoder_runner import EncoderRunner
-from mmserve.execution.encoder_source import EncoderArrival, EncoderSource
+from mmserve.execution.encoder.runner import EncoderRunner
+from mmserve.execution.encoder.source import EncoderArrival, EncoderSource
 from mmserve.multimodal import MultiModalFeature
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class RemoteItemIntake:
             if problem is None:
                 arrived.append(arrival.identifier)
             else:
-                self.encoder.free([arrival.identifier])
+                self.encoder.cache.free([arrival.identifier])
                 logger.error("image item %s: %s", arrival.identifier[:16], problem)
                 failed[arrival.identifier] = RequestFailure(
                     f"image item {arrival.identifier[:16]}: {problem}", FailureKind.INTERNAL
@@ -120,7 +120,7 @@ class RemoteItemIntake:
             except Exception as exc:  # noqa: BLE001 - fails the requests holding the item
                 logger.exception("encoding fallback pixels failed")
                 return f"encoding its fallback pixels failed: {type(exc).__name__}"
-            emb = self.encoder.get(feature.identifier)
+            emb = self.encoder.cache.get(feature.identifier)
             assert emb is not None
             if tuple(emb.shape) != expected:
                 return f"the vision tower gave {tuple(emb.shape)} embeddings, expected {expected}"
@@ -132,5 +132,5 @@ class RemoteItemIntake:
                 f"{arrival.encoder or 'the encoder'} sent {emb.dtype} embeddings of shape "
                 f"{tuple(emb.shape)}, expected floating point {list(expected)}"
             )
-        self.encoder.put(feature.identifier, emb)
+        self.encoder.cache.put(feature.identifier, emb)
         return None

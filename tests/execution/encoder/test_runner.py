@@ -7,7 +7,8 @@ import warnings
 import numpy as np
 import torch
 
-from mmserve.execution.encoder_runner import EncoderRunner
+from mmserve.execution.encoder.cache import EncoderCache
+from mmserve.execution.encoder.runner import EncoderRunner
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import MultiModalFeature, PlaceholderRange, ProcessedImage
 
@@ -24,7 +25,7 @@ def test_a_read_only_array_is_encoded_in_place_without_a_warning():
         seen.append(pixels)
         return [pixels.sum(dim=0, keepdim=True)]
 
-    runner = EncoderRunner(embed, device=torch.device("cpu"), dtype=torch.float32,
+    runner = EncoderRunner(embed, EncoderCache(torch.device("cpu"), torch.float32),
                            max_patches_per_call=16)  # fmt: skip
     frame = np.arange(8, dtype=np.float32).tobytes()  # bytes: what a received frame looks like
     pixels = np.frombuffer(frame, dtype=np.float32).reshape(4, 2)
@@ -33,7 +34,7 @@ def test_a_read_only_array_is_encoded_in_place_without_a_warning():
         warnings.simplefilter("error")
         runner.encode([_feature("a" * 64, pixels)])
     assert seen[0].data_ptr() == pixels.ctypes.data  # no copy
-    assert torch.equal(runner.get("a" * 64), torch.tensor([[12.0, 16.0]]))
+    assert torch.equal(runner.cache.get("a" * 64), torch.tensor([[12.0, 16.0]]))
 
 
 def _item(identifier: str, modality: str, grid: tuple[int, int, int], seed: int):
@@ -58,7 +59,7 @@ def test_an_image_video_image_step_is_two_calls_scattered_back_by_identity():
         return out
 
     metrics = EngineMetrics()
-    runner = EncoderRunner(embed, device=torch.device("cpu"), dtype=torch.float32,
+    runner = EncoderRunner(embed, EncoderCache(torch.device("cpu"), torch.float32),
                            max_patches_per_call=1000, metrics=metrics)  # fmt: skip
     items = [
         _item("i" * 64, "image", (1, 4, 6), 1),
@@ -70,8 +71,8 @@ def test_an_image_video_image_step_is_two_calls_scattered_back_by_identity():
     for item in items:
         pixels = torch.from_numpy(item.data.pixel_values)
         (alone,) = embed(pixels, [item.grid_thw])
-        assert torch.equal(runner.get(item.identifier), alone), item.modality
-    assert runner.num_bytes == (6 + 8 + 1) * 3 * 4  # embeddings x width x float32
+        assert torch.equal(runner.cache.get(item.identifier), alone), item.modality
+    assert runner.cache.num_bytes == (6 + 8 + 1) * 3 * 4  # embeddings x width x float32
     snap = metrics.snapshot()
     assert snap.counters["encoder_forward_calls"] == 2
     assert snap.modality_counters["encoder_forward_calls"] == {"image": 1, "video": 1}

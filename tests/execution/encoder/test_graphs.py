@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmserve.execution.encoder_graphs import (
+from mmserve.execution.encoder.graphs import (
     GRAPH_FLOOR_PATCHES,
     MAX_GRAPH_FRAMES,
     EncoderGraphs,
