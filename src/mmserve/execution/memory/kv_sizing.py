@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mmserve.execution.device_memory import DeviceMemory, MemorySnapshot
 from mmserve.execution.graphs.decode import CUDA_GRAPH_RESERVE_BYTES
-from mmserve.execution.memory_profile import MemoryFigures, ProfileShape, profile_memory
+from mmserve.execution.memory.device import DeviceMemory, MemorySnapshot
+from mmserve.execution.memory.profile import MemoryFigures, ProfileShape, profile_memory
 from mmserve.layers.attention import AttentionBackend
 from mmserve.models.config import ModelConfig
 
@@ -145,7 +145,7 @@ def profiled_kv_budget(
     has_cuda_graphs: bool,
     has_encoder_cuda_graphs: bool,
 ) -> int:
-    """The profile run (`execution/memory_profile.py`), then `size_kv_cache`; logs the figures."""
+    """The profile run (`profile.py`), then `size_kv_cache`; logs the figures."""
     figures = profile_memory(
         gpu.model,
         gpu.model_config,

@@ -1,6 +1,6 @@
 """The start-up profile run: the ViT at the encoder budget, the LM at the token budget and the
 sampler over the largest batch at its most expensive settings, once, to read the activation
-peak that the KV cache must leave free (`engine/kv_sizing.py`)."""
+peak that the KV cache must leave free (`kv_sizing.py`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mmserve.execution.device_memory import DeviceMemory, MemorySnapshot
+from mmserve.execution.memory.device import DeviceMemory, MemorySnapshot
 from mmserve.execution.sample.rows import SamplingRow
 from mmserve.execution.sample.sampler import make_device_generator
 from mmserve.execution.sample.step import sample_step

@@ -11,14 +11,14 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mmserve.engine.kv_sizing import (
+from mmserve.execution.memory.device import MemorySnapshot
+from mmserve.execution.memory.kv_sizing import (
     CUDA_GRAPH_RESERVE_BYTES,
     GpuProfile,
     profiled_kv_budget,
     size_kv_cache,
 )
-from mmserve.execution.device_memory import MemorySnapshot
-from mmserve.execution.memory_profile import (
+from mmserve.execution.memory.profile import (
     MemoryFigures,
     ProfileShape,
     encoder_profile_grids,
@@ -235,7 +235,7 @@ def test_profiled_budget_logs_each_figure(qwen2_vl_dir: Path, caplog) -> None:
     after = MemorySnapshot(free_bytes=60 * GIB, total_bytes=80 * GIB, reserved_bytes=18 * GIB)
     memory = RecordedMemory([16 * GIB, 16 * GIB], peak=18 * GIB, snapshot=after)
     gpu = _gpu_profile(qwen2_vl_dir, memory.events, at_start)
-    with caplog.at_level(logging.INFO, logger="mmserve.engine.kv_sizing"):
+    with caplog.at_level(logging.INFO, logger="mmserve.execution.memory.kv_sizing"):
         kv_bytes = profiled_kv_budget(
             gpu,
             memory,

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine.kv_sizing import CUDA_GRAPH_RESERVE_BYTES, size_kv_cache
-from mmserve.execution.device_memory import CudaMemory
-from mmserve.execution.memory_profile import ProfileShape, profile_memory
+from mmserve.execution.memory.device import CudaMemory
+from mmserve.execution.memory.kv_sizing import CUDA_GRAPH_RESERVE_BYTES, size_kv_cache
+from mmserve.execution.memory.profile import ProfileShape, profile_memory
 from mmserve.layers.attention import select_backend
 from mmserve.models.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from mmserve.models.loader import load_model
