@@ -34,6 +34,9 @@ from mmserve.processing.video_inputs import (
     load_video_config,
     split_processor_kwargs,
 )
+from mmserve.scheduling.encoder_cache_manager import EncoderCacheManager
+from mmserve.scheduling.kv_cache_manager import KVCacheManager
+from mmserve.scheduling.pixel_store import PixelStore
 from mmserve.scheduling.scheduler import Scheduler
 from mmserve.structured_output.compiler import GrammarCompiler
 from mmserve.structured_output.manager import StructuredOutputManager
@@ -223,8 +226,12 @@ def build_core(
     scheduler = Scheduler(
         scheduler_config,
         cache_config,
+        KVCacheManager(cache_config),
+        EncoderCacheManager(
+            scheduler_config.effective_encoder_cache_bytes, scheduler_config.encoder_embed_bytes
+        ),
+        pixel_store=PixelStore(int(args.mm_reencode_cache_gb * (1 << 30))),
         eos_token_ids=shape.eos_token_ids,
-        pixel_store_bytes=int(args.mm_reencode_cache_gb * (1 << 30)),
     )
     _log_encoder_budget(scheduler_config)
     metrics.set_gauge("kv_blocks_total", worker.num_blocks)

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from mmserve.sampling_params import SamplingParams
 
 
@@ -16,8 +14,9 @@ class SamplingRow:
 
     request_id: str
     params: SamplingParams
-    generator: torch.Generator | None  # a per-request generator when params.seed is set
-    num_output_tokens: int  # tokens generated before this step (for min_tokens)
+    # tokens generated before this step: for min_tokens, and the position a seeded row's
+    # noise is keyed by
+    num_output_tokens: int
     eos_token_ids: tuple[int, ...]
     # prompt + tokens generated so far: read only by the penalties of a row that has them
     token_ids: Sequence[int] = ()
