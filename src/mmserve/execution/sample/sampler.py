@@ -2,7 +2,7 @@
 
 Order: min_tokens bans EOS, then logit_bias and penalties (only rows that have some), then a
 grammar's bitmask, then greedy rows take the argmax and random rows draw by race (temperature,
-top-k, top-p; see `execution/random_draw.py`). Everything the host decides (which rows are
+top-k, top-p; see `noise.py`). Everything the host decides (which rows are
 greedy, their parameters, their keys) is sent with non-blocking copies; the only read back is one
 `[3, num_rows]` copy of tokens and flags (`sample`), logprobs joined to it by `step.py`.
 
@@ -22,7 +22,7 @@ import torch
 
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.host_copy import to_device
-from mmserve.execution.random_draw import (
+from mmserve.execution.sample.noise import (
     draw_keys,
     exponential_noise,
     hashed_noise,
