@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from mmserve.execution.sample.noise import hashed_noise
 from mmserve.execution.sample.logprobs import gather_logprobs, logprob_table, raw_logprobs
+from mmserve.execution.sample.noise import hashed_noise
 from mmserve.execution.sample.rows import SamplingRow
 from mmserve.execution.sample.sampler import make_device_generator, sample, sample_on_device
 from mmserve.execution.sample.step import sample_step

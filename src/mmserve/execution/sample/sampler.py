@@ -22,13 +22,13 @@ import torch
 
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.host_copy import to_device
+from mmserve.execution.sample.bitmask import apply_token_bitmask_
 from mmserve.execution.sample.noise import (
     draw_keys,
     exponential_noise,
     hashed_noise,
     seeded_keys,
 )
-from mmserve.execution.sample.bitmask import apply_token_bitmask_
 from mmserve.execution.sample.penalties import apply_penalties
 from mmserve.execution.sample.rows import SamplingRow
 from mmserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, check_seed
