@@ -9,14 +9,13 @@ import torch
 
 from mmserve.execution.logprobs import gather_logprobs, logprob_table, raw_logprobs
 from mmserve.execution.random_draw import hashed_noise
-from mmserve.execution.sampler import SamplingRow, make_generator, sample, sample_on_device
+from mmserve.execution.sampler import SamplingRow, make_device_generator, sample, sample_on_device
 from mmserve.execution.sampling_step import sample_step
 from mmserve.sampling_params import SamplingParams
 
 
 def _row(params: SamplingParams, num_out: int = 0, token_ids=(1, 2, 2)) -> SamplingRow:
-    gen = make_generator(params.seed) if params.seed is not None else None
-    return SamplingRow("r", params, gen, num_out, (0,), token_ids)
+    return SamplingRow("r", params, num_out, (0,), token_ids)
 
 
 EVERY_FEATURE = [
@@ -34,7 +33,7 @@ def test_the_device_phase_reads_nothing_back() -> None:
     rows = [_row(p) for p in EVERY_FEATURE]
     bitmask = torch.full((4, 2), -1, dtype=torch.int32)
     raw = raw_logprobs(logits, rows)
-    draw = sample_on_device(logits, rows, make_generator(0), token_bitmask=bitmask)
+    draw = sample_on_device(logits, rows, make_device_generator(0, "cpu"), token_bitmask=bitmask)
     assert draw.host_flags().shape == (3, 4)
     assert logprob_table(raw, draw.tokens).shape == (2, 2 * (1 + 2) + 1)
     with pytest.raises(NotImplementedError):
@@ -51,7 +50,7 @@ def test_draws_follow_the_rows_distribution(seeded: bool) -> None:
     rows = [
         _row(SamplingParams(temperature=1.0, seed=s if seeded else None)) for s in range(num_rows)
     ]
-    tokens = sample(logits, rows, make_generator(1))
+    tokens = sample(logits, rows, make_device_generator(1, "cpu"))
     counts = np.bincount(np.asarray(tokens), minlength=4)
     expected = probs.numpy() * num_rows
     sigma = np.sqrt(expected * (1 - probs.numpy()))
@@ -88,11 +87,15 @@ def test_every_row_keeps_its_own_parameters_in_a_mixed_batch() -> None:
         SamplingParams(temperature=2.0, top_k=10, top_p=0.8, seed=3),
     ]
     alone = [
-        [sample(logits[i : i + 1].clone(), [_row(p, n)], make_generator(0))[0] for n in range(8)]
+        [
+            sample(logits[i : i + 1].clone(), [_row(p, n)], make_device_generator(0, "cpu"))[0]
+            for n in range(8)
+        ]
         for i, p in enumerate(params)
     ]
     together = [
-        sample(logits.clone(), [_row(p, n) for p in params], make_generator(0)) for n in range(8)
+        sample(logits.clone(), [_row(p, n) for p in params], make_device_generator(0, "cpu"))
+        for n in range(8)
     ]
     assert [list(col) for col in zip(*together, strict=True)] == alone
     assert set(alone[0]) <= set(torch.topk(logits[0], 2).indices.tolist())
@@ -103,10 +106,10 @@ def test_one_copy_gives_the_same_tokens_and_logprobs_as_two() -> None:
     torch.manual_seed(1)
     logits = torch.randn(4, 50)
     rows = [_row(p) for p in EVERY_FEATURE]
-    step = sample_step(logits.clone(), rows, make_generator(5), None)
+    step = sample_step(logits.clone(), rows, make_device_generator(5, "cpu"), None)
     rows = [_row(p) for p in EVERY_FEATURE]  # the seeded generator restarted
     raw = raw_logprobs(logits, rows)
-    tokens = sample(logits.clone(), rows, make_generator(5))
+    tokens = sample(logits.clone(), rows, make_device_generator(5, "cpu"))
     assert step.tokens == tokens
     want = gather_logprobs(raw, tokens)
     assert sorted(step.logprobs) == sorted(want) == [0, 2]
@@ -153,8 +156,10 @@ def test_a_row_whose_draw_raises_fails_alone() -> None:
     good = [SamplingParams(temperature=0.9, seed=1), SamplingParams(temperature=0.5, seed=2)]
     bad = dataclasses.replace(SamplingParams(temperature=1.0, seed=3))
     object.__setattr__(bad, "temperature", _Unconvertible(1.0))
-    alone = sample(logits[[0, 2]].clone(), [_row(p) for p in good], make_generator(0))
-    mixed = sample(logits.clone(), [_row(good[0]), _row(bad), _row(good[1])], make_generator(0))
+    alone = sample(logits[[0, 2]].clone(), [_row(p) for p in good], make_device_generator(0, "cpu"))
+    mixed = sample(
+        logits.clone(), [_row(good[0]), _row(bad), _row(good[1])], make_device_generator(0, "cpu")
+    )
     failure = mixed.pop(1)
     assert isinstance(failure, RequestFailure) and failure.kind is FailureKind.INTERNAL
     assert failure.message == "sampling failed: OverflowError"

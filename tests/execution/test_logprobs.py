@@ -6,15 +6,14 @@ import torch
 
 from mmserve.errors import RequestFailure
 from mmserve.execution.logprobs import gather_logprobs, raw_logprobs
-from mmserve.execution.sampler import SamplingRow, make_generator, sample
+from mmserve.execution.sampler import SamplingRow, make_device_generator, sample
 from mmserve.sampling_params import SamplingParams
 
 VOCAB = 50
 
 
 def _row(params: SamplingParams, num_out: int = 0) -> SamplingRow:
-    gen = make_generator(params.seed) if params.seed is not None else None
-    return SamplingRow("r", params, gen, num_out, (0,), [1] * (3 + num_out))
+    return SamplingRow("r", params, num_out, (0,), [1] * (3 + num_out))
 
 
 def test_values_are_the_raw_log_softmax_with_the_chosen_token_and_its_rank() -> None:
@@ -27,7 +26,7 @@ def test_values_are_the_raw_log_softmax_with_the_chosen_token_and_its_rank() -> 
         _row(SamplingParams(temperature=0, logprobs=5, min_tokens=3)),  # EOS banned
     ]
     raw = raw_logprobs(logits, rows)
-    tokens = sample(logits, rows, make_generator(0))
+    tokens = sample(logits, rows, make_device_generator(0, "cpu"))
     out = gather_logprobs(raw, tokens)
     assert sorted(out) == [0, 2, 3]
     assert tokens[0] == 7
@@ -50,6 +49,6 @@ def test_no_row_asking_means_no_work_and_a_failed_row_gets_none() -> None:
     logits[1, 3] = float("nan")
     rows = [_row(SamplingParams(temperature=0, logprobs=1))] * 2
     raw = raw_logprobs(logits, rows)
-    tokens = sample(logits, rows, make_generator(0))
+    tokens = sample(logits, rows, make_device_generator(0, "cpu"))
     assert isinstance(tokens[1], RequestFailure)
     assert sorted(gather_logprobs(raw, tokens)) == [0]

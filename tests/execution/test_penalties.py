@@ -6,14 +6,14 @@ import torch
 
 from mmserve.errors import FailureKind
 from mmserve.execution.penalties import apply_penalties, token_counts
-from mmserve.execution.sampler import SamplingRow, make_generator, sample
+from mmserve.execution.sampler import SamplingRow, make_device_generator, sample
 from mmserve.sampling_params import SamplingParams
 
 VOCAB = 8
 
 
 def _row(params: SamplingParams, prompt: list[int], output: list[int]) -> SamplingRow:
-    return SamplingRow("r", params, None, len(output), (0,), prompt + output)
+    return SamplingRow("r", params, len(output), (0,), prompt + output)
 
 
 def _logits(seed: int, num_rows: int = 1) -> torch.Tensor:
@@ -71,7 +71,7 @@ def test_a_bias_outside_the_vocabulary_fails_its_row_only() -> None:
         _row(SamplingParams(temperature=0, logit_bias={2: 100.0}), [], []),
     ]
     logits = _logits(2, 2)
-    out = sample(logits, rows, make_generator(0))
+    out = sample(logits, rows, make_device_generator(0, "cpu"))
     assert out[0].kind is FailureKind.REQUEST and out[0].param == "logit_bias"
     assert out[1] == 2
 
@@ -82,7 +82,7 @@ def test_a_strong_bias_forces_the_token_greedy_and_sampled() -> None:
         _row(SamplingParams(temperature=0, logit_bias={5: 100.0}), [], []),
         _row(SamplingParams(temperature=1.0, seed=1, logit_bias={5: 100.0}), [], []),
     ]
-    assert sample(logits, forced, make_generator(0)) == [5, 5]
+    assert sample(logits, forced, make_device_generator(0, "cpu")) == [5, 5]
 
 
 def test_rows_without_penalties_are_left_alone() -> None:
@@ -97,6 +97,6 @@ def test_extreme_repetition_penalties_keep_the_row_sampleable() -> None:
     logits = torch.tensor([[1.0, -1.0, 3.0, 0.0, 2.0, 0.5, -2.0, 1.5]])
     for penalty in (5e-324, 1e-300, 1e300):
         rows = [_row(SamplingParams(temperature=0, repetition_penalty=penalty), [2, 1], [])]
-        (token,) = sample(logits.clone(), rows, make_generator(0))
+        (token,) = sample(logits.clone(), rows, make_device_generator(0, "cpu"))
         # a tiny penalty makes seen token 2 the (finite) best; a huge one buries it
         assert token == (2 if penalty < 1 else 4)

@@ -67,9 +67,9 @@ def test_the_sampler_never_picks_a_disallowed_token():
     bitmask[1] = torch.tensor([0, 1 << 9, 0, 0], dtype=torch.int32)  # only token 41
     bitmask[2] = torch.tensor([0b110, 0, 0, 0], dtype=torch.int32)  # tokens 1 and 2
     rows = [
-        SamplingRow("greedy", SamplingParams(temperature=0), None, 0, ()),
-        SamplingRow("one", SamplingParams(temperature=0), None, 0, ()),
-        SamplingRow("sampled", SamplingParams(temperature=5.0), None, 0, ()),
+        SamplingRow("greedy", SamplingParams(temperature=0), 0, ()),
+        SamplingRow("one", SamplingParams(temperature=0), 0, ()),
+        SamplingRow("sampled", SamplingParams(temperature=5.0), 0, ()),
     ]
     picks = [sample(logits.clone(), rows, generator, token_bitmask=bitmask) for _ in range(30)]
     assert {p[0] for p in picks} == {50}

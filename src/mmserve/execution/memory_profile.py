@@ -165,5 +165,5 @@ def _run_sampler(logits: torch.Tensor, max_logprobs: int, device: torch.device) 
     the sort, the penalties' counts and the logprobs table are all live at its peak."""
     params = SamplingParams(**_PROFILE_SAMPLING, logprobs=max_logprobs)
     # a short history: the penalties' [num_rows, vocab] counts do not grow with it
-    rows = [SamplingRow(f"profile-{i}", params, None, 0, (), (0, 1)) for i in range(len(logits))]
+    rows = [SamplingRow(f"profile-{i}", params, 0, (), (0, 1)) for i in range(len(logits))]
     sample_step(logits, rows, make_device_generator(0, device), None)

@@ -218,7 +218,6 @@ class ModelRunner:
         return SamplingRow(
             state.request_id,
             p.sampling_params,
-            p.generator,
             state.num_output_tokens,
             p.eos_token_ids,
             state.token_ids,

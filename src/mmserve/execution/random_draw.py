@@ -4,12 +4,15 @@ Sampling by race: with q ~ Exp(1) drawn independently per token, `argmax(probs /
 from `probs` (the exponential-race form of Gumbel-max), so a whole batch samples in one argmax
 and nothing leaves the device.
 
-A seeded row's noise must not depend on its batchmates, nor on the device. It is a pure
-function of two 32-bit keys (drawn on the host from the row's own generator, which advances
-once per draw) and the token id:
+A seeded row's noise must not depend on its batchmates, its device, a preemption or which
+process samples it. It is a pure function of the row's seed, the position of the token it draws
+(the number of tokens generated before it) and the token id:
 
+    key0, key1 = halves of splitmix64(splitmix64(seed mod 2**64) ^ position)   (on the host)
     h = mix(mix(token ^ key0) ^ key1)          mix: a 32-bit integer finaliser (lowbias32)
     u = (h >> 9 + 0.5) / 2**23  in (0, 1)     q = -log(u)
+
+So no random state travels with a request: a seed (an integer) is all a runner needs.
 
 Every product is split so that it stays below 2**63: int64 arithmetic that never overflows,
 bit-identical on the CPU and on CUDA. Unseeded rows take torch's `exponential_` from the
@@ -21,12 +24,21 @@ from __future__ import annotations
 import torch
 
 _MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
 # Smallest q: a ratio probs / q stays finite, and a zero probability stays 0.
 _MIN_NOISE = torch.finfo(torch.float32).tiny
 
 
+def seeded_keys(seed: int, position: int) -> tuple[int, int]:
+    """The two 32-bit keys of a seeded row's draw at output `position` (tokens generated
+    before it): the same wherever and whenever the draw happens."""
+    h = _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
+    return h & _MASK32, h >> 32
+
+
 def draw_keys(generator: torch.Generator) -> tuple[int, int]:
-    """Two 32-bit keys from a host generator: one draw of a seeded row's stream."""
+    """Two 32-bit keys from a host generator: an unseeded row's draw when the engine's
+    generator lives on another device than the logits."""
     k0, k1 = torch.randint(0, 1 << 32, (2,), generator=generator, dtype=torch.int64).tolist()
     return int(k0), int(k1)
 
@@ -46,6 +58,14 @@ def exponential_noise(
     """Exp(1) noise [num_rows, vocab_size] float32 from `generator` (on `device`'s type)."""
     noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
     return noise.exponential_(generator=generator).clamp_min_(_MIN_NOISE)
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finaliser (Steele et al.) on a Python int in [0, 2**64): host-side only."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:

@@ -20,17 +20,20 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.errors import FailureKind, InvalidRequestError, RequestFailure
+from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.host_copy import to_device
 from mmserve.execution.penalties import apply_penalties
-from mmserve.execution.random_draw import draw_keys, exponential_noise, hashed_noise
+from mmserve.execution.random_draw import (
+    draw_keys,
+    exponential_noise,
+    hashed_noise,
+    seeded_keys,
+)
 from mmserve.execution.token_bitmask import apply_token_bitmask_
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, check_seed
 
 logger = logging.getLogger(__name__)
 
-# What torch.Generator.manual_seed accepts: any signed or unsigned 64-bit integer.
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Dividing float32 logits by less than this underflows the divisor to 0 (and 0/0 is NaN).
 _MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
 
@@ -41,8 +44,9 @@ class SamplingRow:
 
     request_id: str
     params: SamplingParams
-    generator: torch.Generator | None  # a per-request generator when params.seed is set
-    num_output_tokens: int  # tokens generated before this step (for min_tokens)
+    # tokens generated before this step: for min_tokens, and the position a seeded row's
+    # noise is keyed by
+    num_output_tokens: int
     eos_token_ids: tuple[int, ...]
     # prompt + tokens generated so far: read only by the penalties of a row that has them
     token_ids: Sequence[int] = ()
@@ -206,19 +210,27 @@ def _noise(
     default_generator: torch.Generator,
     device: torch.device,
 ) -> torch.Tensor:
-    """Exp(1) noise per row: hashed from keys where a row is seeded (or where the engine's
-    generator lives on another device), else from the engine's generator on the device."""
+    """Exp(1) noise per row: hashed from keys where a row is seeded (keys from its seed and
+    position) or where the engine's generator lives on another device (keys drawn from it),
+    else from the engine's generator on the device."""
     shared = default_generator.device.type == device.type
-    hashed = [i for i, r in enumerate(rows) if r.generator is not None or not shared]
+    hashed = [i for i, r in enumerate(rows) if r.params.seed is not None or not shared]
     if len(hashed) < len(rows):
         noise = exponential_noise(len(rows), vocab_size, default_generator, device)
     else:
         noise = torch.empty(len(rows), vocab_size, dtype=torch.float32, device=device)
     if hashed:
-        keys = [draw_keys(rows[i].generator or default_generator) for i in hashed]
+        keys = [_keys(rows[i], default_generator) for i in hashed]
         index = to_device(hashed, torch.long, device)
         noise[index] = hashed_noise(to_device(keys, torch.int64, device), vocab_size)
     return noise
+
+
+def _keys(row: SamplingRow, default_generator: torch.Generator) -> tuple[int, int]:
+    seed = row.params.seed
+    if seed is None:
+        return draw_keys(default_generator)
+    return seeded_keys(seed, row.num_output_tokens)
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int, RequestFailure]:
@@ -262,6 +274,10 @@ def _check_params(params: SamplingParams) -> RequestFailure | None:
     if not (_is_int(top_k) and top_k >= -1):
         message = f"top_k must be an integer >= 0 (0 or -1 disables it), got {_describe(top_k)}"
         return RequestFailure(message, FailureKind.REQUEST, "top_k")
+    seed = params.seed
+    if seed is not None and not (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
+        message = f"seed must be an integer in [-2**63, 2**64 - 1], got {_describe(seed)}"
+        return RequestFailure(message, FailureKind.REQUEST, "seed")
     return None
 
 
@@ -270,18 +286,9 @@ def _non_finite(row: SamplingRow) -> RequestFailure:
     return RequestFailure("the model produced NaN or +inf logits", FailureKind.INTERNAL)
 
 
-def make_generator(seed: int) -> torch.Generator:
-    """A CPU generator seeded with `seed`, any integer in [-2**63, 2**64 - 1]."""
-    return make_device_generator(seed, "cpu")
-
-
 def make_device_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """A generator on `device` seeded with `seed` (the engine's, for unseeded rows)."""
-    if not (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
-        raise InvalidRequestError(
-            f"seed must be an integer in [-2**63, 2**64 - 1], got {_describe(seed)}",
-            param="seed",
-        )
+    check_seed(seed)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
