@@ -32,7 +32,7 @@ from mmserve.processing.worker_protocol import (
     Stopped,
     error_of,
     error_of_kind,
-    rss_bytes,
+    resident_bytes,
     send_error,
     send_ok,
 )
@@ -99,7 +99,7 @@ def _serve_one(conn: Connection, data: bytes, max_pixels: int) -> None:
     width, height = rgb.size
     del rgb
     # Measured with only the reply alive: what this worker keeps between decodes, plus one image.
-    conn.send_bytes(b"K" + RSS.pack(rss_bytes()) + _OK.pack(width, height, len(exif)) + exif)
+    conn.send_bytes(b"K" + RSS.pack(resident_bytes()) + _OK.pack(width, height, len(exif)) + exif)
     conn.send_bytes(pixels)
 
 

@@ -59,12 +59,12 @@ class WorkerExchange(Protocol):
 def send_error(conn: Connection, e: MediaError) -> None:
     """Step (2) or (4) failed with the client's error: tell the parent, typed."""
     kind = _ERROR_KINDS.index(type(e)) if type(e) in _ERROR_KINDS else 0
-    conn.send_bytes(b"E" + ERR.pack(rss_bytes(), kind) + e.message.encode())
+    conn.send_bytes(b"E" + ERR.pack(resident_bytes(), kind) + e.message.encode())
 
 
 def send_ok(conn: Connection, body: bytes, payload: bytes) -> None:
     """Step (4) succeeded: the K reply (rss first, then `body`) and the payload message."""
-    conn.send_bytes(b"K" + RSS.pack(rss_bytes()) + body)
+    conn.send_bytes(b"K" + RSS.pack(resident_bytes()) + body)
     conn.send_bytes(payload)
 
 
@@ -72,7 +72,7 @@ class Stopped(Exception):
     """The parent refused the image after reading its header."""
 
 
-def rss_bytes() -> int:
+def resident_bytes() -> int:
     """This process's resident set size from /proc/self/statm (0 where there is no /proc)."""
     try:
         with open("/proc/self/statm") as f:
