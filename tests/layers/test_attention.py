@@ -9,7 +9,7 @@ import torch
 
 from mmserve.layers.attention import (
     MAX_SCORE_ELEMENTS,
-    build_attention_metadata,
+    TorchAttentionBackend,
 )
 from tests.support.paged_attention import check_paged_equals_dense
 
@@ -28,7 +28,7 @@ def test_paged_attention_equals_dense(
 
 
 def test_metadata_slots_follow_block_tables() -> None:
-    meta = build_attention_metadata([2, 1], [6, 3], [[7, 2], [5]], block_size=4)
+    meta = TorchAttentionBackend().build_metadata([2, 1], [6, 3], [[7, 2], [5]], block_size=4)
     # seq 0 writes positions 4, 5 -> block 2 offsets 0, 1; seq 1 writes position 2 of block 5
     assert meta.slot_mapping.tolist() == [8, 9, 22]
     assert meta.query_start_loc.tolist() == [0, 2, 3]
@@ -38,7 +38,7 @@ def test_metadata_slots_follow_block_tables() -> None:
 
 def test_metadata_rejects_a_block_table_too_short() -> None:
     with pytest.raises(ValueError, match="fewer than seq_len=9"):
-        build_attention_metadata([9], [9], [[0, 1]], block_size=4)
+        TorchAttentionBackend().build_metadata([9], [9], [[0, 1]], block_size=4)
 
 
 def test_decode_groups_cover_every_sequence_once_and_cut_only_where_padding_is_large() -> None:

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from mmserve.layers.attention import build_attention_metadata, paged_attention, write_kv_cache
+from mmserve.layers.attention import TorchAttentionBackend, paged_attention, write_kv_cache
 
 
 def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -45,11 +45,13 @@ def check_paged_equals_dense(
         full_k.append(torch.randn(n, num_kv_heads, head_dim).to(device, dtype))
         full_v.append(torch.randn(n, num_kv_heads, head_dim).to(device, dtype))
         if cached:  # an earlier step wrote the context
-            meta = build_attention_metadata([cached], [cached], [tables[-1]], block_size, device)
+            meta = TorchAttentionBackend().build_metadata(
+                [cached], [cached], [tables[-1]], block_size, device
+            )
             write_kv_cache(kv_cache, full_k[-1][:cached], full_v[-1][:cached], meta.slot_mapping)
     q_lens = [new for _, new in shapes]
     seq_lens = [c + new for c, new in shapes]
-    meta = build_attention_metadata(q_lens, seq_lens, tables, block_size, device)
+    meta = TorchAttentionBackend().build_metadata(q_lens, seq_lens, tables, block_size, device)
     query = torch.randn(sum(q_lens), num_heads, head_dim).to(device, dtype)
     key = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes, strict=True)])
     value = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes, strict=True)])

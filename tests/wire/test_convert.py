@@ -54,7 +54,7 @@ from mmserve.wire import (
     decode,
     encode,
 )
-from tests.support.fake_runner import FakeRunner, image, make_request
+from tests.support.fake_runner import FakeRunner, image, make_request, make_scheduler
 from tests.wire.samples import positions
 
 PIXEL_WIDTH = 6  # narrow pixel rows keep the workload fast; the codec does not care
@@ -97,10 +97,10 @@ def test_wire_sampling_defaults_are_sampling_params_defaults():
     assert convert.sampling_params_to_wire(SamplingParams()) == WireSamplingParams()
 
 
-def test_the_runner_payload_travels_without_its_generator():
+def test_the_runner_payload_travels_whole():
     from mmserve.execution.request_state import RunnerPayload
 
-    assert _fields(WireRunnerPayload) == [f for f in _fields(RunnerPayload) if f != "generator"]
+    assert _fields(WireRunnerPayload) == _fields(RunnerPayload)
 
 
 # ---------------------------------------------------------------- API <-> engine core
@@ -267,28 +267,20 @@ def _payload_from_wire(w: WireRunnerPayload) -> _Payload:
     return _Payload(params, w.mrope_positions, w.mrope_position_delta, w.eos_token_ids)
 
 
-def test_the_receiving_side_rebuilds_the_generator_from_the_seed():
-    from mmserve.execution.request_state import RunnerPayload
-    from mmserve.execution.sampler import make_generator
+def test_the_receiving_side_gets_the_seed_and_no_random_state():
+    from mmserve.execution.request_state import RunnerPayload, payload_from_wire
 
-    def make_payload(w: WireRunnerPayload) -> RunnerPayload:
-        params = convert.sampling_params_from_wire(w.sampling_params)
-        generator = make_generator(params.seed) if params.seed is not None else None
-        return RunnerPayload(
-            params, w.mrope_positions, w.mrope_position_delta, w.eos_token_ids, generator
-        )
-
-    payload = RunnerPayload(SamplingParams(seed=1234), positions(5), 0, (2,), make_generator(1234))
+    payload = RunnerPayload(SamplingParams(seed=1234), positions(5), 0, (2,))
     new = NewRequestData("r", [1, 2, 3, 4, 5], [], [0], 0, payload)
     so = SchedulerOutput([new], [], {"r": 5}, 5, {}, [], frozenset(), frozenset())
     step = convert.scheduler_output_from_wire(
-        _through_wire(convert.scheduler_output_to_wire(so, lambda rid: [])), make_payload
+        _through_wire(convert.scheduler_output_to_wire(so, lambda rid: [])), payload_from_wire
     )
     (got,) = step.scheduler_output.scheduled_new_reqs
     assert got.payload.sampling_params == payload.sampling_params
+    assert got.payload.sampling_params.seed == 1234
     np.testing.assert_array_equal(got.payload.mrope_positions, payload.mrope_positions)
-    assert got.payload.generator.initial_seed() == 1234
-    assert got.payload.generator is not payload.generator
+    assert got.payload.eos_token_ids == payload.eos_token_ids
 
 
 EOS = 2
@@ -375,7 +367,7 @@ def _run_workload(seed: int, through_wire: bool) -> tuple[list[tuple], int]:
         max_model_len=96, max_num_batched_tokens=32, max_num_seqs=5, max_tokens_per_mm_item=20
     )
     clock = itertools.count(1000.0, 0.5)  # a step clock: both runs stamp the same times
-    scheduler = Scheduler(
+    scheduler = make_scheduler(
         config,
         CacheConfig(num_blocks=24, block_size=4),
         eos_token_ids=[EOS],

@@ -14,11 +14,10 @@ from typing import NoReturn, Protocol
 from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError, RequestFailure
 from mmserve.execution.executor import Executor
 from mmserve.execution.request_state import RunnerPayload
-from mmserve.execution.sampler import make_generator
 from mmserve.metrics import EngineMetrics, record_scheduler_stats
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.mrope import decode_positions
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams, check_seed
 from mmserve.scheduling.outputs import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from mmserve.scheduling.request import Request, RequestStatus
 from mmserve.scheduling.scheduler import Scheduler
@@ -67,7 +66,9 @@ def make_request(
     with_payload: bool = True,
 ) -> Request:
     """The scheduler's request for a processed prompt; `with_payload=False` builds one only to
-    run the admission checks on (no generator, nothing for a runner)."""
+    run the admission checks on (nothing for a runner)."""
+    if params.seed is not None:
+        check_seed(params.seed)  # past SamplingParams (a caller that bypassed it)
     num_prompt = len(prompt.prompt_token_ids)
     max_tokens = max_model_len - num_prompt
     if params.max_tokens is not None:
@@ -82,7 +83,6 @@ def make_request(
             mrope_positions=positions,
             mrope_position_delta=delta,
             eos_token_ids=eos_token_ids,
-            generator=make_generator(params.seed) if params.seed is not None else None,
         )
     return Request(
         request_id=request_id,

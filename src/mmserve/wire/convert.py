@@ -1,7 +1,7 @@
 """Between the wire messages and the in-process types they mirror; no torch on either side.
 
-The runner's `RunnerPayload` holds a torch.Generator, so this module never builds one: a
-receiving executor passes `make_payload`, which rebuilds the generator from the seed.
+A receiving executor passes `make_payload`, which builds the runner's `RunnerPayload` (this
+module does not import `execution/`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ _STATUS_BY_REASON = MappingProxyType({reason: s for s, reason in FINISH_REASONS.
 
 
 class RunnerPayloadLike(Protocol):
-    """The fields of `execution.request_state.RunnerPayload` that travel (not its generator)."""
+    """The fields of `execution.request_state.RunnerPayload`."""
 
     sampling_params: SamplingParams
     mrope_positions: np.ndarray
@@ -382,7 +382,7 @@ def scheduler_output_to_wire(
 def scheduler_output_from_wire(
     msg: WireSchedulerOutput, make_payload: Callable[[WireRunnerPayload], object]
 ) -> StepInputs:
-    """`make_payload` builds the runner's payload (with its generator) from the wire one."""
+    """`make_payload` builds the runner's payload from the wire one."""
     pixels = _pixels_by_identifier(msg.encoder_inputs)
     new_reqs = [
         NewRequestData(
