@@ -18,7 +18,7 @@ from mmserve.processing.image_decode import read_header
 from mmserve.processing.image_processor import ImageProcessorConfig, get_grid_thw
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.media import MediaConfig, MediaLoader
-from mmserve.processing.remote_items import RemoteImagePlanning
+from mmserve.processing.remote_planning import RemoteImagePlanning
 from mmserve.processing.url_planner import UrlPlan, UrlPlanUnavailable
 from tests.support.factory import random_image
 

@@ -27,7 +27,7 @@ from mmserve.models.config import ModelConfig, load_model_config
 from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.media import MediaLoader
-from mmserve.processing.remote_items import RemoteImagePlanning
+from mmserve.processing.remote_planning import RemoteImagePlanning
 from mmserve.processing.tokenizer import Tokenizer
 from mmserve.processing.video_inputs import (
     largest_item_tokens,
