@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mmserve.config.engine import EngineConfig
@@ -52,7 +52,10 @@ def build_parser(*, with_bench: bool) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, *, build_engine: Callable[[EngineConfig], Any] | None = None
+) -> int:
+    """Run the command line; `build_engine` replaces the engine factory for `serve` (tests)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(with_bench=bool(argv) and argv[0] == "bench")
     args = parser.parse_args(argv)
@@ -80,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # ModelNotFoundError included
         args.subparser.error(str(exc))
     _log_vllm_flags(engine_config)
-    return serve(engine_config, server_config)
+    return serve(engine_config, server_config, build_engine)
 
 
 def encode(args: argparse.Namespace) -> int:
@@ -115,28 +118,38 @@ def _log_vllm_flags(config: EngineConfig) -> None:
         )
 
 
-def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+def serve(
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    build_engine: Callable[[EngineConfig], Any] | None = None,
+) -> int:
     """Build the engine, then serve until SIGINT/SIGTERM; exits 0 after a graceful shutdown."""
     # uvicorn re-raises the signal it caught after its shutdown, with the handler that was
     # installed before it started; a no-op handler turns that into a clean exit 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        return asyncio.run(_serve(engine_config, server_config))
+        return asyncio.run(_serve(engine_config, server_config, build_engine))
     except Exception:
         logger.exception("mmserve failed")
         return 1
 
 
-async def _serve(engine_config: EngineConfig, settings: ServerConfig) -> int:
+async def _serve(
+    engine_config: EngineConfig,
+    settings: ServerConfig,
+    build_engine: Callable[[EngineConfig], Any] | None,
+) -> int:
     """Serve until a signal (exit code 0) or the engine's death (1: a supervisor restarts it)."""
     import uvicorn
 
     from mmserve.api.app import create_app
     from mmserve.api.http_protocol import header_deadline_protocol
-    from mmserve.engine.factory import build_async_engine
 
-    engine = build_async_engine(engine_config)
+    if build_engine is None:
+        from mmserve.engine.factory import build_async_engine as build_engine
+
+    engine = build_engine(engine_config)
     if inspect.isawaitable(engine):
         engine = await engine
     names = engine_config.checkpoint.served_model_names
@@ -178,7 +191,7 @@ async def _serve(engine_config: EngineConfig, settings: ServerConfig) -> int:
 
 
 def _log_configuration(
-    engine_config: EngineConfig, server: ServerConfig, engine: Any, name: str
+    engine_config: EngineConfig, settings: ServerConfig, engine: Any, name: str
 ) -> None:
     """One block: what the engine resolved (sizes with their byte cost), then the flags."""
     lines = [f"  served model name: {name}"]
@@ -187,11 +200,11 @@ def _log_configuration(
         lines.append("  engine (resolved):")
         lines.extend(f"    {key}: {_with_units(key, value)}" for key, value in describe().items())
     lines.append("  flags:")
-    flags = {**engine_config.flag_values(), **flag_values(server)}
+    flags = {**engine_config.flag_values(), **flag_values(settings)}
     for key, value in flags.items():
-        if key not in ("api_key", "encoder_secret"):
+        if key != "api_key":
             lines.append(f"    {key}: {json.dumps(value) if isinstance(value, dict) else value}")
-    lines.append(f"    api_key: {'set' if server.api_key else 'not set'}")
+    lines.append(f"    api_key: {'set' if settings.api_key else 'not set'}")
     logger.info("configuration:\n%s", "\n".join(lines))
 
 

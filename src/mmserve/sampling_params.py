@@ -13,6 +13,9 @@ from mmserve.structured_output.params import StructuredOutputParams
 logger = logging.getLogger(__name__)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# What the engine takes as a seed (torch.Generator.manual_seed's range; a row's noise is keyed
+# by it mod 2**64): any signed or unsigned 64-bit integer.
+SEED_MIN, SEED_MAX = INT64_MIN, 2**64 - 1
 # Token ids are int32 on the device; top_k is compared against the vocabulary size there.
 INT32_MAX = 2**31 - 1
 # Below this a temperature divides logits into overflow; vLLM clamps to it for the same reason.
@@ -171,6 +174,15 @@ class SamplingParams:
     @property
     def effective_top_k(self) -> int:
         return 0 if self.top_k in (0, -1) else self.top_k
+
+
+def check_seed(seed: object) -> None:
+    """Raise a typed error naming `seed` unless it is an integer in [-2**63, 2**64 - 1]: what
+    the engine checks again past `SamplingParams` (whose own bound is narrower)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX:
+        raise InvalidRequestError(
+            f"seed must be an integer in [-2**63, 2**64 - 1], got {_preview(seed)}", param="seed"
+        )
 
 
 def _checked_logit_bias(bias: object) -> dict[int, float]:

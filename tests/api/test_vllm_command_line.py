@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from mmserve.config.model import bundled_toy_model_dir
-from tests.api.harness import Server, wait_until_idle
 from tests.config_args import args_of
-from tests.engine.test_model_source import COMMIT, make_hub_cache
+from tests.support.harness import Server, wait_until_idle
+from tests.support.hub_cache import COMMIT, make_hub_cache
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 

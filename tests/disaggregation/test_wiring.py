@@ -15,7 +15,7 @@ from mmserve.engine.remote_encoders import read_encoder_secret
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import load_model_config
 from tests.config_args import configs_of, serve_configs_of
-from tests.disaggregation.fake_encoder import FakeEncoder
+from tests.support.fake_encoder import FakeEncoder
 
 
 def pool_of(**kwargs) -> EncoderPoolConfig:

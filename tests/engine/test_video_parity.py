@@ -10,9 +10,9 @@ import pytest
 from mmserve import LLM, SamplingParams
 from mmserve.engine.outputs import OutputKind
 from mmserve.multimodal import ProcessedPrompt
-from tests.engine.test_parity import chat
 from tests.engine.video_oracle import IMG, VID, build_case, oracle_greedy, random_video
-from tests.factory import random_image
+from tests.support.factory import random_image
+from tests.support.parity_cases import chat
 
 NUM_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
@@ -108,7 +108,7 @@ def test_an_image_video_image_step_makes_two_vision_calls_and_matches_transforme
         manager = llm.engine.scheduler.encoder_cache_manager
         runner = llm.engine.executor.runner
         # the byte ledger counts exactly what the runner's cache holds
-        assert manager.num_used_bytes == runner.encoder.num_bytes > 0
+        assert manager.num_used_bytes == runner.encoder_cache.num_bytes > 0
     assert snap.counters["encoder_forward_calls"] == 2  # one per modality, not three
     assert snap.modality_counters["encoder_forward_calls"] == {"image": 1, "video": 1}
     assert snap.modality_counters["encoder_items_encoded"] == {"image": 2, "video": 1}

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
-from mmserve.execution.encoder_graphs import EncoderGraphs
-from mmserve.execution.graph_capture import cuda_graph_factory
+from mmserve.execution.encoder.graphs import EncoderGraphs
+from mmserve.execution.graphs.capture import cuda_graph_factory
 from mmserve.layers.attention.vision import (
     has_varlen,
     make_segments,
@@ -17,7 +17,7 @@ from mmserve.layers.attention.vision import (
 )
 from mmserve.models.config import VisionConfig
 from mmserve.models.qwen2_vl_vision import VisionTransformer
-from tests.factory import random_image
+from tests.support.factory import random_image
 
 pytestmark = [
     pytest.mark.gpu,

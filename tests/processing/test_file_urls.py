@@ -9,7 +9,7 @@ import pytest
 from mmserve.config.media import MediaConfig
 from mmserve.errors import InvalidRequestError, MediaError, MediaFetchRefusedError
 from mmserve.processing.media import MediaLoader
-from tests.factory import random_image
+from tests.support.factory import random_image
 
 
 @pytest.fixture

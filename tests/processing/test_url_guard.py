@@ -18,7 +18,7 @@ from mmserve.config.media import MediaConfig
 from mmserve.errors import MediaError, MediaFetchRefusedError
 from mmserve.processing.media import MediaLoader, MediaSource
 from mmserve.processing.url_guard import parse_media_url
-from tests.local_http import MediaServer, running_media_server
+from tests.support.media_server import MediaServer, running_media_server
 
 Load = Callable[[MediaLoader, MediaSource], Image.Image]
 

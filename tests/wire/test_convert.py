@@ -33,7 +33,7 @@ from mmserve.scheduling import (
     SchedulerOutput,
     SchedulerStats,
 )
-from mmserve.scheduling.outputs import GrammarBitmask
+from mmserve.scheduling.outputs import GrammarOutput
 from mmserve.scheduling.request import RequestStatus
 from mmserve.structured_output.params import StructuredOutputParams
 from mmserve.wire import (
@@ -54,7 +54,7 @@ from mmserve.wire import (
     decode,
     encode,
 )
-from tests.scheduling.fake_runner import FakeRunner, image, make_request
+from tests.support.fake_runner import FakeRunner, image, make_request, make_scheduler
 from tests.wire.samples import positions
 
 PIXEL_WIDTH = 6  # narrow pixel rows keep the workload fast; the codec does not care
@@ -79,7 +79,7 @@ def _through_wire(msg):
         (WireSamplingParams, SamplingParams, set()),
         (WireCachedRequestData, CachedRequestData, set()),
         (WireNewRequestData, NewRequestData, set()),
-        (WireSchedulerOutput, SchedulerOutput, {"encoder_inputs"}),
+        (WireSchedulerOutput, SchedulerOutput, {"encoder_inputs", "grammar_bitmask"}),
         (WireModelRunnerOutput, ModelRunnerOutput, set()),
         (
             EngineStats,
@@ -97,10 +97,10 @@ def test_wire_sampling_defaults_are_sampling_params_defaults():
     assert convert.sampling_params_to_wire(SamplingParams()) == WireSamplingParams()
 
 
-def test_the_runner_payload_travels_without_its_generator():
+def test_the_runner_payload_travels_whole():
     from mmserve.execution.request_state import RunnerPayload
 
-    assert _fields(WireRunnerPayload) == [f for f in _fields(RunnerPayload) if f != "generator"]
+    assert _fields(WireRunnerPayload) == _fields(RunnerPayload)
 
 
 # ---------------------------------------------------------------- API <-> engine core
@@ -267,28 +267,20 @@ def _payload_from_wire(w: WireRunnerPayload) -> _Payload:
     return _Payload(params, w.mrope_positions, w.mrope_position_delta, w.eos_token_ids)
 
 
-def test_the_receiving_side_rebuilds_the_generator_from_the_seed():
-    from mmserve.execution.request_state import RunnerPayload
-    from mmserve.execution.sampler import make_generator
+def test_the_receiving_side_gets_the_seed_and_no_random_state():
+    from mmserve.execution.request_state import RunnerPayload, payload_from_wire
 
-    def make_payload(w: WireRunnerPayload) -> RunnerPayload:
-        params = convert.sampling_params_from_wire(w.sampling_params)
-        generator = make_generator(params.seed) if params.seed is not None else None
-        return RunnerPayload(
-            params, w.mrope_positions, w.mrope_position_delta, w.eos_token_ids, generator
-        )
-
-    payload = RunnerPayload(SamplingParams(seed=1234), positions(5), 0, (2,), make_generator(1234))
+    payload = RunnerPayload(SamplingParams(seed=1234), positions(5), 0, (2,))
     new = NewRequestData("r", [1, 2, 3, 4, 5], [], [0], 0, payload)
     so = SchedulerOutput([new], [], {"r": 5}, 5, {}, [], frozenset(), frozenset())
     step = convert.scheduler_output_from_wire(
-        _through_wire(convert.scheduler_output_to_wire(so, lambda rid: [])), make_payload
+        _through_wire(convert.scheduler_output_to_wire(so, lambda rid: [])), payload_from_wire
     )
     (got,) = step.scheduler_output.scheduled_new_reqs
     assert got.payload.sampling_params == payload.sampling_params
+    assert got.payload.sampling_params.seed == 1234
     np.testing.assert_array_equal(got.payload.mrope_positions, payload.mrope_positions)
-    assert got.payload.generator.initial_seed() == 1234
-    assert got.payload.generator is not payload.generator
+    assert got.payload.eos_token_ids == payload.eos_token_ids
 
 
 EOS = 2
@@ -330,14 +322,18 @@ class _WireRunner:
         self.scheduler = scheduler
         self.num_pixel_frames = 0
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, so: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         requests = self.scheduler.requests
-        wire = convert.scheduler_output_to_wire(so, lambda rid: requests[rid].mm_features)
+        wire = convert.scheduler_output_to_wire(
+            so, lambda rid: requests[rid].mm_features, grammar_output
+        )
         frames = [bytes(f) for f in encode(wire)]
         step = convert.scheduler_output_from_wire(decode(frames), _payload_from_wire)
         self._check_pixels(so, step)
         self.num_pixel_frames += len(step.encoder_inputs)
-        answer = self.inner.execute(step.scheduler_output)
+        answer = self.inner.execute(step.scheduler_output, step.grammar_output)
         out = decode(encode(convert.runner_output_to_wire(answer)))
         return convert.runner_output_from_wire(out)
 
@@ -375,7 +371,7 @@ def _run_workload(seed: int, through_wire: bool) -> tuple[list[tuple], int]:
         max_model_len=96, max_num_batched_tokens=32, max_num_seqs=5, max_tokens_per_mm_item=20
     )
     clock = itertools.count(1000.0, 0.5)  # a step clock: both runs stamp the same times
-    scheduler = Scheduler(
+    scheduler = make_scheduler(
         config,
         CacheConfig(num_blocks=24, block_size=4),
         eos_token_ids=[EOS],
@@ -474,12 +470,12 @@ def test_a_forged_structured_output_kind_is_refused_on_arrival():
 
 def test_the_grammar_bitmask_crosses_the_executor_wire():
     bitmask = np.array([[-1, 5], [0, 2**31 - 1]], dtype=np.int32)
-    so = SchedulerOutput([], [], {"a": 1, "b": 1}, 2, {}, [], frozenset(), frozenset(),
-                         GrammarBitmask(("a", "b"), bitmask))  # fmt: skip
+    so = SchedulerOutput([], [], {"a": 1, "b": 1}, 2, {}, [], frozenset(), frozenset())
+    grammar = GrammarOutput(("a", "b"), bitmask)
     back = convert.scheduler_output_from_wire(
-        _through_wire(convert.scheduler_output_to_wire(so, lambda r: [])), lambda p: p
-    ).scheduler_output
-    assert back.grammar_bitmask.request_ids == ("a", "b")
-    np.testing.assert_array_equal(back.grammar_bitmask.bitmask, bitmask)
+        _through_wire(convert.scheduler_output_to_wire(so, lambda r: [], grammar)), lambda p: p
+    ).grammar_output
+    assert back.request_ids == ("a", "b")
+    np.testing.assert_array_equal(back.bitmask, bitmask)
     with pytest.raises(WireError, match="int32"):
         WireGrammarBitmask(["a"], np.zeros((1, 2), np.int64))

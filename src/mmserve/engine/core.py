@@ -14,12 +14,16 @@ from typing import NoReturn, Protocol
 from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError, RequestFailure
 from mmserve.execution.executor import Executor
 from mmserve.execution.request_state import RunnerPayload
-from mmserve.execution.sampler import make_generator
 from mmserve.metrics import EngineMetrics, record_scheduler_stats
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.mrope import decode_positions
-from mmserve.sampling_params import SamplingParams
-from mmserve.scheduling.outputs import ModelRunnerOutput, RequestUpdate, SchedulerOutput
+from mmserve.sampling_params import SamplingParams, check_seed
+from mmserve.scheduling.outputs import (
+    GrammarOutput,
+    ModelRunnerOutput,
+    RequestUpdate,
+    SchedulerOutput,
+)
 from mmserve.scheduling.request import Request, RequestStatus
 from mmserve.scheduling.scheduler import Scheduler
 from mmserve.structured_output.manager import StructuredOutputManager
@@ -67,7 +71,9 @@ def make_request(
     with_payload: bool = True,
 ) -> Request:
     """The scheduler's request for a processed prompt; `with_payload=False` builds one only to
-    run the admission checks on (no generator, nothing for a runner)."""
+    run the admission checks on (nothing for a runner)."""
+    if params.seed is not None:
+        check_seed(params.seed)  # past SamplingParams (a caller that bypassed it)
     num_prompt = len(prompt.prompt_token_ids)
     max_tokens = max_model_len - num_prompt
     if params.max_tokens is not None:
@@ -82,7 +88,6 @@ def make_request(
             mrope_positions=positions,
             mrope_position_delta=delta,
             eos_token_ids=eos_token_ids,
-            generator=make_generator(params.seed) if params.seed is not None else None,
         )
     return Request(
         request_id=request_id,
@@ -179,11 +184,9 @@ class EngineCore:
                 runner_output = self._execute(scheduler_output)
                 updates = self.scheduler.update_from_output(scheduler_output, runner_output)
             else:
-                scheduler_output, failures = grammar.mask_step(
-                    scheduler_output, self.scheduler.requests
-                )
-                runner_output = self._execute(scheduler_output)
-                runner_output, completed = grammar.accept_step(runner_output, failures)
+                mask = grammar.grammar_output(scheduler_output, self.scheduler.requests)
+                runner_output = self._execute(scheduler_output, mask.grammar_output)
+                runner_output, completed = grammar.accept_step(runner_output, mask.failures)
                 updates = self.scheduler.update_from_output(scheduler_output, runner_output)
                 updates = self._stop_completed(updates, completed)
                 grammar.retain(self.scheduler.requests)
@@ -243,10 +246,12 @@ class EngineCore:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         """Run the step; a crash of the forward pass fails the requests in it, not the core."""
         try:
-            return self.executor.execute(scheduler_output)
+            return self.executor.execute(scheduler_output, grammar_output)
         except Exception:  # noqa: BLE001 - contained to the requests of this step
             request_ids = sorted(scheduler_output.num_scheduled_tokens)
             logger.exception("model step failed; failing the requests in it: %s", request_ids)

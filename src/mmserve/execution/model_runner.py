@@ -11,20 +11,21 @@ from torch import nn
 
 from mmserve.config.scheduler import SchedulerConfig
 from mmserve.errors import FailureKind, RequestFailure
-from mmserve.execution.cuda_graphs import DecodeGraphs
-from mmserve.execution.encoder_runner import EncoderRunner
-from mmserve.execution.encoder_source import EncoderSource
-from mmserve.execution.graph_capture import GraphFactory
+from mmserve.execution.encoder.intake import RemoteItemIntake, RemoteResults
+from mmserve.execution.encoder.runner import EncoderRunner
+from mmserve.execution.encoder.source import EncoderSource
+from mmserve.execution.graphs.capture import GraphFactory
+from mmserve.execution.graphs.decode import DecodeGraphs
 from mmserve.execution.input_batch import InputBuffers, SpliceError, StepBatch, prepare_batch
-from mmserve.execution.remote_items import RemoteItemIntake, RemoteResults
 from mmserve.execution.request_state import RequestState, RunnerPayload
-from mmserve.execution.sampler import SamplingRow, make_device_generator
-from mmserve.execution.sampling_step import sample_step
-from mmserve.execution.token_bitmask import sampling_bitmask
+from mmserve.execution.sample.bitmask import sampling_bitmask
+from mmserve.execution.sample.rows import SamplingRow
+from mmserve.execution.sample.sampler import make_device_generator
+from mmserve.execution.sample.step import sample_step
 from mmserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from mmserve.layers.attention.buffers import BatchLimits
 from mmserve.multimodal import MultiModalFeature, ProcessedImage, RemoteItem
-from mmserve.scheduling.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
+from mmserve.scheduling.outputs import GrammarOutput, Logprobs, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class ModelRunner:
         self.model = model
         self.kv_caches = kv_caches
         self.encoder = encoder_runner
+        self.encoder_cache = encoder_runner.cache
         self.block_size = block_size
         self.placeholder_token_ids = placeholder_token_ids
         self.device = device
@@ -77,10 +79,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, so: SchedulerOutput, encoder_inputs: Mapping[str, ProcessedImage] | None = None
+        self,
+        so: SchedulerOutput,
+        grammar_output: GrammarOutput | None = None,
+        *,
+        encoder_inputs: Mapping[str, ProcessedImage] | None = None,
     ) -> ModelRunnerOutput:
-        """`encoder_inputs` (by identifier) gives the pixels of items whose features hold none:
-        a step decoded from the wire sends them only on the step that encodes them."""
+        """`grammar_output` masks what the structured requests may sample (the engine core
+        computes it after scheduling). `encoder_inputs` (by identifier) gives the pixels of
+        items whose features hold none: a step decoded from the wire sends them only on the
+        step that encodes them."""
         self._update_states(so)
         not_sent = self.remote.submit(so.remote_encoder_inputs)
         collected = self.remote.collect()
@@ -114,7 +122,7 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, Logprobs] = {}
         if batch.sample_request_ids:
-            self._sample(so, batch, hidden, errors, sampled, logprobs)
+            self._sample(batch, hidden, grammar_output, errors, sampled, logprobs)
         return _output(sampled, errors, logprobs, results)
 
     def wait_for_encoder(self, timeout_s: float) -> None:
@@ -122,14 +130,15 @@ class ModelRunner:
         self.remote.wait(timeout_s)
 
     def capture_decode_graphs(self, sizes: Sequence[int], factory: GraphFactory) -> float:
-        """Capture decode graphs of these batch sizes (the Triton backend only); seconds taken.
-        `factory` makes each graph: CUDA graphs on the GPU, `eager_graph_factory` in tests."""
-        from mmserve.layers.attention.triton_backend import TritonAttentionBackend
-
-        backend = self.attention_backend
-        assert isinstance(backend, TritonAttentionBackend), "only Triton attention is capturable"
+        """Capture decode graphs of these batch sizes; seconds taken. `factory` makes each
+        graph: CUDA graphs on the GPU, `eager_graph_factory` in tests. ValueError when the
+        attention backend cannot be captured."""
         graphs = DecodeGraphs(
-            sizes, self.buffers.limits.max_blocks_per_seq, backend, self.block_size, self.device
+            sizes,
+            self.buffers.limits.max_blocks_per_seq,
+            self.attention_backend,
+            self.block_size,
+            self.device,
         )
         with torch.inference_mode():
             seconds = graphs.capture(self._forward, factory)
@@ -145,23 +154,21 @@ class ModelRunner:
         mm_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden]: embeddings (images spliced in), the decoder."""
-        embeds = self.model.embed_input_ids(input_ids)  # [num_tokens, hidden]
-        if mm_embeds is not None:
-            embeds[mm_index] = mm_embeds.to(embeds.dtype)
+        embeds = self.model.embed_input_ids(input_ids, mm_embeds, mm_index)  # [num_tokens, hidden]
         return self.model(None, positions, attn_metadata, self.kv_caches, inputs_embeds=embeds)
 
     def _sample(
         self,
-        so: SchedulerOutput,
         batch: StepBatch,
         hidden: torch.Tensor,
+        grammar_output: GrammarOutput | None,
         errors: dict[str, RequestFailure],
         sampled: dict[str, list[int]],
         logprobs: dict[str, Logprobs],
     ) -> None:
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_samples, vocab]
         rows = [self._sampling_row(self.states[r]) for r in batch.sample_request_ids]
-        bitmask = sampling_bitmask(so.grammar_bitmask, batch.sample_request_ids)
+        bitmask = sampling_bitmask(grammar_output, batch.sample_request_ids)
         step = sample_step(logits, rows, self._generator, bitmask)  # the step's one host sync
         for i, (request_id, token) in enumerate(
             zip(batch.sample_request_ids, step.tokens, strict=True)
@@ -203,7 +210,7 @@ class ModelRunner:
         for request_id in so.finished_req_ids | so.preempted_req_ids:
             self.states.pop(request_id, None)
         self.remote.cancel(so.free_encoder_identifiers)  # those still in flight
-        self.encoder.free(so.free_encoder_identifiers)
+        self.encoder_cache.free(so.free_encoder_identifiers)
         for new in so.scheduled_new_reqs:
             payload = new.payload
             assert isinstance(payload, RunnerPayload), type(payload)
@@ -227,7 +234,6 @@ class ModelRunner:
         return SamplingRow(
             state.request_id,
             p.sampling_params,
-            p.generator,
             state.num_output_tokens,
             p.eos_token_ids,
             state.token_ids,
@@ -306,8 +312,8 @@ class ModelRunner:
                 )
             if emb.shape[0] != feature.placeholder.length:
                 raise SpliceError(
-                    f"Attempted to assign {emb.shape[0]} = {emb.shape[0]} multimodal tokens to "
-                    f"{feature.placeholder.length} placeholders"
+                    f"Attempted to assign {emb.shape[0]} multimodal tokens of item "
+                    f"{feature.identifier[:16]} to {feature.placeholder.length} placeholders"
                 )
             parts.append(emb[lo - feature.placeholder.offset : hi - feature.placeholder.offset])
             sizes.append(hi - lo)
@@ -336,7 +342,7 @@ class ModelRunner:
         it. Encoding it here keeps one failure from failing every later request that shares
         the item; the scheduler frees the entry as usual.
         """
-        emb = self.encoder.get(feature.identifier)
+        emb = self.encoder_cache.get(feature.identifier)
         if emb is not None or not isinstance(feature.data, ProcessedImage):
             return emb
         logger.warning(
@@ -348,7 +354,7 @@ class ModelRunner:
             raise SpliceError(
                 f"encoding multimodal item failed: {type(exc).__name__}", FailureKind.INTERNAL
             ) from exc
-        return self.encoder.get(feature.identifier)
+        return self.encoder_cache.get(feature.identifier)
 
 
 def _with_pixels(

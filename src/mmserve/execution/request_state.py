@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from mmserve.execution.sampler import make_generator
 from mmserve.multimodal import MultiModalFeature
 from mmserve.sampling_params import SamplingParams
 from mmserve.wire.convert import sampling_params_from_wire
@@ -18,15 +16,14 @@ from mmserve.wire.executor import WireRunnerPayload
 class RunnerPayload:
     """Attached to a scheduler Request by the engine and handed to the runner unread.
 
-    The generator lives here (not in the runner's state) so that a seeded request keeps its
-    random stream across preemption and recompute.
+    Plain data: a seeded request's draws are keyed by its seed and output position
+    (`sample.noise.seeded_keys`), so no random state lives here or anywhere.
     """
 
     sampling_params: SamplingParams
     mrope_positions: np.ndarray  # [3, num_prompt_tokens] int64
     mrope_position_delta: int
     eos_token_ids: tuple[int, ...]
-    generator: torch.Generator | None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -35,17 +32,9 @@ class RunnerPayload:
 
 def payload_from_wire(w: WireRunnerPayload) -> RunnerPayload:
     """The payload an executor in another process builds (`make_payload` of
-    `wire.convert.scheduler_output_from_wire`).
-
-    NOTE: the generator starts again from the seed. In-process, a seeded request resumed after
-    preemption keeps its stream (the payload lives on the scheduler's Request); through the wire
-    it restarts, so seeded sampling after a preemption differs from in-process (greedy does not).
-    """
+    `wire.convert.scheduler_output_from_wire`)."""
     params = sampling_params_from_wire(w.sampling_params)
-    generator = make_generator(params.seed) if params.seed is not None else None
-    return RunnerPayload(
-        params, w.mrope_positions, w.mrope_position_delta, tuple(w.eos_token_ids), generator
-    )
+    return RunnerPayload(params, w.mrope_positions, w.mrope_position_delta, tuple(w.eos_token_ids))
 
 
 @dataclass(slots=True)

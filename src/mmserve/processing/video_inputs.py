@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from mmserve.config.media import VideoLimits
 from mmserve.errors import InvalidRequestError, VideoTooLargeError
 from mmserve.processing.decode_budget import RequestDecodeBudget
 from mmserve.processing.image_processor import (
@@ -26,7 +27,7 @@ from mmserve.processing.image_processor import (
 )
 from mmserve.processing.media import MediaLoader
 from mmserve.processing.modalities import ProcessingConfig
-from mmserve.processing.video_decode import DecodedVideo, VideoLimits
+from mmserve.processing.video_decode import DecodedVideo
 from mmserve.processing.video_processor import VideoMeta
 from mmserve.processing.video_sampling import FPS, VIDEO_KEYS, VideoConfig, frame_max_pixels
 

@@ -22,8 +22,7 @@ from mmserve.wire.common import (
 
 
 class WireRunnerPayload(WireStruct):
-    """What the runner needs to sample and position one request (`RunnerPayload` minus the
-    generator: the receiving side rebuilds it from `sampling_params.seed`)."""
+    """What the runner needs to sample and position one request (`RunnerPayload`)."""
 
     sampling_params: WireSamplingParams
     mrope_positions: np.ndarray  # [3, num_prompt_tokens] int64
