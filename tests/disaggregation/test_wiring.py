@@ -14,7 +14,7 @@ from mmserve.engine.factory import build_core, resolve_shape
 from mmserve.engine.remote_encoders import read_encoder_secret
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import load_model_config
-from tests.config_args import configs_of, serve_configs_of
+from tests.support.config_args import configs_of, serve_configs_of
 from tests.support.fake_encoder import FakeEncoder
 
 
