@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mmserve.disaggregation.encode_args import add_encode_args
@@ -51,7 +51,10 @@ def build_parser(*, with_bench: bool) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, *, build_engine: Callable[[EngineArgs], Any] | None = None
+) -> int:
+    """Run the command line; `build_engine` replaces the engine factory for `serve` (tests)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(with_bench=bool(argv) and argv[0] == "bench")
     args = parser.parse_args(argv)
@@ -83,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # ModelNotFoundError included
         args.subparser.error(str(exc))
     _log_vllm_flags(engine_args)
-    return serve(engine_args)
+    return serve(engine_args, build_engine)
 
 
 def encode(args: argparse.Namespace) -> int:
@@ -118,28 +121,30 @@ def _log_vllm_flags(args: EngineArgs) -> None:
         )
 
 
-def serve(engine_args: EngineArgs) -> int:
+def serve(engine_args: EngineArgs, build_engine: Callable[[EngineArgs], Any] | None = None) -> int:
     """Build the engine, then serve until SIGINT/SIGTERM; exits 0 after a graceful shutdown."""
     # uvicorn re-raises the signal it caught after its shutdown, with the handler that was
     # installed before it started; a no-op handler turns that into a clean exit 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        return asyncio.run(_serve(engine_args))
+        return asyncio.run(_serve(engine_args, build_engine))
     except Exception:
         logger.exception("mmserve failed")
         return 1
 
 
-async def _serve(engine_args: EngineArgs) -> int:
+async def _serve(engine_args: EngineArgs, build_engine: Callable[[EngineArgs], Any] | None) -> int:
     """Serve until a signal (exit code 0) or the engine's death (1: a supervisor restarts it)."""
     import uvicorn
 
     from mmserve.api.app import create_app
     from mmserve.api.http_protocol import header_deadline_protocol
-    from mmserve.engine.factory import build_async_engine
 
-    engine = build_async_engine(engine_args)
+    if build_engine is None:
+        from mmserve.engine.factory import build_async_engine as build_engine
+
+    engine = build_engine(engine_args)
     if inspect.isawaitable(engine):
         engine = await engine
     names = engine_args.served_model_names

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmserve.metrics import HISTOGRAM_NAMES, PHASE_HISTOGRAMS, TOKEN_HISTOGRAMS
-from tests.api.harness import Server, data_url, image_part, png_bytes, user, wait_until_idle
+from tests.support.harness import Server, data_url, image_part, png_bytes, user, wait_until_idle
 
 SERVED = "tiny-qwen2-vl"
 

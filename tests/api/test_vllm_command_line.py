@@ -20,8 +20,8 @@ import pytest
 
 from mmserve.cli import build_parser
 from mmserve.engine.args import EngineArgs, bundled_toy_model_dir
-from tests.api.harness import Server, wait_until_idle
-from tests.engine.test_model_source import COMMIT, make_hub_cache
+from tests.support.harness import Server, wait_until_idle
+from tests.support.hub_cache import COMMIT, make_hub_cache
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 

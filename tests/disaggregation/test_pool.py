@@ -18,7 +18,7 @@ from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import MultiModalFeature, PlaceholderRange, RemoteItem
 from mmserve.processing.image_processor import ImageProcessorConfig, process_image
 from mmserve.processing.media import MediaLoader
-from tests.disaggregation.fake_encoder import (
+from tests.support.fake_encoder import (
     FINGERPRINT,
     HIDDEN,
     FakeEncoder,

@@ -13,7 +13,7 @@ from mmserve.engine.factory import build_core, resolve_shape
 from mmserve.engine.remote_encoders import read_encoder_secret
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import load_model_config
-from tests.disaggregation.fake_encoder import FakeEncoder
+from tests.support.fake_encoder import FakeEncoder
 
 
 def test_serve_flags_reach_engine_args():

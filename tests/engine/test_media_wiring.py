@@ -6,7 +6,7 @@ import pytest
 
 from mmserve import LLM, SamplingParams
 from mmserve.errors import ImageTooLargeError
-from tests.factory import flat_png
+from tests.support.factory import flat_png
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -53,7 +53,7 @@ SMALL = {"min_pixels": 3136, "max_pixels": 12544}
 
 def test_video_ceilings_reach_the_loader_and_videos_run_offline(tmp_path) -> None:
     from mmserve.errors import VideoTooLargeError
-    from tests.factory import video_bytes, video_frames
+    from tests.support.factory import video_bytes, video_frames
 
     llm = LLM(max_video_seconds=4.0, max_video_frames_decoded=50, max_video_bytes=1 << 20)
     cfg = _config(llm)

@@ -9,8 +9,8 @@ import pytest
 
 from mmserve import LLM, SamplingParams
 from mmserve.engine.args import EngineArgs
-from tests.engine.conftest import DIVERSE
-from tests.factory import random_image, write_tiny_checkpoint
+from tests.support.factory import random_image, write_tiny_checkpoint
+from tests.support.parity_cases import DIVERSE
 
 triton = pytest.importorskip("triton")
 

@@ -11,8 +11,8 @@ import pytest
 
 from mmserve import LLM, SamplingParams
 from mmserve.engine.args import bundled_toy_model_dir
-from tests.oracle import HFOracle
-from tests.toy_examples import EXTRA_TASKS, TASKS, accuracy_target, held_out
+from tests.support.oracle import HFOracle
+from tests.support.toy_examples import EXTRA_TASKS, TASKS, accuracy_target, held_out
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 NUM_PER_TASK = 100

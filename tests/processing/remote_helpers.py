@@ -20,7 +20,7 @@ from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.media import MediaConfig, MediaLoader
 from mmserve.processing.remote_planning import RemoteImagePlanning
 from mmserve.processing.url_planner import UrlPlan, UrlPlanUnavailable
-from tests.factory import random_image
+from tests.support.factory import random_image
 
 ONE_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>describe"
 CAT_URL = "https://images.example/cat.png"

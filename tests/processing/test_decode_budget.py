@@ -17,7 +17,7 @@ from mmserve.errors import DecodeBusyError, ImageTooLargeError
 from mmserve.processing.decode_budget import DecodeMemoryGate, RequestDecodeBudget
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.media import MediaConfig, MediaLoader
-from tests.factory import flat_png
+from tests.support.factory import flat_png
 
 GREY_100 = flat_png(100, 100, "L")
 GREY_100_BYTES = 100 * 100 * (4 + 6) + (1 << 20)  # its estimate: RGB + packed copy, decoder

@@ -8,7 +8,7 @@ import pytest
 
 from mmserve.errors import InvalidRequestError, MediaError, MediaFetchRefusedError
 from mmserve.processing.media import MediaConfig, MediaLoader
-from tests.factory import random_image
+from tests.support.factory import random_image
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from mmserve.processing.image_decode import (
     webp_canvas_size,
 )
 from mmserve.processing.media import MediaConfig, MediaLoader
-from tests.factory import flat_png, random_image
+from tests.support.factory import flat_png, random_image
 
 
 def _encode(image: Image.Image, fmt: str = "PNG", **kwargs) -> bytes:
@@ -104,7 +104,7 @@ _PEAK_SCRIPT = textwrap.dedent(
     """
     import sys
     from mmserve.processing.image_decode import decode_image_bytes, read_header
-    from tests.factory import flat_png
+    from tests.support.factory import flat_png
 
     def high_water_bytes():  # VmHWM is per address space: unlike ru_maxrss, exec resets it
         with open("/proc/self/status") as f:

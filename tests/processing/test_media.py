@@ -16,7 +16,7 @@ from PIL import Image
 from mmserve.errors import ImageDecodeError, ImageTooLargeError, MediaError
 from mmserve.processing.decode_workers import DecodeWorkerPool
 from mmserve.processing.media import MediaConfig, MediaLoader
-from tests.factory import flat_png, random_image
+from tests.support.factory import flat_png, random_image
 
 
 def _encode(image: Image.Image, fmt: str = "PNG") -> bytes:

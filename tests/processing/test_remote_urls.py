@@ -20,7 +20,6 @@ from mmserve.errors import (
 from mmserve.multimodal import ProcessedPrompt, RemoteItem
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.remote_planning import RemoteImagePlanning
-from tests.factory import random_image
 from tests.processing.remote_helpers import (
     CAT_URL,
     ONE_IMAGE,
@@ -33,6 +32,7 @@ from tests.processing.remote_helpers import (
     make_processor,
     same_plan,
 )
+from tests.support.factory import random_image
 
 
 @pytest.fixture

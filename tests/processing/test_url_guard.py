@@ -17,7 +17,7 @@ from mmserve.engine.args import EngineArgs
 from mmserve.errors import MediaError, MediaFetchRefusedError
 from mmserve.processing.media import MediaConfig, MediaLoader, MediaSource
 from mmserve.processing.url_guard import AllowedHost, parse_allowed_host, parse_media_url
-from tests.local_http import MediaServer, running_media_server
+from tests.support.media_server import MediaServer, running_media_server
 
 Load = Callable[[MediaLoader, MediaSource], Image.Image]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import struct
 import time
 
 import numpy as np
@@ -16,27 +15,10 @@ from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.video_decode import VideoLimits, decode_video_bytes
 from mmserve.processing.video_sampling import VideoConfig
 from mmserve.processing.video_worker import decode_video_in_worker
-from tests.factory import video_bytes
+from tests.support.factory import huge_frame_header, video_bytes
 
 IMAGE_CFG = ImageProcessorConfig()
 CFG = VideoConfig(min_pixels=3136, max_pixels=12544)
-
-
-def huge_frame_header(side: int = 8000) -> bytes:
-    """A few-KB AVI of raw 16x16 frames whose header says side x side: the dimensions of a raw
-    stream come from the header alone, so it is what a decoder would allocate for."""
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="avi") as out:
-        stream = out.add_stream("rawvideo", rate=2)
-        stream.width = stream.height = 16
-        stream.pix_fmt = "yuv420p"
-        for i in range(4):
-            frame = av.VideoFrame.from_ndarray(np.full((16, 16, 3), i * 40, np.uint8), "rgb24")
-            out.mux(stream.encode(frame))
-        out.mux(stream.encode())
-    return buf.getvalue().replace(struct.pack("<ii", 16, 16), struct.pack("<ii", side, side))
 
 
 def _decode(data: bytes, limits: VideoLimits | None = None):

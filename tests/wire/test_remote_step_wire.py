@@ -21,7 +21,7 @@ from mmserve.wire import (
     decode,
     encode,
 )
-from tests.scheduling.fake_runner import image
+from tests.support.fake_runner import image
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 40  # 10 KiB that must not enter the body
 

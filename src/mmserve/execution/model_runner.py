@@ -24,7 +24,7 @@ from mmserve.execution.sample.step import sample_step
 from mmserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from mmserve.layers.attention.buffers import BatchLimits
 from mmserve.multimodal import MultiModalFeature, ProcessedImage, RemoteItem
-from mmserve.scheduling.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
+from mmserve.scheduling.outputs import GrammarOutput, Logprobs, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +70,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, so: SchedulerOutput, encoder_inputs: Mapping[str, ProcessedImage] | None = None
+        self,
+        so: SchedulerOutput,
+        grammar_output: GrammarOutput | None = None,
+        *,
+        encoder_inputs: Mapping[str, ProcessedImage] | None = None,
     ) -> ModelRunnerOutput:
-        """`encoder_inputs` (by identifier) gives the pixels of items whose features hold none:
-        a step decoded from the wire sends them only on the step that encodes them."""
+        """`grammar_output` masks what the structured requests may sample (the engine core
+        computes it after scheduling). `encoder_inputs` (by identifier) gives the pixels of
+        items whose features hold none: a step decoded from the wire sends them only on the
+        step that encodes them."""
         self._update_states(so)
         not_sent = self.remote.submit(so.remote_encoder_inputs)
         collected = self.remote.collect()
@@ -107,7 +113,7 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, Logprobs] = {}
         if batch.sample_request_ids:
-            self._sample(so, batch, hidden, errors, sampled, logprobs)
+            self._sample(batch, hidden, grammar_output, errors, sampled, logprobs)
         return _output(sampled, errors, logprobs, results)
 
     def wait_for_encoder(self, timeout_s: float) -> None:
@@ -144,16 +150,16 @@ class ModelRunner:
 
     def _sample(
         self,
-        so: SchedulerOutput,
         batch: StepBatch,
         hidden: torch.Tensor,
+        grammar_output: GrammarOutput | None,
         errors: dict[str, RequestFailure],
         sampled: dict[str, list[int]],
         logprobs: dict[str, Logprobs],
     ) -> None:
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_samples, vocab]
         rows = [self._sampling_row(self.states[r]) for r in batch.sample_request_ids]
-        bitmask = sampling_bitmask(so.grammar_bitmask, batch.sample_request_ids)
+        bitmask = sampling_bitmask(grammar_output, batch.sample_request_ids)
         step = sample_step(logits, rows, self._generator, bitmask)  # the step's one host sync
         for i, (request_id, token) in enumerate(
             zip(batch.sample_request_ids, step.tokens, strict=True)

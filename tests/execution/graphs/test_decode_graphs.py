@@ -21,8 +21,8 @@ from mmserve.execution.graphs.decode import (
     padded_size,
     report_graph_memory,
 )
-from tests.engine.conftest import DIVERSE
-from tests.factory import random_image, write_tiny_checkpoint
+from tests.support.factory import random_image, write_tiny_checkpoint
+from tests.support.parity_cases import DIVERSE
 
 triton = pytest.importorskip("triton")
 needs_interpreter = pytest.mark.skipif(

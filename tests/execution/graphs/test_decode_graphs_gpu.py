@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
-from tests.engine.conftest import DIVERSE
-from tests.factory import write_tiny_checkpoint
+from tests.support.factory import write_tiny_checkpoint
+from tests.support.parity_cases import DIVERSE
 
 triton = pytest.importorskip("triton")
 pytestmark = [

@@ -333,3 +333,23 @@ def video_bytes(
             out.mux(stream.encode(frame))
         out.mux(stream.encode())
     return buf.getvalue()
+
+
+def huge_frame_header(side: int = 8000) -> bytes:
+    """A few-KB AVI of raw 16x16 frames whose header says side x side: the dimensions of a raw
+    stream come from the header alone, so it is what a decoder would allocate for."""
+    import io
+    import struct
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="avi") as out:
+        stream = out.add_stream("rawvideo", rate=2)
+        stream.width = stream.height = 16
+        stream.pix_fmt = "yuv420p"
+        for i in range(4):
+            frame = av.VideoFrame.from_ndarray(np.full((16, 16, 3), i * 40, np.uint8), "rgb24")
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode())
+    return buf.getvalue().replace(struct.pack("<ii", 16, 16), struct.pack("<ii", side, side))
