@@ -12,7 +12,7 @@ from benchmarks.suite.profile import CheckpointSpec, Profile
 from benchmarks.suite.timing import release_memory
 from tests.support.factory import write_tiny_checkpoint
 
-from mmserve.engine.args import bundled_toy_model_dir
+from mmserve.config.model import bundled_toy_model_dir
 
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mmserve.engine.args import bundled_toy_model_dir
+from mmserve.config.model import bundled_toy_model_dir
 from tests.api.hostile import (
     Reply,
     chat_body,

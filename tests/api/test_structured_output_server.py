@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine.args import bundled_toy_model_dir
+from mmserve.config.model import bundled_toy_model_dir
 from mmserve.structured_output.params import StructuredOutputParams
 from tests.support.factory import write_tiny_checkpoint
 from tests.support.grammar import SCHEMA

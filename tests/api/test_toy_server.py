@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 from scripts.toy_data import COLOURS, Picture, Shape, draw
 
-from mmserve.engine.args import bundled_toy_model_dir
+from mmserve.config.model import bundled_toy_model_dir
 from tests.support.harness import Server, data_url, read_metrics, wait_until_idle
 from tests.support.toy_examples import held_out
 

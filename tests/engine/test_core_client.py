@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from mmserve.engine.args import EngineArgs, bundled_toy_model_dir
+from mmserve.config.engine import EngineConfig
+from mmserve.config.model import bundled_toy_model_dir
 from mmserve.engine.core_client import CoreClient
 from mmserve.engine.factory import build_core, resolve_shape
 from mmserve.errors import EngineDeadError, PromptTooLongError
@@ -20,7 +21,9 @@ from mmserve.scheduling.outputs import RequestUpdate
 from mmserve.scheduling.request import RequestStatus
 
 MAX_MODEL_LEN = 256
-ARGS = EngineArgs(model=bundled_toy_model_dir(), max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
+ARGS = EngineConfig.from_kwargs(
+    model=bundled_toy_model_dir(), max_model_len=MAX_MODEL_LEN, max_num_seqs=8
+)
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = {
     "short": ProcessedPrompt([11, 12, 13, 14]),

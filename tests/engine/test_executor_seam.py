@@ -17,7 +17,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.execution.executor import Executor, InProcessExecutor
 from mmserve.execution.model_runner import ModelRunner
 from mmserve.execution.request_state import payload_from_wire
-from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
+from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from mmserve.scheduling.scheduler import Scheduler
 from mmserve.wire import WireModelRunnerOutput, WireSchedulerOutput, convert, decode, encode
 from tests.support.factory import random_image
@@ -43,10 +43,12 @@ class WireLoopbackExecutor:
         self.num_resumed = 0  # new requests the worker had seen before: resumed after preemption
         self._seen_ids: set[str] = set()
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         requests = self.scheduler.requests
         msg = convert.scheduler_output_to_wire(
-            scheduler_output, lambda rid: requests[rid].mm_features
+            scheduler_output, lambda rid: requests[rid].mm_features, grammar_output
         )
         frames = [bytes(f) for f in encode(msg)]  # what a socket would carry
         self.num_steps += 1
@@ -66,7 +68,9 @@ class WireLoopbackExecutor:
         self.num_cached_encodes += sum(
             len(idxs) for rid, idxs in msg.scheduled_encoder_inputs.items() if rid not in new_ids
         )
-        out = self.worker.execute(step.scheduler_output, encoder_inputs=step.encoder_inputs)
+        out = self.worker.execute(
+            step.scheduler_output, step.grammar_output, encoder_inputs=step.encoder_inputs
+        )
         return encode(convert.runner_output_to_wire(out))
 
     def check_health(self) -> None:

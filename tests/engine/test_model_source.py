@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine.args import EngineArgs, bundled_toy_model_dir
+from mmserve.config.engine import EngineConfig
+from mmserve.config.model import bundled_toy_model_dir
 from mmserve.engine.model_source import (
     ModelNotFoundError,
     hub_cache_dir,
@@ -96,21 +97,22 @@ def test_a_snapshot_without_config_is_not_a_checkpoint(
 
 
 def test_with_local_sources_keeps_the_name_as_given(offline_hub: Path) -> None:
-    args = with_local_sources(
-        EngineArgs(model="acme/toy-vl", revision="v2", tokenizer="acme/toy-vl")
+    config = with_local_sources(
+        EngineConfig.from_kwargs(model="acme/toy-vl", revision="v2", tokenizer="acme/toy-vl")
     )
+    args = config.checkpoint
     assert args.model == str(offline_hub / "snapshots" / OTHER_COMMIT)
     assert args.tokenizer == str(offline_hub / "snapshots" / COMMIT)  # its own revision: main
     assert args.served_model_names == ("acme/toy-vl",)  # what clients send, as with vLLM
-    assert args.revision is None and with_local_sources(args) == args  # resolving is idempotent
-    local = EngineArgs(model=bundled_toy_model_dir())
+    assert args.revision is None and with_local_sources(config) == config  # idempotent
+    local = EngineConfig.from_kwargs(model=bundled_toy_model_dir())
     assert with_local_sources(local) is local
 
 
 def test_the_offline_api_serves_a_hub_id(offline_hub: Path) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=4)
     with LLM(model="acme/toy-vl") as from_hub:
-        assert from_hub.engine_args.model == "acme/toy-vl"
+        assert from_hub.engine_config.checkpoint.model == "acme/toy-vl"
         hub_text = from_hub.generate(["a red"], greedy)[0].outputs[0].text
     with LLM() as local:
         assert local.generate(["a red"], greedy)[0].outputs[0].text == hub_text

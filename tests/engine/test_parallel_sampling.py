@@ -10,7 +10,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.executor import Executor
-from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
+from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tests.support.factory import random_image
 from tests.support.faults import assert_nothing_held, rewired, run_all
 from tests.support.parity_cases import CASES, _request, chat
@@ -117,8 +117,10 @@ class FailOneExecutor:
         self.executor = executor
         self.request_id = request_id
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        out = self.executor.execute(so)
+    def execute(
+        self, so: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        out = self.executor.execute(so, grammar_output)
         if self.request_id not in out.sampled_token_ids:
             return out
         sampled = {k: v for k, v in out.sampled_token_ids.items() if k != self.request_id}

@@ -25,7 +25,7 @@ from mmserve.execution.executor import InProcessExecutor
 from mmserve.execution.model_runner import ModelRunner
 from mmserve.execution.request_state import payload_from_wire
 from mmserve.multimodal import ProcessedImage, ProcessedPrompt, RemoteItem
-from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
+from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from mmserve.scheduling.scheduler import Scheduler
 from mmserve.wire import WireModelRunnerOutput, WireSchedulerOutput, convert, decode, encode
 from tests.support.factory import random_image
@@ -51,7 +51,9 @@ class CountingExecutor:
         self.num_waits = 0
         self.windows: list[tuple[str, int, int]] = []  # (request id, start, end) of each step
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         self.num_steps += 1
         so = scheduler_output
         for r in [*so.scheduled_new_reqs, *so.scheduled_cached_reqs]:
@@ -59,7 +61,7 @@ class CountingExecutor:
             self.windows.append(
                 (r.request_id, start, start + so.num_scheduled_tokens[r.request_id])
             )
-        return self.executor.execute(scheduler_output)
+        return self.executor.execute(scheduler_output, grammar_output)
 
     def wait_for_encoder(self, timeout_s: float) -> None:
         self.num_waits += 1
@@ -80,16 +82,20 @@ class WireLoopbackExecutor(CountingExecutor):
         super().__init__(executor)
         self.scheduler = scheduler
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         requests = self.scheduler.requests
         msg = convert.scheduler_output_to_wire(
-            scheduler_output, lambda rid: requests[rid].mm_features
+            scheduler_output, lambda rid: requests[rid].mm_features, grammar_output
         )
         decoded = decode([bytes(f) for f in encode(msg)])
         assert isinstance(decoded, WireSchedulerOutput)
         step = convert.scheduler_output_from_wire(decoded, payload_from_wire)
         self.num_steps += 1
-        out = self.executor.runner.execute(step.scheduler_output, step.encoder_inputs)
+        out = self.executor.runner.execute(
+            step.scheduler_output, step.grammar_output, encoder_inputs=step.encoder_inputs
+        )
         answer = decode([bytes(f) for f in encode(convert.runner_output_to_wire(out))])
         assert isinstance(answer, WireModelRunnerOutput)
         return convert.runner_output_from_wire(answer)

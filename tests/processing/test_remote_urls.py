@@ -19,7 +19,7 @@ from mmserve.errors import (
 )
 from mmserve.multimodal import ProcessedPrompt, RemoteItem
 from mmserve.processing.input_processor import InputProcessor
-from mmserve.processing.remote_items import RemoteImagePlanning
+from mmserve.processing.remote_planning import RemoteImagePlanning
 from tests.processing.remote_helpers import (
     CAT_URL,
     ONE_IMAGE,

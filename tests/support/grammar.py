@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mmserve.engine.args import bundled_toy_model_dir
+from mmserve.config.model import bundled_toy_model_dir
 from mmserve.structured_output.compiler import GrammarCompiler
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from mmserve.engine.args import bundled_toy_model_dir
+from mmserve.config.model import bundled_toy_model_dir
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

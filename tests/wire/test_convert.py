@@ -33,7 +33,7 @@ from mmserve.scheduling import (
     SchedulerOutput,
     SchedulerStats,
 )
-from mmserve.scheduling.outputs import GrammarBitmask
+from mmserve.scheduling.outputs import GrammarOutput
 from mmserve.scheduling.request import RequestStatus
 from mmserve.structured_output.params import StructuredOutputParams
 from mmserve.wire import (
@@ -79,7 +79,7 @@ def _through_wire(msg):
         (WireSamplingParams, SamplingParams, set()),
         (WireCachedRequestData, CachedRequestData, set()),
         (WireNewRequestData, NewRequestData, set()),
-        (WireSchedulerOutput, SchedulerOutput, {"encoder_inputs"}),
+        (WireSchedulerOutput, SchedulerOutput, {"encoder_inputs", "grammar_bitmask"}),
         (WireModelRunnerOutput, ModelRunnerOutput, set()),
         (
             EngineStats,
@@ -322,14 +322,18 @@ class _WireRunner:
         self.scheduler = scheduler
         self.num_pixel_frames = 0
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, so: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         requests = self.scheduler.requests
-        wire = convert.scheduler_output_to_wire(so, lambda rid: requests[rid].mm_features)
+        wire = convert.scheduler_output_to_wire(
+            so, lambda rid: requests[rid].mm_features, grammar_output
+        )
         frames = [bytes(f) for f in encode(wire)]
         step = convert.scheduler_output_from_wire(decode(frames), _payload_from_wire)
         self._check_pixels(so, step)
         self.num_pixel_frames += len(step.encoder_inputs)
-        answer = self.inner.execute(step.scheduler_output)
+        answer = self.inner.execute(step.scheduler_output, step.grammar_output)
         out = decode(encode(convert.runner_output_to_wire(answer)))
         return convert.runner_output_from_wire(out)
 
@@ -466,12 +470,12 @@ def test_a_forged_structured_output_kind_is_refused_on_arrival():
 
 def test_the_grammar_bitmask_crosses_the_executor_wire():
     bitmask = np.array([[-1, 5], [0, 2**31 - 1]], dtype=np.int32)
-    so = SchedulerOutput([], [], {"a": 1, "b": 1}, 2, {}, [], frozenset(), frozenset(),
-                         GrammarBitmask(("a", "b"), bitmask))  # fmt: skip
+    so = SchedulerOutput([], [], {"a": 1, "b": 1}, 2, {}, [], frozenset(), frozenset())
+    grammar = GrammarOutput(("a", "b"), bitmask)
     back = convert.scheduler_output_from_wire(
-        _through_wire(convert.scheduler_output_to_wire(so, lambda r: [])), lambda p: p
-    ).scheduler_output
-    assert back.grammar_bitmask.request_ids == ("a", "b")
-    np.testing.assert_array_equal(back.grammar_bitmask.bitmask, bitmask)
+        _through_wire(convert.scheduler_output_to_wire(so, lambda r: [], grammar)), lambda p: p
+    ).grammar_output
+    assert back.request_ids == ("a", "b")
+    np.testing.assert_array_equal(back.bitmask, bitmask)
     with pytest.raises(WireError, match="int32"):
         WireGrammarBitmask(["a"], np.zeros((1, 2), np.int64))

@@ -26,7 +26,7 @@ from mmserve.multimodal import (
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.outputs import (
     CachedRequestData,
-    GrammarBitmask,
+    GrammarOutput,
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
@@ -89,6 +89,7 @@ class StepInputs(NamedTuple):
 
     scheduler_output: SchedulerOutput
     encoder_inputs: dict[str, ProcessedImage]
+    grammar_output: GrammarOutput | None = None
 
 
 # ------------------------------------------------------------------ items and sampling
@@ -328,9 +329,12 @@ def payload_to_wire(p: RunnerPayloadLike) -> WireRunnerPayload:
 
 
 def scheduler_output_to_wire(
-    so: SchedulerOutput, features_of: Callable[[str], Sequence[MultiModalFeature]]
+    so: SchedulerOutput,
+    features_of: Callable[[str], Sequence[MultiModalFeature]],
+    grammar_output: GrammarOutput | None = None,
 ) -> WireSchedulerOutput:
-    """`features_of(request_id)` gives a scheduled request's items (the scheduler's Request).
+    """`features_of(request_id)` gives a scheduled request's items (the scheduler's Request);
+    `grammar_output` rides in the same message, as the executor's other input of the step.
 
     Each item scheduled for encoding sends its pixels once; an item without pixels is left
     out, and the executor fails its request as the in-process runner does.
@@ -366,7 +370,7 @@ def scheduler_output_to_wire(
         finished_req_ids=so.finished_req_ids,
         preempted_req_ids=so.preempted_req_ids,
         grammar_bitmask=None
-        if (g := so.grammar_bitmask) is None
+        if (g := grammar_output) is None
         else WireGrammarBitmask(list(g.request_ids), g.bitmask),
         remote_encoder_inputs=[
             WireRemoteEncoderInput(
@@ -407,12 +411,13 @@ def scheduler_output_from_wire(
         free_encoder_identifiers=msg.free_encoder_identifiers,
         finished_req_ids=msg.finished_req_ids,
         preempted_req_ids=msg.preempted_req_ids,
-        grammar_bitmask=None
-        if (g := msg.grammar_bitmask) is None
-        else GrammarBitmask(tuple(g.request_ids), g.bitmask),
         remote_encoder_inputs=_remote_inputs_from_wire(msg.remote_encoder_inputs),
     )
-    return StepInputs(so, pixels)
+    grammar = msg.grammar_bitmask
+    grammar_output = (
+        None if grammar is None else GrammarOutput(tuple(grammar.request_ids), grammar.bitmask)
+    )
+    return StepInputs(so, pixels, grammar_output)
 
 
 def _remote_inputs_from_wire(

@@ -38,7 +38,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _toy() -> str:
-    from mmserve.engine.args import bundled_toy_model_dir
+    from mmserve.config.model import bundled_toy_model_dir
 
     return bundled_toy_model_dir()
 
