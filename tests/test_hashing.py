@@ -35,7 +35,7 @@ def _identity(
         trust_exif_image_id=trust_exif_image_id,
     )
     pcfg = ProcessingConfig(cfg)
-    return resolver.identity(resolver.plan(image, uuid, pcfg, namespace), pcfg, namespace)
+    return resolver.identifier(resolver.plan(image, uuid, pcfg, namespace), pcfg, namespace)
 
 
 def _encode(image: Image.Image, fmt: str, **kwargs) -> bytes:

@@ -156,12 +156,12 @@ def is_closed(sock: socket.socket, wait_s: float) -> bool:
 @contextmanager
 def media_server(images: dict[str, Image.Image]) -> Iterator[int]:
     """Serve PNGs at /<name>.png and a slow trickle at /slow.png; yields the port."""
-    files = {f"/{name}.png": png_bytes(image) for name, image in images.items()}
+    files = {f"/{name}.png": _png(image) for name, image in images.items()}
     with running_media_server(files) as srv:
         yield srv.port
 
 
-def png_bytes(image: Image.Image) -> bytes:
+def _png(image: Image.Image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()

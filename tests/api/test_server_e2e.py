@@ -14,11 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.factory import png_bytes
 from tests.support.harness import (
     Server,
     data_url,
     image_part,
-    png_bytes,
     read_metrics,
     user,
     wait_until_idle,

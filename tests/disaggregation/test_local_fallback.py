@@ -14,7 +14,8 @@ from mmserve.errors import InvalidRequestError, MediaFetchRefusedError
 from mmserve.multimodal import RemoteItem
 from mmserve.processing.image_processor import ImageProcessorConfig, get_grid_thw, process_image
 from mmserve.processing.media import MediaLoader
-from tests.support.media_server import png_bytes, running_media_server
+from tests.support.factory import png_bytes
+from tests.support.media_server import running_media_server
 
 CFG = ImageProcessorConfig()
 PNG = png_bytes(32, 24)

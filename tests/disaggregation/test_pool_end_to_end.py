@@ -20,7 +20,8 @@ import zmq
 from mmserve.engine.llm import LLM
 from mmserve.sampling_params import SamplingParams
 from tests.disaggregation.harness import Encoder, metric_sum
-from tests.support.harness import Server, data_url, image_part, png_bytes, read_metrics, user
+from tests.support.factory import png_bytes
+from tests.support.harness import Server, data_url, image_part, read_metrics, user
 from tests.support.media_server import MediaServer, running_media_server
 
 MAX_TOKENS = 8

@@ -19,7 +19,8 @@ from mmserve.errors import MediaError, MediaFetchBusyError
 from mmserve.processing.http_fetch import AsyncFetcher
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.media import MediaLoader
-from tests.support.media_server import MediaServer, png_bytes, running_media_server
+from tests.support.factory import png_bytes
+from tests.support.media_server import MediaServer, running_media_server
 
 NUM_SLOW = 12
 # The default executor the issue measured (min(32, cpus + 4) on a 2-core machine): set

@@ -254,6 +254,15 @@ def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> I
     return Image.fromarray(arr, mode=mode)
 
 
+def png_bytes(width: int = 32, height: int = 24, seed: int = 0) -> bytes:
+    """`random_image(width, height, seed)` as a PNG file."""
+    import io
+
+    buf = io.BytesIO()
+    random_image(width, height, seed=seed).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 # PNG (bit depth, colour type, bytes per row) of the modes `flat_png` writes.
 _PNG_LAYOUTS = {
     "1": (1, 0, 1 / 8),

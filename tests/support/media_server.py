@@ -20,13 +20,12 @@ Routes, in the order they are matched:
 from __future__ import annotations
 
 import contextlib
-import io
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from tests.support.factory import random_image, video_bytes
+from tests.support.factory import png_bytes, video_bytes
 
 # /trickle sends one byte every TRICKLE_INTERVAL_S, TRICKLE_BYTES times: ~4 s in all, longer
 # than the fetch timeouts the tests use, so a trickling fetch always runs into its deadline.
@@ -39,12 +38,6 @@ SLOW_FOR_S = 20.0
 SLOW_ANNOUNCED_BYTES = 100_000
 
 _CONTENT_TYPES = {".png": "image/png", ".mp4": "video/mp4", ".jpg": "image/jpeg"}
-
-
-def png_bytes(width: int = 32, height: int = 24, seed: int = 0) -> bytes:
-    buf = io.BytesIO()
-    random_image(width, height, seed=seed).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 class MediaServer(ThreadingHTTPServer):
