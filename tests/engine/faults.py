@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
+
+import msgspec
 
 from mmserve.engine.core import EngineCore
 from mmserve.engine.llm_engine import LLMEngine
@@ -97,7 +98,7 @@ def assert_nothing_held(engine: LLMEngine) -> None:
 def bypassing_validation(params: SamplingParams, **fields: Any) -> SamplingParams:
     """A copy of `params` with `fields` set as given, past `__post_init__`'s checks: what a
     value the edge failed to refuse looks like once it reaches the engine."""
-    copy = dataclasses.replace(params)
+    copy = msgspec.structs.replace(params)
     for name, value in fields.items():
-        object.__setattr__(copy, name, value)
+        msgspec.structs.force_setattr(copy, name, value)
     return copy

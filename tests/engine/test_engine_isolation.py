@@ -6,6 +6,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -255,7 +256,7 @@ def test_a_request_whose_model_output_is_nan_fails_alone_and_leaves_no_nan(llm: 
         feature, data=dataclasses.replace(feature.data, pixel_values=nan_pixels)
     )
     bad = dataclasses.replace(bad, mm_features=[feature])
-    params = dataclasses.replace(GREEDY, max_tokens=20)
+    params = msgspec.structs.replace(GREEDY, max_tokens=20)
     mates = {f"m{i}": (_prompt(llm, "hello " * (i + 1), image_seed=i), params) for i in range(3)}
     alone = _run_with(engine, mates)
     crowd = _run_with(engine, mates, {"bad": (bad, params)})

@@ -6,10 +6,11 @@ front end (`LLMEngine` over an `OutputProcessor`), which may live in another pro
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import NoReturn, Protocol
+
+import msgspec
 
 from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError, RequestFailure
 from mmserve.execution.executor import Executor
@@ -219,7 +220,7 @@ class EngineCore:
         status = RequestStatus.FINISHED_STOPPED
         self.scheduler.finish_requests(stop, status)
         return [
-            dataclasses.replace(u, finish_status=status) if u.request_id in stop else u
+            msgspec.structs.replace(u, finish_status=status) if u.request_id in stop else u
             for u in updates
         ]
 

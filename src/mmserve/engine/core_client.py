@@ -29,7 +29,7 @@ from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.engine.args import EngineArgs
 from mmserve.engine.core import make_request
 from mmserve.errors import EngineDeadError
-from mmserve.metrics import EngineMetrics
+from mmserve.metrics import EngineMetrics, record_scheduler_stats
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.admission import validate_request
@@ -38,7 +38,7 @@ from mmserve.scheduling.request import RequestStatus
 from mmserve.structured_output.compiler import check_structured_output
 from mmserve.wire import codec
 from mmserve.wire.common import WireError
-from mmserve.wire.convert import apply_stats, request_to_wire, update_from_wire
+from mmserve.wire.convert import request_to_wire
 from mmserve.wire.engine_core import (
     EngineCoreAbort,
     EngineCoreOutputs,
@@ -254,8 +254,8 @@ class CoreClient:
             logger.error("ignored a %s from the engine process", type(msg).__name__)
             return []
         if msg.stats is not None:
-            apply_stats(msg.stats, self.metrics)
-        updates = [update_from_wire(out) for out in msg.outputs]
+            record_scheduler_stats(self.metrics, msg.stats)
+        updates = msg.outputs
         for update in updates:
             if update.finished:
                 self._unfinished.discard(update.request_id)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import msgspec
 
 from mmserve.engine.core import CoreLike, EngineCore
 from mmserve.engine.output_processor import OutputProcessor
@@ -187,7 +188,7 @@ def child_params(params: SamplingParams) -> list[SamplingParams]:
         seed = params.seed
         if seed is not None:
             seed = (seed + i - INT64_MIN) % 2**64 + INT64_MIN
-        out.append(dataclasses.replace(params, n=1, seed=seed))
+        out.append(msgspec.structs.replace(params, n=1, seed=seed))
     return out
 
 
