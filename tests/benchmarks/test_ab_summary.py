@@ -1,4 +1,4 @@
-"""The A/B summary: medians over rounds, the mmserve/vLLM ratio, and the goal verdict."""
+"""The A/B summary: medians over rounds, the mmserve/vLLM and mmserve/baseline ratios, the goal."""
 
 from __future__ import annotations
 
@@ -101,3 +101,55 @@ def test_a_misnamed_result_file_is_refused(tmp_path: Path) -> None:
     path.write_text("{}")
     with pytest.raises(ValueError, match="engine-cN-rM"):
         ab_summary.load_run(path)
+
+
+def test_a_baseline_adds_a_second_ratio(tmp_path: Path) -> None:
+    for round_idx, (vllm, base, mmserve) in enumerate([(20, 30, 33), (22, 40, 36)], 1):
+        write_result(tmp_path, "vllm", 16, round_idx, vllm, ttft_ms=400)
+        write_result(tmp_path, "mmserve-base", 16, round_idx, base, ttft_ms=300 + round_idx)
+        write_result(tmp_path, "mmserve", 16, round_idx, mmserve, ttft_ms=290 + round_idx)
+
+    runs = ab_summary.load_runs(tmp_path)
+    assert [r.engine for r in runs[:3]] == ["vllm", "mmserve-base", "mmserve"]
+    [summary] = ab_summary.summarize(runs)
+    assert summary.median_throughput == {"vllm": 21, "mmserve-base": 35, "mmserve": 34.5}
+    assert summary.throughput_ratio == pytest.approx(34.5 / 21)
+    assert summary.base_throughput_ratio == pytest.approx(34.5 / 35)
+    assert summary.median_ttft_ms == {"vllm": 400, "mmserve-base": 301.5, "mmserve": 291.5}
+    assert summary.is_goal_met
+
+    vs_vllm, vs_base = ab_summary.report(runs)[-2:]
+    assert vs_vllm.startswith("c=16: mmserve/vllm request throughput 1.64x") and "goal" in vs_vllm
+    assert vs_base == (
+        "c=16: mmserve/mmserve-base request throughput 0.99x (medians over 2 rounds: "
+        "mmserve 34.50, mmserve-base 35.00 req/s); TTFT p50 mmserve 292 ms, mmserve-base 302 ms"
+    )
+
+
+def test_without_vllm_only_the_baseline_ratio_is_given(tmp_path: Path) -> None:
+    write_result(tmp_path, "mmserve-base", 4, 1, 10.0, ttft_ms=100)
+    write_result(tmp_path, "mmserve", 4, 1, 11.0, ttft_ms=90, completed=47)
+    write_result(tmp_path, "mmserve-base", 16, 1, 12.0, ttft_ms=100)  # mmserve never ran
+
+    runs = ab_summary.load_runs(tmp_path)
+    [summary] = ab_summary.summarize(runs)
+    assert summary.throughput_ratio is None and summary.is_goal_met is None
+    assert summary.base_throughput_ratio == pytest.approx(1.1)
+    assert summary.num_rounds == {"mmserve-base": 1, "mmserve": 1}
+
+    lines = ab_summary.report(runs)
+    assert len(lines) == 5  # three runs, one ratio, one incomplete
+    assert lines[3].startswith("c=4: mmserve/mmserve-base request throughput 1.10x")
+    assert lines[3].endswith("some requests failed, see the runs above")
+    assert "vllm" not in "".join(lines)
+    assert lines[4] == "c=16: incomplete, no result from mmserve"
+
+    path = tmp_path / "summary.json"
+    ab_summary.write_summary(path, runs, {"mmserve": "/after", "mmserve-base": "/before"})
+    document = json.loads(path.read_text())
+    assert document["mmserve-base"] == "/before"
+    [by_concurrency] = document["by_concurrency"]
+    assert by_concurrency["base_throughput_ratio"] == pytest.approx(1.1)
+    assert by_concurrency["throughput_ratio"] is None
+    assert by_concurrency["median_ttft_ms"] == {"mmserve-base": 100, "mmserve": 90}
+    assert [r["engine"] for r in document["runs"]] == ["mmserve-base", "mmserve", "mmserve-base"]

@@ -30,4 +30,4 @@ def test_no_layer_below_the_engine_imports_the_pool() -> None:
         if name == "mmserve.disaggregation" or name.startswith("mmserve.disaggregation.")
     ]
     assert not offenders, offenders
-    assert (PACKAGE / "execution" / "encoder_source.py").exists()  # the seam it plugs into
+    assert (PACKAGE / "execution" / "encoder" / "source.py").exists()  # the seam it plugs into

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mmserve.errors import RequestFailure
-from mmserve.execution.encoder_source import EncoderArrival, EncoderItemFailure
+from mmserve.execution.encoder.source import EncoderArrival, EncoderItemFailure
 from mmserve.multimodal import MultiModalFeature, ProcessedImage, RemoteItem
 
 EmbedOne = Callable[[ProcessedImage], torch.Tensor]  # pixels -> [num_embeds, hidden]

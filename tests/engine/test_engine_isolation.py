@@ -13,7 +13,7 @@ import pytest
 from mmserve import LLM, SamplingParams
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError
-from mmserve.execution.encoder_runner import EncoderRunner
+from mmserve.execution.encoder.runner import EncoderRunner
 from mmserve.multimodal import ProcessedPrompt
 from tests.engine.conftest import DIVERSE
 from tests.engine.faults import (
@@ -231,8 +231,7 @@ def test_an_item_whose_encoding_failed_does_not_fail_later_requests(
 
     runner.encoder = EncoderRunner(
         fails_first,
-        device=runner.device,
-        dtype=next(runner.model.parameters()).dtype,
+        runner.encoder_cache,
         max_patches_per_call=1 << 20,
     )
     # the failed item stays resident in the scheduler's books: the next request with the

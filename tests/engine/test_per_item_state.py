@@ -59,8 +59,8 @@ def test_new_pictures_leave_no_per_request_state_and_bounded_per_item_state() ->
     assert all(scheduler.kv_cache_manager.block_ids(rid) == [] for rid in request_ids)
     # per picture: the runner holds no embedding the encoder cache manager has evicted
     manager = scheduler.encoder_cache_manager
-    assert len(runner.encoder) <= len(manager.cached)
-    assert runner.encoder.num_bytes <= manager.num_used_bytes <= manager.capacity_bytes
+    assert len(runner.encoder_cache) <= len(manager.cached)
+    assert runner.encoder_cache.num_bytes <= manager.num_used_bytes <= manager.capacity_bytes
     assert processor.cache.used_bytes <= processor.cache.capacity_bytes
     assert processor.media_loader.decode_gate.in_use_bytes == 0  # every decoded image is gone
     scheduler.check_integrity()

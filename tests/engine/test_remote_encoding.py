@@ -208,7 +208,7 @@ def test_abort_cancels_the_item_at_the_source_and_its_late_reply_is_dropped(llm:
     engine.add_request("text", _text_prompt(llm), GREEDY)
     run_all(engine)  # the late reply arrives and is dropped
     runner = engine.core.executor.executor.runner
-    assert runner.remote.num_dropped == 1 and identifier not in runner.encoder
+    assert runner.remote.num_dropped == 1 and identifier not in runner.encoder_cache
     _assert_free(engine, source)
 
 

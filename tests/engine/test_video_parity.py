@@ -108,7 +108,7 @@ def test_an_image_video_image_step_makes_two_vision_calls_and_matches_transforme
         manager = llm.engine.scheduler.encoder_cache_manager
         runner = llm.engine.executor.runner
         # the byte ledger counts exactly what the runner's cache holds
-        assert manager.num_used_bytes == runner.encoder.num_bytes > 0
+        assert manager.num_used_bytes == runner.encoder_cache.num_bytes > 0
     assert snap.counters["encoder_forward_calls"] == 2  # one per modality, not three
     assert snap.modality_counters["encoder_forward_calls"] == {"image": 1, "video": 1}
     assert snap.modality_counters["encoder_items_encoded"] == {"image": 2, "video": 1}

@@ -9,7 +9,7 @@ import torch
 
 from mmserve.layers.attention import (
     MAX_SCORE_ELEMENTS,
-    build_attention_metadata,
+    TorchAttentionBackend,
     paged_attention,
     write_kv_cache,
 )
@@ -51,11 +51,13 @@ def check_paged_equals_dense(
         full_k.append(torch.randn(n, num_kv_heads, head_dim).to(device, dtype))
         full_v.append(torch.randn(n, num_kv_heads, head_dim).to(device, dtype))
         if cached:  # an earlier step wrote the context
-            meta = build_attention_metadata([cached], [cached], [tables[-1]], block_size, device)
+            meta = TorchAttentionBackend().build_metadata(
+                [cached], [cached], [tables[-1]], block_size, device
+            )
             write_kv_cache(kv_cache, full_k[-1][:cached], full_v[-1][:cached], meta.slot_mapping)
     q_lens = [new for _, new in shapes]
     seq_lens = [c + new for c, new in shapes]
-    meta = build_attention_metadata(q_lens, seq_lens, tables, block_size, device)
+    meta = TorchAttentionBackend().build_metadata(q_lens, seq_lens, tables, block_size, device)
     query = torch.randn(sum(q_lens), num_heads, head_dim).to(device, dtype)
     key = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes, strict=True)])
     value = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes, strict=True)])
@@ -82,7 +84,7 @@ def test_paged_attention_equals_dense(
 
 
 def test_metadata_slots_follow_block_tables() -> None:
-    meta = build_attention_metadata([2, 1], [6, 3], [[7, 2], [5]], block_size=4)
+    meta = TorchAttentionBackend().build_metadata([2, 1], [6, 3], [[7, 2], [5]], block_size=4)
     # seq 0 writes positions 4, 5 -> block 2 offsets 0, 1; seq 1 writes position 2 of block 5
     assert meta.slot_mapping.tolist() == [8, 9, 22]
     assert meta.query_start_loc.tolist() == [0, 2, 3]
@@ -92,7 +94,7 @@ def test_metadata_slots_follow_block_tables() -> None:
 
 def test_metadata_rejects_a_block_table_too_short() -> None:
     with pytest.raises(ValueError, match="fewer than seq_len=9"):
-        build_attention_metadata([9], [9], [[0, 1]], block_size=4)
+        TorchAttentionBackend().build_metadata([9], [9], [[0, 1]], block_size=4)
 
 
 def test_decode_groups_cover_every_sequence_once_and_cut_only_where_padding_is_large() -> None:

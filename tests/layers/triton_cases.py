@@ -10,7 +10,6 @@ import torch
 from mmserve.layers.attention import (
     AttentionBackend,
     TorchAttentionBackend,
-    build_attention_metadata,
     write_kv_cache,
 )
 
@@ -64,7 +63,7 @@ def make_batch(
     kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     for (cached, _), table in zip(shapes, tables, strict=True):
         if cached:  # an earlier step wrote the context
-            layout = build_attention_metadata([cached], [cached], [table], block_size)
+            layout = TorchAttentionBackend().build_metadata([cached], [cached], [table], block_size)
             k, v = torch.randn(2, cached, num_kv_heads, head_dim, generator=gen).to(dtype)
             write_kv_cache(kv_cache, k, v, layout.slot_mapping)
     num_tokens = sum(n for _, n in shapes)

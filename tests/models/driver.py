@@ -15,8 +15,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from mmserve.layers.attention import allocate_kv_caches, build_attention_metadata
+from mmserve.layers.attention import TorchAttentionBackend
 from mmserve.models.config import ModelConfig
+from mmserve.models.kv_cache import allocate_kv_caches
 from mmserve.processing.mrope import decode_positions, get_mrope_positions
 from tests.factory import random_image
 
@@ -121,7 +122,9 @@ def generate_paged(
                 s.blocks.append(free.pop())
             q_lens.append(n)
             seq_lens.append(s.num_computed)
-        meta = build_attention_metadata(q_lens, seq_lens, [s.blocks for _, s in batch], block_size)
+        meta = TorchAttentionBackend().build_metadata(
+            q_lens, seq_lens, [s.blocks for _, s in batch], block_size
+        )
         with torch.inference_mode():
             hidden = model(
                 None,

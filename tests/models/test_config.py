@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmserve.layers.attention import allocate_kv_caches, kv_cache_bytes_per_block
 from mmserve.models.config import load_model_config, parse_model_config
+from mmserve.models.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 
 # config.json of Qwen/Qwen2-VL-7B-Instruct as published (flat format, transformers 4.41).
 QWEN2_VL_7B = {

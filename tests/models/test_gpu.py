@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 
-from mmserve.layers.attention import allocate_kv_caches, build_attention_metadata
+from mmserve.layers.attention import TorchAttentionBackend
 from mmserve.models.config import QWEN2_5_VL, QWEN2_VL, ModelConfig, TextConfig, VisionConfig
+from mmserve.models.kv_cache import allocate_kv_caches
 from mmserve.models.qwen2_vl_vision import VisionTransformer
 from mmserve.models.registry import get_model_class
 from mmserve.processing.mrope import decode_positions, get_mrope_positions
@@ -96,12 +97,14 @@ def test_model_bf16_cuda_matches_cpu_fp32(arch: str) -> None:
             embeds = model.embed_input_ids(torch.tensor(ids, device=device), mm)
             steps = []
             for start, end in ((0, 20), (20, len(ids))):
-                meta = build_attention_metadata([end - start], [end], [table], 4, device)
+                meta = TorchAttentionBackend().build_metadata(
+                    [end - start], [end], [table], 4, device
+                )
                 pos = torch.from_numpy(positions[:, start:end]).to(device)
                 hidden = model(None, pos, meta, kv, inputs_embeds=embeds[start:end])
             steps.append(model.compute_logits(hidden[-1:]))
             for i in range(len(ids), len(ids) + 3):
-                meta = build_attention_metadata([1], [i + 1], [table], 4, device)
+                meta = TorchAttentionBackend().build_metadata([1], [i + 1], [table], 4, device)
                 pos = torch.from_numpy(decode_positions(i, 1, delta)).to(device)
                 hidden = model(torch.tensor([7 + i], device=device), pos, meta, kv)
                 steps.append(model.compute_logits(hidden))

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mmserve.layers.attention import allocate_kv_caches, build_attention_metadata
+from mmserve.layers.attention import TorchAttentionBackend
+from mmserve.models.kv_cache import allocate_kv_caches
 from mmserve.models.loader import CheckpointError, load_model
 from tests.factory import write_tiny_checkpoint
 
@@ -101,7 +102,7 @@ def test_tied_embeddings_match_transformers(tmp_path: Path) -> None:
     hf = transformers.Qwen2VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32)
     ids = torch.tensor([5, 17, 33, 2, 99, 101, 7])
     positions = torch.arange(len(ids)).expand(3, -1)
-    meta = build_attention_metadata([len(ids)], [len(ids)], [[1, 0]], block_size=4)
+    meta = TorchAttentionBackend().build_metadata([len(ids)], [len(ids)], [[1, 0]], block_size=4)
     kv = allocate_kv_caches(config, 2, 4, "cpu", torch.float32)
     with torch.inference_mode():
         ours = model.compute_logits(model(ids, positions, meta, kv))

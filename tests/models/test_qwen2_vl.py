@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from mmserve.errors import RequestFailedError
-from mmserve.layers.attention import allocate_kv_caches, build_attention_metadata
+from mmserve.layers.attention import TorchAttentionBackend
+from mmserve.models.kv_cache import allocate_kv_caches
 from mmserve.processing.mrope import get_mrope_positions
 from tests.models.conftest import LoadedPair
 from tests.models.driver import Prompt, build_prompt, generate_paged
@@ -52,7 +53,9 @@ def _prefill_logits(loaded: LoadedPair, prompt: Prompt, chunk: int) -> torch.Ten
     with torch.inference_mode():
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            meta = build_attention_metadata([end - start], [end], [blocks], block_size)
+            meta = TorchAttentionBackend().build_metadata(
+                [end - start], [end], [blocks], block_size
+            )
             hidden = model(
                 None,
                 torch.from_numpy(positions[:, start:end]),
@@ -185,7 +188,9 @@ def test_video_prompt_logits_match_transformers(loaded: LoadedPair) -> None:
         )
         mm = loaded.model.embed_multimodal(pixels, [grid])[0]
         embeds = loaded.model.embed_input_ids(torch.tensor(ids), mm)
-        meta = build_attention_metadata([len(ids)], [len(ids)], [[3, 1, 0, 2, 5, 4, 6, 9, 8, 7]], 8)
+        meta = TorchAttentionBackend().build_metadata(
+            [len(ids)], [len(ids)], [[3, 1, 0, 2, 5, 4, 6, 9, 8, 7]], 8
+        )
         kv = allocate_kv_caches(config, 10, 8, "cpu", torch.float32)
         hidden = loaded.model(None, torch.from_numpy(positions), meta, kv, inputs_embeds=embeds)
         ours = loaded.model.compute_logits(hidden)

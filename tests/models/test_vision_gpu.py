@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
-from mmserve.execution.encoder_graphs import EncoderGraphs
-from mmserve.execution.graph_capture import cuda_graph_factory
+from mmserve.execution.encoder.graphs import EncoderGraphs
+from mmserve.execution.graphs.capture import cuda_graph_factory
 from mmserve.layers.attention.vision import (
     has_varlen,
     make_segments,

@@ -6,11 +6,31 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.multimodal import MultiModalFeature, PlaceholderRange
-from mmserve.scheduling import ModelRunnerOutput, Request, Scheduler, SchedulerOutput
+from mmserve.scheduling import (
+    EncoderCacheManager,
+    KVCacheManager,
+    ModelRunnerOutput,
+    Request,
+    Scheduler,
+    SchedulerOutput,
+)
 
 IMAGE_PAD_ID = 151655
+
+
+def make_scheduler(
+    scheduler_config: SchedulerConfig, cache_config: CacheConfig, **kwargs
+) -> Scheduler:
+    """A scheduler with fresh managers built from the two configs (as the engine wires it)."""
+    encoder_cache = EncoderCacheManager(
+        scheduler_config.effective_encoder_cache_bytes, scheduler_config.encoder_embed_bytes
+    )
+    return Scheduler(
+        scheduler_config, cache_config, KVCacheManager(cache_config), encoder_cache, **kwargs
+    )
 
 
 def image(identifier: str, offset: int, length: int) -> MultiModalFeature:

@@ -9,13 +9,13 @@ from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.hashing import Hasher
 from mmserve.scheduling import KVCacheManager, Scheduler
 from mmserve.scheduling.kv_cache_manager import hash_block
-from tests.scheduling.fake_runner import FakeRunner, make_request, run_step
+from tests.scheduling.fake_runner import FakeRunner, make_request, make_scheduler, run_step
 
 BS = 16
 
 
 def _scheduler(enable_prefix_caching: bool = True, algorithm: str = "blake3") -> Scheduler:
-    return Scheduler(
+    return make_scheduler(
         SchedulerConfig(max_model_len=512, max_num_batched_tokens=256),
         CacheConfig(
             num_blocks=64,

@@ -7,7 +7,7 @@ import pytest
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import EncoderItemTooLargeError, PromptTooLongError
 from mmserve.scheduling import RequestStatus, Scheduler
-from tests.scheduling.fake_runner import FakeRunner, make_request, run_step
+from tests.scheduling.fake_runner import FakeRunner, make_request, make_scheduler, run_step
 
 
 def _setup(**scheduler_kwargs) -> tuple[Scheduler, FakeRunner]:
@@ -17,7 +17,7 @@ def _setup(**scheduler_kwargs) -> tuple[Scheduler, FakeRunner]:
     scheduler_kwargs.setdefault(
         "max_patches_per_mm_item", 4 * scheduler_kwargs.get("max_tokens_per_mm_item", 0)
     )
-    scheduler = Scheduler(
+    scheduler = make_scheduler(
         SchedulerConfig(**scheduler_kwargs), CacheConfig(num_blocks=1000, block_size=16)
     )
     runner = FakeRunner(scheduler.scheduler_config.effective_encoder_cache_size, 16)

@@ -5,14 +5,14 @@ from __future__ import annotations
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.scheduling import Scheduler
 from mmserve.scheduling.request import RequestStatus
-from tests.scheduling.fake_runner import FakeRunner, make_request, run_step
+from tests.scheduling.fake_runner import FakeRunner, make_request, make_scheduler, run_step
 
 EOS = 2
 
 
 def _setup(num_blocks: int = 200, max_model_len: int = 1024, **kwargs):
     kwargs.setdefault("max_num_batched_tokens", 256)
-    scheduler = Scheduler(
+    scheduler = make_scheduler(
         SchedulerConfig(max_model_len=max_model_len, **kwargs),
         CacheConfig(num_blocks=num_blocks, block_size=16),
         eos_token_ids=[EOS],

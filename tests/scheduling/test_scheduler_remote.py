@@ -8,7 +8,7 @@ from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.multimodal import RemoteItem
 from mmserve.scheduling import Request, RequestStatus, Scheduler
-from tests.scheduling.fake_runner import FakeRunner, make_request, run_step
+from tests.scheduling.fake_runner import FakeRunner, make_request, make_scheduler, run_step
 
 EMBED_BYTES = 8
 
@@ -17,7 +17,7 @@ def _setup(num_blocks: int = 1000, block_size: int = 16, **kwargs) -> tuple[Sche
     kwargs.setdefault("max_model_len", 4096)
     kwargs.setdefault("max_num_batched_tokens", 256)
     config = SchedulerConfig(encoder_embed_bytes=EMBED_BYTES, **kwargs)
-    scheduler = Scheduler(config, CacheConfig(num_blocks=num_blocks, block_size=block_size))
+    scheduler = make_scheduler(config, CacheConfig(num_blocks=num_blocks, block_size=block_size))
     runner = FakeRunner(config.effective_encoder_cache_size, block_size)
     return scheduler, runner
 

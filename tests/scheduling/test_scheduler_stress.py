@@ -11,9 +11,9 @@ import pytest
 
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import InvalidRequestError
-from mmserve.scheduling import Request, Scheduler
+from mmserve.scheduling import Request
 from mmserve.scheduling.request import RequestStatus
-from tests.scheduling.fake_runner import FakeRunner, make_request, run_step
+from tests.scheduling.fake_runner import FakeRunner, make_request, make_scheduler, run_step
 
 EOS = 2
 NUM_ARRIVAL_STEPS = 400
@@ -76,7 +76,7 @@ def test_random_workload_finishes_within_budgets_and_returns_every_resource(name
         block_size=c["bs"],
         enable_prefix_caching=name != "no-prefix-cache",
     )
-    scheduler = Scheduler(sched_config, cache_config, eos_token_ids=[EOS])
+    scheduler = make_scheduler(sched_config, cache_config, eos_token_ids=[EOS])
     runner = FakeRunner(sched_config.effective_encoder_cache_size, c["bs"], _sampler(seed))
     sizes = [rng.randrange(1, c["item_cap"] + 8) for _ in range(8)]  # some are too large
     added, refused, finished = set(), 0, {}

@@ -5,13 +5,12 @@ from __future__ import annotations
 import itertools
 
 from mmserve.config import CacheConfig, SchedulerConfig
-from mmserve.scheduling import Scheduler
-from tests.scheduling.fake_runner import FakeRunner, make_request, run_step
+from tests.scheduling.fake_runner import FakeRunner, make_request, make_scheduler, run_step
 
 
 def _scheduler(num_blocks: int = 200, max_num_batched_tokens: int = 256):
     clock = itertools.count(100.0, 1.0)  # each schedule() reads the next second
-    return Scheduler(
+    return make_scheduler(
         SchedulerConfig(max_model_len=1024, max_num_batched_tokens=max_num_batched_tokens),
         CacheConfig(num_blocks=num_blocks, block_size=16),
         eos_token_ids=[2],

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mmserve.api.structured_output import structured_output_from_fields
 from mmserve.errors import InvalidRequestError
+from mmserve.processing.chat import Role
 from mmserve.sampling_params import SamplingParams
 
 MAX_CACHE_SALT_CHARS = 1024
@@ -60,7 +61,7 @@ ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="t
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
 

@@ -37,7 +37,7 @@ from mmserve.disaggregation.discovery import (
 from mmserve.disaggregation.local_fallback import LocalFallback
 from mmserve.disaggregation.pool_io import IOConfig, PendingItem, PoolIO
 from mmserve.errors import FailureKind, InvalidRequestError, MMServeError, RequestFailure
-from mmserve.execution.encoder_source import EncoderArrival, EncoderItemFailure
+from mmserve.execution.encoder.source import EncoderArrival, EncoderItemFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import MultiModalFeature, RemoteItem
 

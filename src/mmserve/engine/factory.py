@@ -13,32 +13,17 @@ import torch
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.engine.args import EngineArgs
 from mmserve.engine.core import CoreLike, EngineCore
-from mmserve.engine.host_allocator import limit_malloc_arenas, tune_host_allocator
-from mmserve.engine.kv_sizing import GpuProfile, profiled_kv_budget
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.media_config import media_config_from_args
 from mmserve.engine.model_source import with_local_sources
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.engine.remote_encoders import build_encoder_pool, build_url_planner
-from mmserve.execution.cuda_graphs import start_decode_graphs
-from mmserve.execution.device_memory import CudaMemory
-from mmserve.execution.encoder_graphs import make_encoder_embed
-from mmserve.execution.encoder_runner import EncoderRunner
 from mmserve.execution.executor import InProcessExecutor
-from mmserve.execution.input_batch import input_buffer_bytes
-from mmserve.execution.memory_profile import ProfileShape
-from mmserve.execution.model_runner import ModelRunner
+from mmserve.execution.memory.host_allocator import limit_malloc_arenas
+from mmserve.execution.worker import Worker, WorkerConfig
 from mmserve.generation_config import load_sampling_defaults
-from mmserve.layers.attention import (
-    allocate_kv_caches,
-    kv_cache_bytes_per_block,
-    select_backend,
-)
-from mmserve.layers.attention.buffers import BatchLimits
-from mmserve.layers.fused import select_layer_ops
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import ModelConfig, load_model_config
-from mmserve.models.loader import load_model
 from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.media import MediaLoader
@@ -49,13 +34,15 @@ from mmserve.processing.video_inputs import (
     load_video_config,
     split_processor_kwargs,
 )
+from mmserve.scheduling.encoder_cache_manager import EncoderCacheManager
+from mmserve.scheduling.kv_cache_manager import KVCacheManager
+from mmserve.scheduling.pixel_store import PixelStore
 from mmserve.scheduling.scheduler import Scheduler
 from mmserve.structured_output.compiler import GrammarCompiler
 from mmserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_CACHE_BYTES = 2 << 30  # default KV pool on the CPU when nothing sizes it
 SERVER_DECODE_WORKERS = 2
 # The engine core decodes only the local fallback's images (no encoder could): one worker,
 # started on first use.
@@ -214,49 +201,24 @@ def build_input_processor(
 def build_core(
     args: EngineArgs, shape: EngineShape, metrics: EngineMetrics
 ) -> tuple[EngineCore, ResolvedConfig]:
-    """Load the weights and build the scheduler and the executor: what the engine process runs."""
-    torch.manual_seed(args.seed)
-    device, dtype = shape.device, shape.dtype
-    if device.type == "cpu":
-        tune_host_allocator()  # activations live in host memory: reuse it, do not re-fault it
-    attention_backend = select_backend(args.attention_backend, device, block_size=args.block_size)
-    layer_ops = select_layer_ops(attention_backend.name)
-    # Before the weights: what the profile run's non-torch growth is measured from.
-    at_start = CudaMemory(device).snapshot() if device.type == "cuda" else None
-    logger.info(
-        "attention backend: %s (--attention-backend %s, device %s); norms, SwiGLU, rotary: %s",
-        attention_backend.name,
-        args.attention_backend,
-        device,
-        layer_ops.name,
-    )
-    model, model_config = load_model(
-        shape.model_dir, device=device, dtype=dtype, layer_ops=layer_ops
-    )
+    """Start the worker and build the scheduler and the executor: what the engine process runs."""
     scheduler_config = shape.scheduler_config
-    # the per-step encoder budget, in input patches (what activation memory scales with)
-    max_patches_per_call = scheduler_config.effective_encoder_patch_budget
-    bytes_per_block = kv_cache_bytes_per_block(model_config, args.block_size, dtype)
-    limits = BatchLimits(
-        max_num_tokens=scheduler_config.max_num_batched_tokens,
-        max_num_seqs=scheduler_config.max_num_seqs,
-        max_blocks_per_seq=-(-shape.max_model_len // args.block_size),
-    )
-    gpu = None
-    if at_start is not None:
-        profile = ProfileShape(
-            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
-            max_num_seqs=scheduler_config.max_num_seqs,
-            max_model_len=shape.max_model_len,
-            max_patches_per_call=max_patches_per_call,
-            max_tokens_per_mm_item=scheduler_config.max_tokens_per_mm_item,
-            block_size=args.block_size,
-            max_logprobs=args.max_logprobs,
+    encoder_source = None
+    if args.encoder_urls:  # images arrive as RemoteItems: the pool encodes them
+        encoder_source = build_encoder_pool(
+            args,
+            model_dir=shape.model_dir,
+            hidden_size=shape.model_config.hidden_size,
+            dtype=shape.dtype,
+            image_config=shape.image_config,
+            media_config=media_config_from_args(
+                args, shape.image_config, decode_workers=FALLBACK_DECODE_WORKERS
+            ),
+            metrics=metrics,
         )
-        gpu = GpuProfile(model, model_config, attention_backend, profile, at_start, device, dtype)
-    num_blocks = _num_kv_blocks(args, shape, bytes_per_block, input_buffer_bytes(limits), gpu)
+    worker = Worker(_worker_config(args, shape), metrics, encoder_source).start()
     cache_config = CacheConfig(
-        num_blocks=num_blocks,
+        num_blocks=worker.num_blocks,
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
         hash_algorithm=args.hash_algorithm,
@@ -264,84 +226,75 @@ def build_core(
     scheduler = Scheduler(
         scheduler_config,
         cache_config,
+        KVCacheManager(cache_config),
+        EncoderCacheManager(
+            scheduler_config.effective_encoder_cache_bytes, scheduler_config.encoder_embed_bytes
+        ),
+        pixel_store=PixelStore(int(args.mm_reencode_cache_gb * (1 << 30))),
         eos_token_ids=shape.eos_token_ids,
-        pixel_store_bytes=int(args.mm_reencode_cache_gb * (1 << 30)),
     )
     _log_encoder_budget(scheduler_config)
-    embed, encoder_cuda_graph = make_encoder_embed(
-        model,
-        enable_encoder_cuda_graph=args.enable_encoder_cuda_graph,
-        enforce_eager=args.enforce_eager,
-        device=device,
-        dtype=dtype,
-        max_patches_per_call=max_patches_per_call,
-    )
-    encoder = EncoderRunner(
-        embed,
-        device=device,
-        dtype=dtype,
-        max_patches_per_call=max_patches_per_call,
-        metrics=metrics,
-    )
-    encoder_source = None
-    if args.encoder_urls:  # images arrive as RemoteItems: the pool encodes them
-        encoder_source = build_encoder_pool(
-            args,
-            model_dir=shape.model_dir,
-            hidden_size=model_config.hidden_size,
-            dtype=dtype,
-            image_config=shape.image_config,
-            media_config=media_config_from_args(
-                args, shape.image_config, decode_workers=FALLBACK_DECODE_WORKERS
-            ),
-            metrics=metrics,
-        )
-    runner = ModelRunner(
-        model,
-        allocate_kv_caches(model_config, num_blocks, args.block_size, device, dtype),
-        encoder,
-        block_size=args.block_size,
-        placeholder_token_ids=(model_config.image_token_id, model_config.video_token_id),
-        device=device,
-        seed=args.seed,
-        attention_backend=attention_backend,
-        limits=limits,
-        encoder_source=encoder_source,
-    )
-    graph_sizes = start_decode_graphs(runner, args)
-    metrics.set_gauge("kv_blocks_total", num_blocks)
-    metrics.set_gauge("kv_blocks_free", num_blocks)
+    metrics.set_gauge("kv_blocks_total", worker.num_blocks)
+    metrics.set_gauge("kv_blocks_free", worker.num_blocks)
     metrics.set_gauge("encoder_cache_total_slots", scheduler_config.effective_encoder_cache_size)
     core = EngineCore(
         scheduler=scheduler,
-        executor=InProcessExecutor(runner),
+        executor=InProcessExecutor(worker.runner),
         metrics=metrics,
         max_model_len=shape.max_model_len,
         eos_token_ids=shape.eos_token_ids,
         structured_output=StructuredOutputManager(
             lambda: GrammarCompiler.from_tokenizer_file(
                 shape.model_dir / "tokenizer.json",
-                vocab_size=model_config.vocab_size,
+                vocab_size=worker.model_config.vocab_size,
                 eos_token_ids=shape.eos_token_ids,
             )
         ),
     )
     resolved = _describe(
         args,
-        model_config,
-        device,
-        dtype,
+        worker.model_config,
+        shape.device,
+        shape.dtype,
         scheduler_config,
         cache_config,
-        bytes_per_block,
+        worker.bytes_per_block,
         shape.max_model_len,
-        attention_backend.name,
-        layer_ops.name,
+        worker.attention_backend,
+        worker.layer_ops,
     )
     resolved = dataclasses.replace(
-        resolved, encoder_cuda_graph=encoder_cuda_graph, cuda_graph_sizes=graph_sizes
+        resolved,
+        encoder_cuda_graph=worker.encoder_cuda_graph,
+        cuda_graph_sizes=worker.cuda_graph_sizes,
     )
     return core, resolved
+
+
+def _worker_config(args: EngineArgs, shape: EngineShape) -> WorkerConfig:
+    sched = shape.scheduler_config
+    return WorkerConfig(
+        model_dir=shape.model_dir,
+        device=shape.device,
+        dtype=shape.dtype,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+        max_model_len=shape.max_model_len,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_num_seqs=sched.max_num_seqs,
+        max_tokens_per_mm_item=sched.max_tokens_per_mm_item,
+        # the per-step encoder budget, in input patches (what activation memory scales with)
+        max_patches_per_call=sched.effective_encoder_patch_budget,
+        encoder_cache_bytes=sched.effective_encoder_cache_bytes,
+        max_logprobs=args.max_logprobs,
+        block_size=args.block_size,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=args.cuda_graph_sizes,
+        enable_encoder_cuda_graph=args.enable_encoder_cuda_graph,
+    )
 
 
 def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngine, ResolvedConfig]:
@@ -386,48 +339,6 @@ def _log_encoder_budget(sched: SchedulerConfig) -> None:
     )
 
 
-def _num_kv_blocks(
-    args: EngineArgs,
-    shape: EngineShape,
-    bytes_per_block: int,
-    buffer_bytes: int,
-    gpu: GpuProfile | None,
-) -> int:
-    sched = shape.scheduler_config
-    if args.num_gpu_blocks_override is not None:
-        return args.num_gpu_blocks_override
-    if args.kv_cache_memory_bytes is not None:
-        budget = args.kv_cache_memory_bytes
-    elif gpu is not None:
-        budget = profiled_kv_budget(
-            gpu,
-            CudaMemory(shape.device),
-            utilization=args.gpu_memory_utilization,
-            bytes_per_block=bytes_per_block,
-            encoder_cache_bytes=sched.effective_encoder_cache_bytes,
-            input_buffer_bytes=buffer_bytes,
-            # decode graphs are captured with the Triton backend only (`graph_sizes_for`)
-            has_cuda_graphs=not args.enforce_eager and gpu.attention_backend.name == "triton",
-            has_encoder_cuda_graphs=args.enable_encoder_cuda_graph and not args.enforce_eager,
-        )
-    else:
-        budget = CPU_KV_CACHE_BYTES
-        logger.info(
-            "KV cache on the CPU: %d MiB (--kv-cache-memory-bytes sizes it; "
-            "--gpu-memory-utilization applies to CUDA devices only)",
-            budget >> 20,
-        )
-    # never more than every sequence at full length needs
-    blocks_needed = sched.max_num_seqs * -(-sched.max_model_len // args.block_size)
-    num_blocks = min(budget // bytes_per_block, blocks_needed)
-    if num_blocks < 1:
-        raise ValueError(
-            f"the KV cache budget ({budget} bytes) holds no block of {bytes_per_block} bytes; "
-            "raise --kv-cache-memory-bytes"
-        )
-    return int(num_blocks)
-
-
 def _describe(
     args: EngineArgs,
     model_config: ModelConfig,
@@ -467,8 +378,9 @@ def build_async_engine(args: EngineArgs):  # -> AsyncLLMEngine
     """The server's engine: its core in an engine process unless `--no-multiprocess`."""
     from mmserve.engine.async_engine import AsyncLLMEngine
 
-    # Before the serving threads exist (see host_allocator.py). Only the server: it processes
-    # pictures on many threads, and the offline API measured ~5% slower with the cap.
+    # Before the serving threads exist (see execution/memory/host_allocator.py). Only the
+    # server: it processes pictures on many threads, and the offline API measured ~5% slower
+    # with the cap.
     limit_malloc_arenas()
     if args.multiprocess is None:
         args = dataclasses.replace(args, multiprocess=True)

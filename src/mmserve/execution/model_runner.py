@@ -10,16 +10,17 @@ import torch
 from torch import nn
 
 from mmserve.errors import FailureKind, RequestFailure
-from mmserve.execution.cuda_graphs import DecodeGraphs
-from mmserve.execution.encoder_runner import EncoderRunner
-from mmserve.execution.encoder_source import EncoderSource
-from mmserve.execution.graph_capture import GraphFactory
+from mmserve.execution.encoder.intake import RemoteItemIntake, RemoteResults
+from mmserve.execution.encoder.runner import EncoderRunner
+from mmserve.execution.encoder.source import EncoderSource
+from mmserve.execution.graphs.capture import GraphFactory
+from mmserve.execution.graphs.decode import DecodeGraphs
 from mmserve.execution.input_batch import InputBuffers, SpliceError, StepBatch, prepare_batch
-from mmserve.execution.remote_items import RemoteItemIntake, RemoteResults
 from mmserve.execution.request_state import RequestState, RunnerPayload
-from mmserve.execution.sampler import SamplingRow, make_device_generator
-from mmserve.execution.sampling_step import sample_step
-from mmserve.execution.token_bitmask import sampling_bitmask
+from mmserve.execution.sample.bitmask import sampling_bitmask
+from mmserve.execution.sample.rows import SamplingRow
+from mmserve.execution.sample.sampler import make_device_generator
+from mmserve.execution.sample.step import sample_step
 from mmserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from mmserve.layers.attention.buffers import BatchLimits
 from mmserve.multimodal import MultiModalFeature, ProcessedImage, RemoteItem
@@ -53,6 +54,7 @@ class ModelRunner:
         self.model = model
         self.kv_caches = kv_caches
         self.encoder = encoder_runner
+        self.encoder_cache = encoder_runner.cache
         self.block_size = block_size
         self.placeholder_token_ids = placeholder_token_ids
         self.device = device
@@ -109,14 +111,15 @@ class ModelRunner:
         self.remote.wait(timeout_s)
 
     def capture_decode_graphs(self, sizes: Sequence[int], factory: GraphFactory) -> float:
-        """Capture decode graphs of these batch sizes (the Triton backend only); seconds taken.
-        `factory` makes each graph: CUDA graphs on the GPU, `eager_graph_factory` in tests."""
-        from mmserve.layers.attention.triton_backend import TritonAttentionBackend
-
-        backend = self.attention_backend
-        assert isinstance(backend, TritonAttentionBackend), "only Triton attention is capturable"
+        """Capture decode graphs of these batch sizes; seconds taken. `factory` makes each
+        graph: CUDA graphs on the GPU, `eager_graph_factory` in tests. ValueError when the
+        attention backend cannot be captured."""
         graphs = DecodeGraphs(
-            sizes, self.buffers.limits.max_blocks_per_seq, backend, self.block_size, self.device
+            sizes,
+            self.buffers.limits.max_blocks_per_seq,
+            self.attention_backend,
+            self.block_size,
+            self.device,
         )
         with torch.inference_mode():
             seconds = graphs.capture(self._forward, factory)
@@ -132,9 +135,7 @@ class ModelRunner:
         mm_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden]: embeddings (images spliced in), the decoder."""
-        embeds = self.model.embed_input_ids(input_ids)  # [num_tokens, hidden]
-        if mm_embeds is not None:
-            embeds[mm_index] = mm_embeds.to(embeds.dtype)
+        embeds = self.model.embed_input_ids(input_ids, mm_embeds, mm_index)  # [num_tokens, hidden]
         return self.model(None, positions, attn_metadata, self.kv_caches, inputs_embeds=embeds)
 
     def _sample(
@@ -190,7 +191,7 @@ class ModelRunner:
         for request_id in so.finished_req_ids | so.preempted_req_ids:
             self.states.pop(request_id, None)
         self.remote.cancel(so.free_encoder_identifiers)  # those still in flight
-        self.encoder.free(so.free_encoder_identifiers)
+        self.encoder_cache.free(so.free_encoder_identifiers)
         for new in so.scheduled_new_reqs:
             payload = new.payload
             assert isinstance(payload, RunnerPayload), type(payload)
@@ -287,8 +288,8 @@ class ModelRunner:
                 )
             if emb.shape[0] != feature.placeholder.length:
                 raise SpliceError(
-                    f"Attempted to assign {emb.shape[0]} = {emb.shape[0]} multimodal tokens to "
-                    f"{feature.placeholder.length} placeholders"
+                    f"Attempted to assign {emb.shape[0]} multimodal tokens of item "
+                    f"{feature.identifier[:16]} to {feature.placeholder.length} placeholders"
                 )
             parts.append(emb[lo - feature.placeholder.offset : hi - feature.placeholder.offset])
             sizes.append(hi - lo)
@@ -317,7 +318,7 @@ class ModelRunner:
         it. Encoding it here keeps one failure from failing every later request that shares
         the item; the scheduler frees the entry as usual.
         """
-        emb = self.encoder.get(feature.identifier)
+        emb = self.encoder_cache.get(feature.identifier)
         if emb is not None or not isinstance(feature.data, ProcessedImage):
             return emb
         logger.warning(
@@ -329,7 +330,7 @@ class ModelRunner:
             raise SpliceError(
                 f"encoding multimodal item failed: {type(exc).__name__}", FailureKind.INTERNAL
             ) from exc
-        return self.encoder.get(feature.identifier)
+        return self.encoder_cache.get(feature.identifier)
 
 
 def _without_remote(feature: MultiModalFeature) -> MultiModalFeature:

@@ -15,7 +15,7 @@ class RunnerPayload:
     """Attached to a scheduler Request by the engine and handed to the runner unread.
 
     Plain data: a seeded request's draws are keyed by its seed and output position
-    (`random_draw.seeded_keys`), so no random state lives here or anywhere.
+    (`sample.noise.seeded_keys`), so no random state lives here or anywhere.
     """
 
     sampling_params: SamplingParams

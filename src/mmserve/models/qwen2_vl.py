@@ -1,9 +1,9 @@
 """Qwen2-VL and Qwen2.5-VL for serving: vision tower + Qwen2 decoder + LM head.
 
-The engine's model runner drives a model with five calls:
+The engine's model runner drives a model with four calls:
 
     embeds = model.embed_multimodal(pixel_values, grid_thw)   # one [n_i, hidden] per item
-    x = model.embed_input_ids(input_ids, mm_embeds)           # splice at the placeholder ids
+    x = model.embed_input_ids(input_ids, mm_embeds, mm_index) # the splice: rows at mm_index
     hidden = model.forward(None, positions, attn_metadata, kv_caches, inputs_embeds=x)
     logits = model.compute_logits(hidden[last_token_idx])
 
@@ -58,24 +58,33 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         return list(embeds.split(sizes))
 
     def embed_input_ids(
-        self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        mm_embeds: torch.Tensor | None = None,
+        mm_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token embeddings [num_tokens, hidden]; with `mm_embeds` [num_mm, hidden], the rows at
-        image/video placeholder ids are replaced, in order. The counts must match exactly."""
-        embeds = self.model.embed_tokens(input_ids)
+        """Token embeddings [num_tokens, hidden]; with `mm_embeds` [num_mm, hidden], row
+        `mm_index[i]` becomes `mm_embeds[i]` (the one splice of image embeddings).
+
+        `mm_index` [num_mm] int64 holds flat token indices; the runner passes it, having
+        matched each item's rows to the prompt's placeholders (a generated token that happens
+        to be a vision id is text). Without it, every image or video placeholder id is spliced
+        in order. The counts must match exactly.
+        """
+        embeds = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         if mm_embeds is None:
             return embeds
-        is_mm = (input_ids == self.config.image_token_id) | (
-            input_ids == self.config.video_token_id
-        )
-        num_placeholders = int(is_mm.sum())
-        if num_placeholders != mm_embeds.shape[0]:
+        if mm_index is None:
+            is_mm = (input_ids == self.config.image_token_id) | (
+                input_ids == self.config.video_token_id
+            )
+            mm_index = is_mm.nonzero().squeeze(1)  # [num_placeholders]
+        if mm_index.shape[0] != mm_embeds.shape[0]:
             raise RequestFailedError(
                 f"Attempted to assign {tuple(mm_embeds.shape)} = {mm_embeds.shape[0]} multimodal "
-                f"tokens to {num_placeholders} placeholders"
+                f"tokens to {mm_index.shape[0]} placeholders"
             )
-        embeds = embeds.clone()
-        embeds[is_mm] = mm_embeds.to(embeds.dtype)
+        embeds[mm_index] = mm_embeds.to(embeds.dtype)
         return embeds
 
     def forward(

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from PIL import Image
 
 from mmserve.errors import InvalidRequestError
 
-ROLES = ("system", "user", "assistant", "tool", "developer")
+# The roles a chat message may have, for the HTTP schema and the offline chat alike.
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+ROLES: tuple[str, ...] = get_args(Role)
 # A caller UUID names an item in its namespace's index; a bound keeps one request from
 # storing megabytes of name (the index holds entries, not bytes).
 MAX_UUID_CHARS = 256

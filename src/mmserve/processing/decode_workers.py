@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import queue
 import struct
 import threading
@@ -13,13 +12,7 @@ from multiprocessing.connection import Connection
 
 from PIL import Image
 
-from mmserve.errors import (
-    ImageDecodeError,
-    ImageTooLargeError,
-    MediaError,
-    VideoDecodeError,
-    VideoTooLargeError,
-)
+from mmserve.errors import ImageDecodeError
 from mmserve.processing.decode_budget import Release, hold_until_collected
 from mmserve.processing.image_decode import (
     Admit,
@@ -27,66 +20,33 @@ from mmserve.processing.image_decode import (
     decode_first_frame,
     read_header,
 )
+from mmserve.processing.video_worker import serve_video
+from mmserve.processing.worker_protocol import (
+    ERR,
+    GO,
+    HEADER_REQUEST,
+    READY,
+    RSS,
+    STOP,
+    VIDEO_REQUEST,
+    Stopped,
+    error_of,
+    error_of_kind,
+    resident_bytes,
+    send_error,
+    send_ok,
+)
 
 logger = logging.getLogger(__name__)
 
-# Wire format (no pickle), one message per step; the parent's admit runs between (2) and (3):
-#   (1) parent -> worker  <Q max_pixels>, then the encoded image bytes as a second message
-#   (2) worker -> parent  b"H" + <IIB width, height, has_transparency> + format NUL mode
-#   (3) parent -> worker  b"G" (go: decode) or b"S" (stop: the parent refused; next request)
-#   (4) worker -> parent  b"K" + <Q rss_bytes> + <IIQ width, height, exif_len> + exif, then
-#                         the packed RGB pixels as a second message
-# A video request is b"V" + its JSON spec at (1), and its own header and K body
-# (video_worker.py); the steps are the same. A header-only request (a disaggregated server
-# plans images it never decodes) is b"R" + <Q max_pixels> at (1), answered at once by
-#   (4') worker -> parent  b"K" + <Q rss_bytes> + <IIB ...> + format NUL mode (step (2)'s body),
-#                          then an empty payload message; no pixel is decoded.
-#       or, at (2) or (4): b"E" + <QB rss_bytes, error kind> + utf-8 message (ours, never
-#                          the library's)
 _MAX_PIXELS = struct.Struct("<Q")
 _HEADER = struct.Struct("<IIB")
-_RSS = struct.Struct("<Q")
 _OK = struct.Struct("<IIQ")
-_ERR = struct.Struct("<QB")  # rss_bytes, error kind (index into _ERROR_KINDS)
-_ERROR_KINDS: tuple[type[MediaError], ...] = (
-    ImageDecodeError,
-    ImageTooLargeError,
-    VideoDecodeError,
-    VideoTooLargeError,
-)
-_READY, _GO, _STOP = b"ready", b"G", b"S"
-VIDEO_REQUEST = b"V"
-HEADER_REQUEST = b"R"
-
-
-def send_error(conn: Connection, e: MediaError) -> None:
-    """Step (2) or (4) failed with the client's error: tell the parent, typed."""
-    kind = _ERROR_KINDS.index(type(e)) if type(e) in _ERROR_KINDS else 0
-    conn.send_bytes(b"E" + _ERR.pack(_rss_bytes(), kind) + e.message.encode())
-
-
-def send_ok(conn: Connection, body: bytes, payload: bytes) -> None:
-    """Step (4) succeeded: the K reply (rss first, then `body`) and the payload message."""
-    conn.send_bytes(b"K" + _RSS.pack(_rss_bytes()) + body)
-    conn.send_bytes(payload)
-
-
-class Stopped(Exception):
-    """The parent refused the image after reading its header."""
-
-
-def _rss_bytes() -> int:
-    """This process's resident set size from /proc/self/statm (0 where there is no /proc)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def _worker_main(conn: Connection) -> None:
     """Worker loop: decode requests until the pipe closes."""
-    conn.send_bytes(_READY)
+    conn.send_bytes(READY)
     while True:
         try:
             request = conn.recv_bytes()
@@ -99,8 +59,6 @@ def _worker_main(conn: Connection) -> None:
                 (max_pixels,) = _MAX_PIXELS.unpack_from(request, 1)
                 _serve_header(conn, data, max_pixels)
             elif request[:1] == VIDEO_REQUEST:
-                from mmserve.processing.video_worker import serve_video
-
                 serve_video(conn, data, request[1:])
             else:
                 raise OSError("unknown decode worker request")
@@ -129,7 +87,7 @@ def _serve_one(conn: Connection, data: bytes, max_pixels: int) -> None:
     try:
         img, header = read_header(data, max_pixels)
         conn.send_bytes(b"H" + _header_body(header))
-        if conn.recv_bytes() != _GO:
+        if conn.recv_bytes() != GO:
             raise Stopped
         rgb = decode_first_frame(img)
         del img
@@ -141,7 +99,7 @@ def _serve_one(conn: Connection, data: bytes, max_pixels: int) -> None:
     width, height = rgb.size
     del rgb
     # Measured with only the reply alive: what this worker keeps between decodes, plus one image.
-    conn.send_bytes(b"K" + _RSS.pack(_rss_bytes()) + _OK.pack(width, height, len(exif)) + exif)
+    conn.send_bytes(b"K" + RSS.pack(resident_bytes()) + _OK.pack(width, height, len(exif)) + exif)
     conn.send_bytes(pixels)
 
 
@@ -151,13 +109,13 @@ class _Worker:
         self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
         self.process.start()
         child.close()
-        if not self.conn.poll(start_timeout_s) or self.conn.recv_bytes() != _READY:
+        if not self.conn.poll(start_timeout_s) or self.conn.recv_bytes() != READY:
             self.kill()
             raise RuntimeError("image decode worker did not start")
 
     def recv_reply(self, timeout_s: float, what: str = "image") -> bytes:
         if not self.conn.poll(timeout_s):
-            raise _error_of(what)(f"decoding the {what} took longer than {timeout_s:g} s")
+            raise error_of(what)(f"decoding the {what} took longer than {timeout_s:g} s")
         return self.conn.recv_bytes()
 
     def kill(self) -> None:
@@ -267,23 +225,23 @@ class DecodeWorkerPool:
                         try:
                             release = on_header(reply)
                         except BaseException:
-                            worker.conn.send_bytes(_STOP)
+                            worker.conn.send_bytes(STOP)
                             healthy = True
                             raise
-                        worker.conn.send_bytes(_GO)
+                        worker.conn.send_bytes(GO)
                         reply = worker.recv_reply(timeout_s, what)
                     if reply[:1] == b"E":
-                        rss_bytes, kind = _ERR.unpack_from(reply, 1)
+                        rss_bytes, kind = ERR.unpack_from(reply, 1)
                         healthy = True
-                        raise _error(kind, reply[1 + _ERR.size :].decode())
+                        raise error_of_kind(kind, reply[1 + ERR.size :].decode())
                     if reply[:1] != b"K":
                         raise OSError(f"unexpected reply from a {what} decode worker")
-                    (rss_bytes,) = _RSS.unpack_from(reply, 1)
+                    (rss_bytes,) = RSS.unpack_from(reply, 1)
                     payload = worker.recv_reply(timeout_s, what)
                     healthy = True
                 except (EOFError, OSError):
                     logger.warning("a %s decode worker died; replacing it", what)
-                    raise _error_of(what)(
+                    raise error_of(what)(
                         f"the {what} could not be decoded (decoder failed)"
                     ) from None
                 finally:
@@ -292,7 +250,7 @@ class DecodeWorkerPool:
             if release is not None:
                 release()
             raise
-        return reply[1 + _RSS.size :], payload, release
+        return reply[1 + RSS.size :], payload, release
 
     def _give_back(self, worker: _Worker, healthy: bool, rss_bytes: int) -> None:
         """Return a worker to the idle stack, or kill it (broken, closed pool, or too big)."""
@@ -332,14 +290,3 @@ def _parse_header(reply: bytes) -> ImageHeader:
     width, height, flags = _HEADER.unpack_from(reply, 1)
     fmt, _, mode = reply[1 + _HEADER.size :].decode().partition("\0")
     return ImageHeader(fmt, width, height, mode, has_transparency=bool(flags))
-
-
-def _error(kind: int, message: str) -> MediaError:
-    cls = _ERROR_KINDS[kind] if kind < len(_ERROR_KINDS) else ImageDecodeError
-    if issubclass(cls, VideoDecodeError):
-        return cls(message, param="video_url")
-    return cls(message, param="image_url" if cls is ImageTooLargeError else None)
-
-
-def _error_of(what: str) -> type[MediaError]:
-    return VideoDecodeError if what == "video" else ImageDecodeError

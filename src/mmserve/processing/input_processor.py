@@ -10,29 +10,25 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
-
 from mmserve.errors import InvalidRequestError, PromptTooLongError, TooManyItemsError
 from mmserve.hashing import DEFAULT_NAMESPACE, Hasher
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.chat import ChatImage, check_user_text, parse_chat_messages
-from mmserve.processing.decode_budget import RequestDecodeBudget
 from mmserve.processing.image_processor import ImageProcessorConfig
+from mmserve.processing.item_loading import ImageInput, ItemLoader, VideoInput
 from mmserve.processing.item_resolver import ItemResolver
 from mmserve.processing.media import MediaLoader
 from mmserve.processing.modalities import ProcessingConfig, default_modalities
 from mmserve.processing.mrope import get_mrope_positions
 from mmserve.processing.placeholders import VisionTokenIds, expand_pads, find_mm_pads
 from mmserve.processing.processor_cache import ProcessorCache
-from mmserve.processing.prompt_inputs import is_one_video, offline_uuids, with_uuids
+from mmserve.processing.prompt_inputs import PromptItem, parse_generate_input, with_uuids
 from mmserve.processing.remote_items import (
-    RemoteImage,
     RemoteImageLoader,
     RemoteImagePlanning,
     remote_modalities,
 )
 from mmserve.processing.tokenizer import Tokenizer
-from mmserve.processing.video_decode import DecodedVideo
 from mmserve.processing.video_inputs import (
     DEFAULT_VIDEO_LIMIT,
     largest_item_tokens,
@@ -41,10 +37,6 @@ from mmserve.processing.video_inputs import (
     split_processor_kwargs,
 )
 from mmserve.processing.video_sampling import VideoConfig
-
-# None: a UUID-only reference to an image sent before; RemoteImage: planned for the encoder pool
-ImageInput = Image.Image | RemoteImage | None
-VideoInput = DecodedVideo | None  # None: a UUID-only reference to a video sent before
 
 
 class InputProcessor:
@@ -83,8 +75,9 @@ class InputProcessor:
         self.limit_mm_per_prompt = {"video": DEFAULT_VIDEO_LIMIT, **(limit_mm_per_prompt or {})}
         self.cache = cache if cache is not None else ProcessorCache(0)
         self.media_loader = media_loader or MediaLoader()
-        self.remote_loader = (
-            RemoteImageLoader(self.media_loader, remote_images) if remote_images else None
+        self.items = ItemLoader(
+            self.media_loader,
+            RemoteImageLoader(self.media_loader, remote_images) if remote_images else None,
         )
         modalities = default_modalities(trust_exif_image_id=trust_exif_image_id)
         self.resolver = ItemResolver(
@@ -195,22 +188,35 @@ class InputProcessor:
         the videos'."""
         if not isinstance(prompt, str):
             raise InvalidRequestError("prompt must be a string", param="prompt")
-        items = {
-            "image": with_uuids(list(images), multi_modal_uuids, "image"),
-            "video": with_uuids(list(videos), video_uuids, "video"),
-        }
-        self._check_item_limit({name: len(v) for name, v in items.items()})
+        items = [
+            PromptItem(modality, data, uuid)
+            for modality, given, uuids in (
+                ("image", images, multi_modal_uuids),
+                ("video", videos, video_uuids),
+            )
+            for data, uuid in with_uuids(list(given), uuids, modality)
+        ]
+        return self._process_items(prompt, items, mm_processor_kwargs, namespace)
+
+    def _process_items(
+        self,
+        prompt: str,
+        items: Sequence[PromptItem],
+        mm_processor_kwargs: Mapping[str, Any] | None,
+        namespace: str,
+    ) -> ProcessedPrompt:
+        """`items` in prompt order (or at least in order within each modality): the k-th
+        pad of a modality in the tokenized prompt is that modality's k-th item."""
+        counts = {m: sum(it.modality == m for it in items) for m in ("image", "video")}
+        self._check_item_limit(counts)
         input_ids = self.tokenizer.encode(prompt)
-        pads = find_mm_pads(
-            input_ids, {name: len(v) for name, v in items.items()}, self.pad_ids, self.token_ids
-        )
+        pads = find_mm_pads(input_ids, counts, self.pad_ids, self.token_ids)
         cfg = self.request_config(mm_processor_kwargs)
-        taken = dict.fromkeys(items, 0)
+        queues = {m: iter([it for it in items if it.modality == m]) for m in counts}
         plans = []
-        for _, modality in pads:  # prompt order: each modality's items in their own order
-            item, uuid = items[modality][taken[modality]]
-            taken[modality] += 1
-            plans.append(self.resolver.plan(item, uuid, cfg, namespace, modality))
+        for _, modality in pads:  # prompt order
+            item = next(queues[modality])
+            plans.append(self.resolver.plan(item.data, item.uuid, cfg, namespace, modality))
         num_tokens = len(input_ids) + sum(p.num_tokens - 1 for p in plans)
         if num_tokens > self.max_model_len:
             raise PromptTooLongError(
@@ -255,37 +261,17 @@ class InputProcessor:
         PIL images) | a list of videos}."""
         if isinstance(prompt, str):
             return self.process(prompt, namespace=namespace)
-        unknown = set(prompt) - {
-            "prompt",
-            "multi_modal_data",
-            "mm_processor_kwargs",
-            "multi_modal_uuids",
-        }
-        if unknown:
-            raise InvalidRequestError(f"unsupported prompt keys {sorted(unknown)}")
-        mm_data = dict(prompt.get("multi_modal_data") or {})
-        images = mm_data.pop("image", [])
-        videos = mm_data.pop("video", [])
-        if mm_data:
-            raise InvalidRequestError(
-                f"unsupported modalities {sorted(mm_data)} in multi_modal_data; only 'image' "
-                "and 'video'"
-            )
-        one = images is None or isinstance(images, Image.Image | str | bytes | bytearray)
-        images = [images] if one else images
-        videos = [videos] if is_one_video(videos) else list(videos)
-        uuids = offline_uuids(prompt.get("multi_modal_uuids"))
-        kwargs = prompt.get("mm_processor_kwargs")
-        cfg = self.request_config(kwargs)
-        self._check_item_limit({"image": len(images), "video": len(videos)})
+        given = parse_generate_input(prompt)
+        cfg = self.request_config(given.mm_processor_kwargs)
+        self._check_item_limit({"image": len(given.images), "video": len(given.videos)})
         budget = self.media_loader.new_decode_budget()
         return self.process(
-            prompt.get("prompt", ""),
-            [self._load_offline(img, cfg, budget) for img in images],
-            videos=[offline_video(v, self.media_loader, cfg, budget) for v in videos],
-            mm_processor_kwargs=kwargs,
-            multi_modal_uuids=uuids.get("image"),
-            video_uuids=uuids.get("video"),
+            given.prompt,
+            [self.items.load_image(img, cfg, budget) for img in given.images],
+            videos=[offline_video(v, self.media_loader, cfg, budget) for v in given.videos],
+            mm_processor_kwargs=given.mm_processor_kwargs,
+            multi_modal_uuids=given.uuids.get("image"),
+            video_uuids=given.uuids.get("video"),
             namespace=namespace,
         )
 
@@ -333,8 +319,8 @@ class InputProcessor:
         prompt, parts = self._render_checked(messages, add_generation_prompt, chat_template_kwargs)
         cfg = self.request_config(mm_processor_kwargs)
         budget = self.media_loader.new_decode_budget()
-        loaded = [self._load(part, cfg, budget) for part in parts]
-        return self._process_parts(prompt, parts, loaded, mm_processor_kwargs, namespace)
+        loaded = [self.items.load_part(part, cfg, budget) for part in parts]
+        return self._process_items(prompt, _items(parts, loaded), mm_processor_kwargs, namespace)
 
     async def aprocess_chat(
         self,
@@ -348,37 +334,12 @@ class InputProcessor:
         """HTTP chat: media fetched concurrently, CPU work off the event loop."""
         prompt, parts = self._render_checked(messages, add_generation_prompt, chat_template_kwargs)
         cfg = self.request_config(mm_processor_kwargs)  # a bad kwarg fails before any fetch
-        loaded = await self._aload_all(parts, cfg, self.media_loader.new_decode_budget())
+        loaded = await self.items.aload_parts(parts, cfg, self.media_loader.new_decode_budget())
         return await asyncio.to_thread(
-            self._process_parts, prompt, parts, loaded, mm_processor_kwargs, namespace
+            self._process_items, prompt, _items(parts, loaded), mm_processor_kwargs, namespace
         )
 
     # ---- helpers ------------------------------------------------------------------------
-
-    def _process_parts(
-        self,
-        prompt: str,
-        parts: Sequence[ChatImage],
-        loaded: Sequence[Any],
-        mm_processor_kwargs: Mapping[str, Any] | None,
-        namespace: str,
-    ) -> ProcessedPrompt:
-        def of(modality: str) -> tuple[list[Any], list[str | None]]:
-            picked = [(x, p.uuid) for p, x in zip(parts, loaded, strict=True)]
-            kept = [pu for pu, p in zip(picked, parts, strict=True) if p.modality == modality]
-            return [x for x, _ in kept], [u for _, u in kept]
-
-        images, image_uuids = of("image")
-        videos, video_uuids = of("video")
-        return self.process(
-            prompt,
-            images,
-            videos=videos,
-            mm_processor_kwargs=mm_processor_kwargs,
-            multi_modal_uuids=image_uuids,
-            video_uuids=video_uuids,
-            namespace=namespace,
-        )
 
     def _render_checked(
         self,
@@ -398,47 +359,6 @@ class InputProcessor:
         self._check_item_limit(counts)
         return prompt, parts
 
-    async def _aload_all(
-        self, parts: Sequence[ChatImage], cfg: ProcessingConfig, budget: RequestDecodeBudget
-    ) -> list[Any]:
-        """Load every item concurrently; when one fails, stop the others (their fetch slots
-        and decode threads serve other requests instead of a request that already failed)."""
-        loader = self.media_loader
-
-        async def load(part: ChatImage) -> Any:
-            if part.source is None:
-                return None
-            if part.modality == "video":
-                return await loader.aload_video(part.source, cfg.video, cfg.image, budget)
-            if self.remote_loader is not None:
-                return await self.remote_loader.aload(part.source, cfg.image, budget)
-            return await loader.aload_image(part.source, budget)
-
-        tasks = [asyncio.ensure_future(load(part)) for part in parts]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:
-                task.cancel()
-
-    def _load(self, part: ChatImage, cfg: ProcessingConfig, budget: RequestDecodeBudget) -> Any:
-        if part.source is None:
-            return None
-        if part.modality == "video":
-            return offline_video(part.source, self.media_loader, cfg, budget)
-        return self._load_offline(part.source, cfg, budget)
-
-    def _load_offline(
-        self, image: Any, cfg: ProcessingConfig, budget: RequestDecodeBudget
-    ) -> ImageInput:
-        if image is None:
-            return None
-        if self.remote_loader is not None:
-            return self.remote_loader.load(image, cfg.image, budget)
-        if isinstance(image, Image.Image):
-            return image  # PIL: hashed as given (mode, size, pixels, EXIF id)
-        return self.media_loader.load_image(image, budget)
-
     def _check_item_limit(self, counts: Mapping[str, int]) -> None:
         for modality, count in counts.items():
             limit = self.limit_mm_per_prompt.get(modality)
@@ -453,3 +373,7 @@ class InputProcessor:
     def check_prompt_text(self, text: str) -> None:
         """Refuse raw text (e.g. /v1/completions) that spells a vision token without an item."""
         check_user_text(text, self.reserved_tokens, "prompt")
+
+
+def _items(parts: Sequence[ChatImage], loaded: Sequence[Any]) -> list[PromptItem]:
+    return [PromptItem(p.modality, x, p.uuid) for p, x in zip(parts, loaded, strict=True)]

@@ -3,28 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from PIL import Image
 
-from mmserve.errors import MediaError, MediaFetchRefusedError
 from mmserve.processing.decode_budget import DecodeMemoryGate, Release, RequestDecodeBudget
 from mmserve.processing.decode_workers import DecodeWorkerPool
-from mmserve.processing.file_urls import read_file_url
-from mmserve.processing.http_fetch import AsyncFetcher, FetchPolicy, fetch_url
+from mmserve.processing.http_fetch import AsyncFetcher, FetchPolicy
 from mmserve.processing.image_decode import (
     DEFAULT_MAX_IMAGE_PIXELS,
-    Admit,
     ImageHeader,
     decode_image_bytes,
     read_header,
 )
-from mmserve.processing.image_processor import ImageProcessorConfig, to_rgb
+from mmserve.processing.image_processor import ImageProcessorConfig
+from mmserve.processing.media_source import MediaSource, read_media_source, url_scheme
 from mmserve.processing.url_guard import AllowedHost, parse_allowlist
 from mmserve.processing.video_decode import (
     DecodedVideo,
@@ -36,7 +33,8 @@ from mmserve.processing.video_processor import VideoPlan
 from mmserve.processing.video_sampling import VideoConfig
 from mmserve.processing.video_worker import decode_video_in_worker
 
-MediaSource = Image.Image | bytes | str
+Reserve = Callable[[int], Release]  # reserve decode memory: blocking, or raising if no room
+_Decoded = TypeVar("_Decoded")
 
 
 class _NoRoomYet(Exception):
@@ -187,40 +185,24 @@ class MediaLoader:
         """http(s): fetched on the event loop in the bounded fetch pool. Anything else (data:,
         file://, bytes) is read on a worker thread that no fetch ever holds, so slow media
         servers cannot delay inline images. Then `adecode`: no thread waits for decode memory."""
-        if isinstance(source, str) and _scheme(source) in ("http", "https"):
-            read: Image.Image | bytes = await self._fetcher.fetch(source)
-        else:
-            read = await asyncio.to_thread(self.read_source, source)
+        read = await self._aread(source, "image")
         return read if isinstance(read, Image.Image) else await self.adecode(read, budget)
 
     def read_source(self, source: MediaSource, what: str = "image") -> Image.Image | bytes:
         """An RGB image for a PIL source; the encoded bytes for every other kind. `what`:
         "image" or "video" (its byte cap, its data: media type, the field errors name)."""
-        if isinstance(source, Image.Image) and what == "image":
-            return to_rgb(source)
-        if isinstance(source, bytes | bytearray | memoryview):
-            return bytes(source)
-        if not isinstance(source, str):
-            raise MediaError(
-                f"unsupported {what} source of type {type(source).__name__}; pass "
-                f"{'a PIL image, ' if what == 'image' else 'frames, '}bytes, or a data:, "
-                "http(s):// or file:// URL",
-                param=f"{what}_url",
-            )
-        scheme = _scheme(source)
-        max_bytes = self._max_bytes(what)
-        if scheme == "data":
-            return self._read_data_url(source, what)
-        if scheme in ("http", "https"):
-            return fetch_url(source, replace(self.config.fetch_policy, max_bytes=max_bytes))
-        if scheme == "file":
-            return read_file_url(
-                source, self.config.allowed_local_media_path, self._max_bytes(what), what
-            )
-        raise MediaFetchRefusedError(
-            f"{what} URL must be a data:, http(s):// or (when enabled) file:// URL",
-            param=f"{what}_url",
+        return read_media_source(
+            source,
+            what,
+            max_bytes=self._max_bytes(what),
+            fetch_policy=self.config.fetch_policy,
+            allowed_local_media_path=self.config.allowed_local_media_path,
         )
+
+    async def _aread(self, source: MediaSource, what: str) -> Image.Image | bytes:
+        if isinstance(source, str) and url_scheme(source) in ("http", "https"):
+            return await self._fetcher.fetch(source, self._max_bytes(what))
+        return await asyncio.to_thread(self.read_source, source, what)
 
     def read_image_header(
         self, data: bytes, budget: RequestDecodeBudget | None = None
@@ -251,6 +233,7 @@ class MediaLoader:
         """A video file's bytes (or a URL to them) -> its sampled frames, resized to the plan."""
         data = self.read_source(source, "video")
         assert isinstance(data, bytes)
+        budget = budget if budget is not None else self.new_decode_budget()
         return self._decode_video(data, cfg, image_cfg, budget, self.decode_gate.reserve)
 
     async def aload_video(
@@ -262,51 +245,22 @@ class MediaLoader:
     ) -> DecodedVideo:
         """`load_video` for the server: http(s) on the event loop, decoding on a thread, and
         a wait for decode memory on the event loop, as `adecode` does for images."""
-        if isinstance(source, str) and _scheme(source) in ("http", "https"):
-            data = await self._fetcher.fetch(source, self.config.max_video_bytes)
-        else:
-            read = await asyncio.to_thread(self.read_source, source, "video")
-            assert isinstance(read, bytes)
-            data = read
-        budget = budget if budget is not None else self.new_decode_budget()
+        data = await self._aread(source, "video")
+        assert isinstance(data, bytes)
 
-        def reserve_if_room(nbytes: int) -> Release:
-            release = self.decode_gate.try_reserve(nbytes)
-            if release is None:
-                raise _NoRoomYet(nbytes)
-            return release
+        def decode(budget: RequestDecodeBudget, reserve: Reserve) -> DecodedVideo:
+            return self._decode_video(data, cfg, image_cfg, budget, reserve)
 
-        try:
-            return await asyncio.to_thread(
-                self._decode_video, data, cfg, image_cfg, budget, reserve_if_room
-            )
-        except _NoRoomYet as short:
-            nbytes = short.nbytes
-        release = await self.decode_gate.areserve(nbytes)
-        uncharged = RequestDecodeBudget(0)  # the budget was charged by the first try
-
-        def reserved(n: int) -> Release:
-            assert n == nbytes, "the same bytes gave another header"
-            return release
-
-        try:
-            return await asyncio.to_thread(
-                self._decode_video, data, cfg, image_cfg, uncharged, reserved
-            )
-        except BaseException:
-            release()
-            raise
+        return await self._decode_when_room(decode, budget)
 
     def _decode_video(
         self,
         data: bytes,
         cfg: VideoConfig,
         image_cfg: ImageProcessorConfig,
-        budget: RequestDecodeBudget | None,
-        reserve: Callable[[int], Release],
+        budget: RequestDecodeBudget,
+        reserve: Reserve,
     ) -> DecodedVideo:
-        budget = budget if budget is not None else self.new_decode_budget()
-
         def admit(header: VideoHeader, plan: VideoPlan) -> Release:
             nbytes = header.decode_bytes(plan)
             budget.charge(nbytes, what="video")
@@ -345,15 +299,22 @@ class MediaLoader:
     def _decode(self, data: bytes, budget: RequestDecodeBudget | None = None) -> Image.Image:
         """Decode on this thread; waiting for decode memory blocks it (see `adecode`)."""
         budget = budget if budget is not None else self.new_decode_budget()
-
-        def admit(header: ImageHeader) -> Release:
-            budget.charge(header.decode_bytes)
-            return self.decode_gate.reserve(header.decode_bytes)
-
-        return self._decode_admitted(data, admit)
+        return self._decode_image(data, budget, self.decode_gate.reserve)
 
     async def adecode(self, data: bytes, budget: RequestDecodeBudget | None = None) -> Image.Image:
-        """Decode on a worker thread; when decode memory is short, wait on the event loop.
+        """Decode on a worker thread; when decode memory is short, wait on the event loop."""
+
+        def decode(budget: RequestDecodeBudget, reserve: Reserve) -> Image.Image:
+            return self._decode_image(data, budget, reserve)
+
+        return await self._decode_when_room(decode, budget)
+
+    async def _decode_when_room(
+        self,
+        decode: Callable[[RequestDecodeBudget, Reserve], _Decoded],
+        budget: RequestDecodeBudget | None,
+    ) -> _Decoded:
+        """Run `decode` on a worker thread without letting the thread wait for decode memory.
 
         A wait inside the thread would hold it (and a decode process) while the room it waits
         for is freed only by processing that needs threads too. So: read the header and, if
@@ -362,30 +323,36 @@ class MediaLoader:
         """
         budget = budget if budget is not None else self.new_decode_budget()
 
-        def admit_if_room(header: ImageHeader) -> Release:
-            budget.charge(header.decode_bytes)
-            release = self.decode_gate.try_reserve(header.decode_bytes)
+        def reserve_if_room(nbytes: int) -> Release:
+            release = self.decode_gate.try_reserve(nbytes)
             if release is None:
-                raise _NoRoomYet(header.decode_bytes)
+                raise _NoRoomYet(nbytes)
             return release
 
         try:
-            return await asyncio.to_thread(self._decode_admitted, data, admit_if_room)
+            return await asyncio.to_thread(decode, budget, reserve_if_room)
         except _NoRoomYet as short:
             nbytes = short.nbytes
         release = await self.decode_gate.areserve(nbytes)
+        uncharged = RequestDecodeBudget(0)  # the budget was charged by the first try
 
-        def admit_reserved(header: ImageHeader) -> Release:
-            assert header.decode_bytes == nbytes, "the same bytes gave another header"
+        def reserved(n: int) -> Release:
+            assert n == nbytes, "the same bytes gave another header"
             return release
 
         try:
-            return await asyncio.to_thread(self._decode_admitted, data, admit_reserved)
+            return await asyncio.to_thread(decode, uncharged, reserved)
         except BaseException:
             release()  # idempotent: a failed decode has given it back already
             raise
 
-    def _decode_admitted(self, data: bytes, admit: Admit) -> Image.Image:
+    def _decode_image(
+        self, data: bytes, budget: RequestDecodeBudget, reserve: Reserve
+    ) -> Image.Image:
+        def admit(header: ImageHeader) -> Release:
+            budget.charge(header.decode_bytes)
+            return reserve(header.decode_bytes)
+
         cfg = self.config
         if cfg.decode_workers == 0:
             return decode_image_bytes(data, cfg.max_image_pixels, admit=admit)
@@ -399,32 +366,3 @@ class MediaLoader:
                     cfg.decode_workers, cfg.decode_timeout_s, cfg.decode_worker_max_rss_bytes
                 )
             return self._pool
-
-    def _read_data_url(self, url: str, what: str = "image") -> bytes:
-        header, sep, payload = url.partition(",")
-        example = "image/png" if what == "image" else "video/mp4"
-        if not sep or not header.lower().endswith(";base64"):
-            raise MediaError(
-                f"data: URL must look like data:{example};base64,<base64 data>",
-                param=f"{what}_url",
-            )
-        media_type = header[5:-7].strip().lower()
-        if media_type and not media_type.startswith(f"{what}/"):
-            raise MediaError(
-                f"data: URL media type {media_type!r} is not {'an' if what == 'image' else 'a'} "
-                f"{what} type",
-                param=f"{what}_url",
-            )
-        max_bytes = self._max_bytes(what)
-        if len(payload) * 3 // 4 > max_bytes:
-            raise MediaFetchRefusedError(
-                f"{what} is larger than the {max_bytes}-byte limit", param=f"{what}_url"
-            )
-        try:
-            return base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise MediaError("data: URL payload is not valid base64") from None
-
-
-def _scheme(url: str) -> str:
-    return url.split(":", 1)[0].lower() if ":" in url else ""

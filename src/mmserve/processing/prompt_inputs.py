@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from PIL import Image
 
@@ -64,3 +64,51 @@ def offline_uuids(value: Any) -> dict[str, list[Any]]:
                 param="multi_modal_uuids",
             )
     return out
+
+
+class PromptItem(NamedTuple):
+    """One image or video of a prompt (loaded, or None for a UUID-only reference) and the
+    caller's uuid for it."""
+
+    modality: str
+    data: Any
+    uuid: str | None
+
+
+class GenerateInput(NamedTuple):
+    """An offline `LLM.generate` prompt dict, checked, with its items in lists."""
+
+    prompt: str
+    images: list[Any]
+    videos: list[Any]
+    uuids: dict[str, list[Any]]
+    mm_processor_kwargs: Mapping[str, Any] | None
+
+
+def parse_generate_input(prompt: Mapping[str, Any]) -> GenerateInput:
+    """{"prompt", "multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"}: unknown
+    keys and modalities refused, one image or video made a list of one."""
+    unknown = set(prompt) - {
+        "prompt",
+        "multi_modal_data",
+        "mm_processor_kwargs",
+        "multi_modal_uuids",
+    }
+    if unknown:
+        raise InvalidRequestError(f"unsupported prompt keys {sorted(unknown)}")
+    mm_data = dict(prompt.get("multi_modal_data") or {})
+    images = mm_data.pop("image", [])
+    videos = mm_data.pop("video", [])
+    if mm_data:
+        raise InvalidRequestError(
+            f"unsupported modalities {sorted(mm_data)} in multi_modal_data; only 'image' "
+            "and 'video'"
+        )
+    one = images is None or isinstance(images, Image.Image | str | bytes | bytearray)
+    return GenerateInput(
+        prompt.get("prompt", ""),
+        [images] if one else images,
+        [videos] if is_one_video(videos) else list(videos),
+        offline_uuids(prompt.get("multi_modal_uuids")),
+        prompt.get("mm_processor_kwargs"),
+    )

@@ -1,6 +1,6 @@
 """Video decodes in the decode worker processes: the spec sent, the header back, the frames.
 
-Same four steps as an image (decode_workers.py), no pickle:
+Same four steps as an image (worker_protocol.py), no pickle:
   (1) parent -> worker  b"V" + JSON {video config, patch geometry, limits}, then the bytes
   (2) worker -> parent  b"H" + JSON {width, height, total_frames, video_fps, duration_s}
   (3) parent -> worker  b"G" or b"S" (the parent's admit: decode memory)
@@ -19,14 +19,6 @@ import numpy as np
 
 from mmserve.errors import InvalidRequestError, MediaError, VideoDecodeError
 from mmserve.processing.decode_budget import Release, hold_until_collected
-from mmserve.processing.decode_workers import (
-    _GO,
-    VIDEO_REQUEST,
-    DecodeWorkerPool,
-    Stopped,
-    send_error,
-    send_ok,
-)
 from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.video_decode import (
     DecodedVideo,
@@ -37,6 +29,14 @@ from mmserve.processing.video_decode import (
 )
 from mmserve.processing.video_processor import VideoMeta, VideoPlan, plan_video
 from mmserve.processing.video_sampling import VideoConfig
+from mmserve.processing.worker_protocol import (
+    GO,
+    VIDEO_REQUEST,
+    Stopped,
+    WorkerExchange,
+    send_error,
+    send_ok,
+)
 
 _SHAPE = struct.Struct("<III")
 # The patch geometry is all the plan needs of the image processor's configuration.
@@ -63,7 +63,7 @@ def serve_video(conn: Connection, data: bytes, spec: bytes) -> None:
         meta = header.meta
         fields = [meta.width, meta.height, meta.total_frames, meta.video_fps, header.duration_s]
         conn.send_bytes(b"H" + json.dumps(fields).encode())
-        if conn.recv_bytes() != _GO:
+        if conn.recv_bytes() != GO:
             raise Stopped
         return None
 
@@ -80,7 +80,7 @@ def serve_video(conn: Connection, data: bytes, spec: bytes) -> None:
 
 
 def decode_video_in_worker(
-    pool: DecodeWorkerPool,
+    pool: WorkerExchange,
     data: bytes,
     cfg: VideoConfig,
     image_cfg: ImageProcessorConfig,

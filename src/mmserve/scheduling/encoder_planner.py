@@ -1,7 +1,44 @@
 """Encoder-input planning for one request's window: which items to encode, where to cut.
 
-See the scheduler's module docstring for the window arithmetic; this is the loop over the
-items that overlap a window, with the rules for hits, space, budget and items in flight.
+Window/item arithmetic. Each step a request computes the window
+`[num_computed_tokens, num_computed_tokens + num_new_tokens)` of its tokens. An item (its
+placeholder range `[offset, offset + length)`) that overlaps the window must have its encoder
+output resident before the step runs:
+
+    tokens     0 ........ offset ............. offset+length ........ num_tokens
+    item                    |#######  image  #######|
+    window A    [---------------)                             chunk cuts the image: the
+                                                              item is encoded whole now,
+                                                              later chunks slice it
+    window B             [--------------------------------)   covers it all
+    window C                         [-------)                 later chunk: already resident
+    no space       [-----)|                                    cut to stop at `offset`
+    no space, at offset   |  (0 tokens)                        skip this request this step
+    in flight      [-----)|                                    remote item not arrived: cut
+                                                              at `offset`, reference kept
+
+- Resident (a hit) -> nothing to encode. Otherwise the item needs patch budget (its input
+  patches, out of the step's encoder budget) and cache bytes;
+  if it cannot have them now, the window is cut to end at `offset` (text before the image
+  still runs), or to zero tokens when the request already stands at (or, after a prefix-cache
+  hit, inside) the item. Other requests go on.
+- Remote items (`data` a RemoteItem, a disaggregated server) go to the encoder source, not
+  the local vision tower: they take cache bytes but no patch budget, and stay in flight until
+  the runner reports them arrived. An item in flight (or sent this step) blocks the window at
+  its offset exactly like "no space"; every remote item the window reaches is sent in the
+  same step. A request blocked only by items in flight keeps its references, even a waiting
+  one that schedules 0 tokens (it sends its item with no token scheduled), so an item is
+  never cancelled and sent again in a loop. An item that fails fails every request holding
+  it (`ModelRunnerOutput.encoder_failed`); one whose last holder goes is cancelled.
+- `disable_chunked_mm_input`: a window that starts at or before `offset` and would end inside
+  the item is rolled back to end at `offset`.
+- A prefix-cache hit that covers an item whole means it is never encoded; a hit ending inside
+  an item still needs the whole item encoded, and only the tail slice is spliced.
+- An item's reference is dropped once `num_computed_tokens >= offset + length` (consumed);
+  the entry stays resident (freeable) for later requests with the same identity. So a
+  request only ever holds the items its position cuts through (and remote items in flight in
+  its window, which need nothing but their arrival): those need nothing but token budget to
+  finish, which is why a waiting item always gets its cache space eventually.
 """
 
 from __future__ import annotations

@@ -97,6 +97,13 @@ class KVCacheManager:
         last = (request.num_computed_tokens + num_new) // self.block_size
         return request.block_hashes[first:last]
 
+    def is_next_block_in(self, request: Request, num_computed: int, hashes: set[str]) -> bool:
+        """Whether the block after `num_computed` tokens has one of `hashes` (say, the blocks
+        other requests compute this very step)."""
+        next_block = num_computed // self.block_size
+        own = request.block_hashes
+        return next_block < len(own) and own[next_block] in hashes
+
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest run of cached full blocks from the start of the request.
 

@@ -1,44 +1,6 @@
 """Continuous-batching FCFS scheduler: one token budget, one encoder budget, paged KV.
 
-Window/item arithmetic. Each step a request computes the window
-`[num_computed_tokens, num_computed_tokens + num_new_tokens)` of its tokens. An item (its
-placeholder range `[offset, offset + length)`) that overlaps the window must have its encoder
-output resident before the step runs:
-
-    tokens     0 ........ offset ............. offset+length ........ num_tokens
-    item                    |#######  image  #######|
-    window A    [---------------)                             chunk cuts the image: the
-                                                              item is encoded whole now,
-                                                              later chunks slice it
-    window B             [--------------------------------)   covers it all
-    window C                         [-------)                 later chunk: already resident
-    no space       [-----)|                                    cut to stop at `offset`
-    no space, at offset   |  (0 tokens)                        skip this request this step
-    in flight      [-----)|                                    remote item not arrived: cut
-                                                              at `offset`, reference kept
-
-- Resident (a hit) -> nothing to encode. Otherwise the item needs patch budget (its input
-  patches, out of the step's encoder budget) and cache bytes;
-  if it cannot have them now, the window is cut to end at `offset` (text before the image
-  still runs), or to zero tokens when the request already stands at (or, after a prefix-cache
-  hit, inside) the item. Other requests go on.
-- Remote items (`data` a RemoteItem, a disaggregated server) go to the encoder source, not
-  the local vision tower: they take cache bytes but no patch budget, and stay in flight until
-  the runner reports them arrived. An item in flight (or sent this step) blocks the window at
-  its offset exactly like "no space"; every remote item the window reaches is sent in the
-  same step. A request blocked only by items in flight keeps its references, even a waiting
-  one that schedules 0 tokens (it sends its item with no token scheduled), so an item is
-  never cancelled and sent again in a loop. An item that fails fails every request holding
-  it (`ModelRunnerOutput.encoder_failed`); one whose last holder goes is cancelled.
-- `disable_chunked_mm_input`: a window that starts at or before `offset` and would end inside
-  the item is rolled back to end at `offset`.
-- A prefix-cache hit that covers an item whole means it is never encoded; a hit ending inside
-  an item still needs the whole item encoded, and only the tail slice is spliced.
-- An item's reference is dropped once `num_computed_tokens >= offset + length` (consumed);
-  the entry stays resident (freeable) for later requests with the same identity. So a
-  request only ever holds the items its position cuts through (and remote items in flight in
-  its window, which need nothing but their arrival): those need nothing but token budget to
-  finish, which is why a waiting item always gets its cache space eventually.
+The window/item arithmetic each step applies is drawn in encoder_planner.py.
 """
 
 from __future__ import annotations
@@ -47,11 +9,9 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import RequestFailure
-from mmserve.multimodal import MultiModalFeature
 from mmserve.scheduling.admission import validate_request
 from mmserve.scheduling.encoder_cache_manager import EncoderCacheManager
 from mmserve.scheduling.encoder_planner import (
@@ -62,34 +22,16 @@ from mmserve.scheduling.encoder_planner import (
 )
 from mmserve.scheduling.kv_cache_manager import KVCacheManager
 from mmserve.scheduling.outputs import (
-    CachedRequestData,
     ModelRunnerOutput,
-    NewRequestData,
     RequestUpdate,
     SchedulerOutput,
     SchedulerStats,
 )
 from mmserve.scheduling.pixel_store import PixelsGone, PixelStore
 from mmserve.scheduling.request import Request, RequestStatus, check_stop
+from mmserve.scheduling.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Step:
-    """Scratch state of one `schedule()` call."""
-
-    token_budget: int
-    encoder_patch_budget: int  # input patches the encoder may still process this step
-    now_s: float  # the scheduler's clock when the step was planned
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
-    remote_inputs: dict[str, list[MultiModalFeature]] = field(default_factory=dict)
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    preempted: set[str] = field(default_factory=set)
-    # hashes of the full KV blocks this step will compute (to defer requests that share them)
-    inflight_block_hashes: set[str] = field(default_factory=set)
 
 
 class Scheduler:
@@ -99,27 +41,28 @@ class Scheduler:
         self,
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
+        kv_cache_manager: KVCacheManager,
+        encoder_cache_manager: EncoderCacheManager,
         *,
+        pixel_store: PixelStore | None = None,
         eos_token_ids: Iterable[int] = (),
-        pixel_store_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`pixel_store_bytes`: None keeps each item's pixels with its request until the
-        request finishes; a number moves them, once the prefill has passed the item, into a
-        `PixelStore` of that many bytes (see pixel_store.py). `clock` stamps each request's
-        first schedule (the queue-time metric): the front end's clock, `time.monotonic`."""
+        """The managers are built by the caller (the engine factory) from the same configs.
+        `pixel_store`: None keeps each item's pixels with its request until the request
+        finishes; a store takes them once the prefill has passed the item (see
+        pixel_store.py). `clock` stamps each request's first schedule (the queue-time metric):
+        the front end's clock, `time.monotonic`."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.eos_token_ids = tuple(eos_token_ids)
-        self.kv_cache_manager = KVCacheManager(cache_config)
-        self.encoder_cache_manager = EncoderCacheManager(
-            scheduler_config.effective_encoder_cache_bytes, scheduler_config.encoder_embed_bytes
-        )
+        self.kv_cache_manager = kv_cache_manager
+        self.encoder_cache_manager = encoder_cache_manager
+        self.pixel_store = pixel_store
         self.requests: dict[str, Request] = {}  # unfinished only
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_req_ids: set[str] = set()
-        self.pixel_store = PixelStore(pixel_store_bytes) if pixel_store_bytes is not None else None
         self._failed_at_schedule: list[RequestUpdate] = []
         self._clock = clock
         self.num_preemptions = 0  # since start, over all requests
@@ -188,7 +131,7 @@ class Scheduler:
         """Plan one step: running requests first (decodes and unfinished prefills, in arrival
         order), then waiting ones while token budget, `max_num_seqs` and KV blocks last."""
         config = self.scheduler_config
-        step = _Step(
+        step = StepPlan(
             config.max_num_batched_tokens, config.effective_encoder_patch_budget, self._clock()
         )
         self._schedule_running(step)
@@ -196,19 +139,9 @@ class Scheduler:
         if not step.preempted:
             self._schedule_waiting(step)
         finished, self._finished_req_ids = self._finished_req_ids, set()
-        return SchedulerOutput(
-            scheduled_new_reqs=step.new_reqs,
-            scheduled_cached_reqs=step.cached_reqs,
-            num_scheduled_tokens=step.num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(step.num_scheduled_tokens.values()),
-            scheduled_encoder_inputs=step.encoder_inputs,
-            free_encoder_identifiers=self.encoder_cache_manager.get_freed_identifiers(),
-            finished_req_ids=frozenset(finished),
-            preempted_req_ids=frozenset(step.preempted),
-            remote_encoder_inputs=step.remote_inputs,
-        )
+        return step.to_output(self.encoder_cache_manager.get_freed_identifiers(), finished)
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: StepPlan) -> None:
         req_idx = 0
         while req_idx < len(self.running) and step.token_budget > 0:
             request = self.running[req_idx]
@@ -222,13 +155,13 @@ class Scheduler:
             new_block_ids = self._allocate_or_preempt(request, num_new, step)
             if new_block_ids is None:
                 break  # it preempted itself: nothing older is left to take from
-            step.cached_reqs.append(
-                CachedRequestData(request.request_id, new_block_ids, num_computed)
-            )
+            step.add_cached(request.request_id, new_block_ids, num_computed)
             self._commit(request, num_new, items, step)
             req_idx += 1
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> list[int] | None:
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, step: StepPlan
+    ) -> list[int] | None:
         """Allocate KV for a running request, preempting the newest running requests (maybe
         this one) until it fits. None if the request itself was preempted."""
         while True:
@@ -241,14 +174,16 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: StepPlan) -> None:
         skipped: list[Request] = []
         max_num_seqs = self.scheduler_config.max_num_seqs
         while self.waiting and step.token_budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting.popleft()
             computed = self.kv_cache_manager.get_computed_blocks(request)
             num_computed = computed.num_computed_tokens
-            if self._next_block_in_flight(request, num_computed, step):
+            if self.kv_cache_manager.is_next_block_in(
+                request, num_computed, step.inflight_block_hashes
+            ):
                 # NOTE: its next prefix block is being computed by another request in this
                 # very step; waiting one step turns that recomputation into a cache hit.
                 skipped.append(request)
@@ -284,26 +219,17 @@ class Scheduler:
                 request.first_scheduled_time_s = step.now_s
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            step.new_reqs.append(
-                NewRequestData(
-                    request_id=request.request_id,
-                    token_ids=request.all_token_ids,
-                    mm_features=list(request.mm_features),
-                    block_ids=block_ids,
-                    num_computed_tokens=num_computed,
-                    payload=request.payload,
-                )
-            )
+            step.add_new(request, block_ids, num_computed)
             self._commit(request, num_new, items, step)
         self.waiting.extendleft(reversed(skipped))
 
-    def _reserve_encoder_inputs(self, request: Request, items: list[int], step: _Step) -> None:
+    def _reserve_encoder_inputs(self, request: Request, items: list[int], step: StepPlan) -> None:
         step.encoder_patch_budget -= reserve_encoder_inputs(
             request, items, self.encoder_cache_manager, step.encoder_inputs, step.remote_inputs
         )
 
     def _plan_encoder_inputs(
-        self, request: Request, num_computed: int, num_new: int, step: _Step
+        self, request: Request, num_computed: int, num_new: int, step: StepPlan
     ) -> EncoderPlan:
         return plan_encoder_inputs(
             request,
@@ -337,21 +263,13 @@ class Scheduler:
             first_scheduled_time_s=self._take_schedule_time(request),
         )
 
-    def _next_block_in_flight(self, request: Request, num_computed: int, step: _Step) -> bool:
-        if not step.inflight_block_hashes:
-            return False
-        next_block = num_computed // self.cache_config.block_size
-        hashes = request.block_hashes
-        return next_block < len(hashes) and hashes[next_block] in step.inflight_block_hashes
-
-    def _commit(self, request: Request, num_new: int, items: list[int], step: _Step) -> None:
+    def _commit(self, request: Request, num_new: int, items: list[int], step: StepPlan) -> None:
         """Book a scheduled request: encoder cache bytes, budgets, and its advanced position."""
         step.inflight_block_hashes.update(
             self.kv_cache_manager.block_hashes_to_compute(request, num_new)
         )
         self._reserve_encoder_inputs(request, items, step)
-        step.num_scheduled_tokens[request.request_id] = num_new
-        step.token_budget -= num_new
+        step.book_tokens(request.request_id, num_new)
         request.num_computed_tokens += num_new
 
     def _preempt(self, request: Request) -> None:

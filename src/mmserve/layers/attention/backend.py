@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from mmserve.layers.attention.buffers import AttentionBuffers
-    from mmserve.layers.attention.metadata import AttentionMetadata
+from mmserve.layers.attention.buffers import AttentionBuffers
+from mmserve.layers.attention.metadata import AttentionForward, AttentionMetadata
 
 
-class AttentionBackend(Protocol):
+class AttentionBackend(AttentionForward, Protocol):
     """Paged causal attention over a flat batch of prefill chunks and decodes.
 
     Contract:
@@ -33,9 +32,24 @@ class AttentionBackend(Protocol):
       [num_tokens, num_heads, head_dim] in the cache's dtype. It changes no cache slot other
       than those of `slot_mapping`.
     - Backends agree with `TorchAttentionBackend` (the reference) to rounding.
+
+    CUDA-graph capture of pure-decode steps (one new token per sequence) goes through three
+    hooks, so graph code never knows which backend it captures:
+
+    - `init_capture` allocates the fixed buffers every captured graph reads (batches of up to
+      `max_num_seqs` sequences);
+    - `prepare_for_capture(num_seqs)` returns the metadata a graph of `num_seqs` rows is
+      captured with: views of those buffers, padded rows included (`has_padding`);
+    - `prepare_for_replay(metadata, num_seqs)` copies a step's metadata into the buffers (device
+      to device) and fills rows past the step's as padding: slot -1 (nothing stored), one key
+      of a dummy block (read only, output dropped). False when the step does not fit the
+      buffers: the caller runs it eagerly.
+
+    A backend whose `supports_capture` is False raises ValueError from `init_capture`.
     """
 
     name: str
+    supports_capture: bool
 
     def build_metadata(
         self,
@@ -57,3 +71,15 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor: ...
+
+    def init_capture(
+        self,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None: ...
+
+    def prepare_for_capture(self, num_seqs: int) -> AttentionMetadata: ...
+
+    def prepare_for_replay(self, metadata: AttentionMetadata, num_seqs: int) -> bool: ...

@@ -22,15 +22,29 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from mmserve.layers.attention.buffers import AttentionBuffers, BatchLimits
 
-if TYPE_CHECKING:
-    from mmserve.layers.attention.backend import AttentionBackend
+
+class AttentionForward(Protocol):
+    """What a decoder layer calls on the backend its metadata names (`backend.py` has the
+    whole seam and the contract of `forward`)."""
+
+    name: str
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -46,7 +60,7 @@ class AttentionMetadata:
     query_start_loc_cpu: tuple[int, ...]
     seq_lens_cpu: tuple[int, ...]
     block_size: int
-    backend: AttentionBackend
+    backend: AttentionForward
     plan: Any  # the backend's own per-step data (decode groups, query tiles), or None
     # rows past the real batch (a CUDA graph's padding): slot -1, never stored
     has_padding: bool = False
@@ -79,7 +93,7 @@ def build_layout(
     block_tables: Sequence[Sequence[int]],
     block_size: int,
     device: torch.device | str,
-    backend: AttentionBackend,
+    backend: AttentionForward,
     buffers: AttentionBuffers | None = None,
 ) -> AttentionMetadata:
     """The backend-independent part, from python lists: per sequence, its new-token count, its
@@ -163,19 +177,3 @@ def _moved(metadata: AttentionMetadata, device: torch.device | str) -> Attention
         seq_lens=metadata.seq_lens.to(device),
         query_start_loc=metadata.query_start_loc.to(device),
     )
-
-
-def build_attention_metadata(
-    query_lens: Sequence[int],
-    seq_lens: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
-    block_size: int,
-    device: torch.device | str = "cpu",
-    backend: AttentionBackend | None = None,
-) -> AttentionMetadata:
-    """`backend.build_metadata(...)`; without a backend, the torch reference's."""
-    if backend is None:
-        from mmserve.layers.attention.torch_backend import TorchAttentionBackend
-
-        backend = TorchAttentionBackend()
-    return backend.build_metadata(query_lens, seq_lens, block_tables, block_size, device)

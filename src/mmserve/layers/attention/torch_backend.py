@@ -44,6 +44,8 @@ class TorchAttentionBackend:
     """Today's SDPA path (see the module docstring); the oracle the Triton backend matches."""
 
     name = "torch"
+    # `forward` loops in Python over the plan's host values, which a graph would freeze.
+    supports_capture = False
 
     def __init__(self, max_score_elements: int = MAX_SCORE_ELEMENTS) -> None:
         self.max_score_elements = max_score_elements
@@ -73,6 +75,24 @@ class TorchAttentionBackend:
         return paged_attention(
             query, key, value, kv_cache, metadata, scale, self.max_score_elements
         )
+
+    def init_capture(
+        self,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        raise ValueError(
+            "the torch attention backend cannot be captured into CUDA graphs; "
+            "--attention-backend triton can"
+        )
+
+    def prepare_for_capture(self, num_seqs: int) -> AttentionMetadata:
+        raise ValueError("the torch attention backend cannot be captured into CUDA graphs")
+
+    def prepare_for_replay(self, metadata: AttentionMetadata, num_seqs: int) -> bool:
+        raise ValueError("the torch attention backend cannot be captured into CUDA graphs")
 
 
 def plan_decodes(metadata: AttentionMetadata, buffers: AttentionBuffers | None = None) -> TorchPlan:

@@ -16,6 +16,9 @@ from mmserve.layers.attention.buffers import AttentionBuffers
 from mmserve.layers.attention.metadata import AttentionMetadata, build_layout, plan_buffers
 from mmserve.layers.attention.triton_kernels import compile_kernels
 
+# A captured graph's padding rows read block 0: any block serves, since they store nothing and
+# their rows are dropped; reading a real sequence's block changes nothing for that sequence.
+DUMMY_BLOCK = 0
 # New tokens of one sequence per query tile. Rows per tile are this times the query heads per
 # KV head (padded to a power of two); 16 keeps tl.dot's operands at least 16 wide.
 QUERY_TOKENS_PER_TILE = 16
@@ -41,15 +44,96 @@ def check_block_size(block_size: int) -> None:
         )
 
 
+class CaptureBuffers:
+    """The fixed metadata buffers captured decode graphs read, for up to `max_num_seqs` rows:
+
+    row:          0 ........ n-1 | n ......... size-1
+    slot          real slots     | -1 (the KV store skips it: nothing is written)
+    seq_len       real lengths   | 1  (a dummy sequence: one key, the dummy block's slot 0)
+    block table   real rows      | [DUMMY_BLOCK, ...]
+    tile          one per row (tile i = sequence i, its only token): `size` tiles
+    """
+
+    def __init__(
+        self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device
+    ) -> None:
+        n = max_num_seqs
+        i32 = dict(dtype=torch.int32, device=device)
+        self.block_size = block_size
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, **i32)
+        self.block_tables = torch.full((n, max_blocks_per_seq), DUMMY_BLOCK, **i32)
+        # constant for every decode step: sequence i is row i, its one token is token i
+        self.query_start_loc = torch.arange(n + 1, **i32)
+        self.tile_seq_idx = torch.arange(n, **i32)
+        self.tile_q_start = torch.zeros(n, **i32)
+
+    def metadata(self, size: int, backend: TritonAttentionBackend) -> AttentionMetadata:
+        plan = TritonPlan(
+            tile_seq_idx=self.tile_seq_idx[:size],
+            tile_q_start=self.tile_q_start[:size],
+            num_tiles=size,
+            tokens_per_tile=backend.tokens_per_tile,
+        )
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size],
+            seq_lens=self.seq_lens[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            query_start_loc_cpu=tuple(range(size + 1)),
+            seq_lens_cpu=(1,) * size,  # capture time's; the kernels read the device buffer
+            block_size=self.block_size,
+            backend=backend,
+            plan=plan,
+            has_padding=True,
+        )
+
+    def fill(self, meta: AttentionMetadata, size: int) -> bool:
+        n, width = meta.num_seqs, meta.block_tables.shape[1]
+        if n > size or meta.block_size != self.block_size or width > self.block_tables.shape[1]:
+            return False
+        # device-to-device copies from the step's buffers, then the padding rows' values
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.slot_mapping[n:size].fill_(-1)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.seq_lens[n:size].fill_(1)
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        self.block_tables[n:size, 0].fill_(DUMMY_BLOCK)
+        return True
+
+
 class TritonAttentionBackend:
     """Paged attention and the KV store in Triton (see `triton_kernels.py`)."""
 
     name = "triton"
+    # one launch per layer whose grid is fixed by the padded size: a graph replays it as is
+    supports_capture = True
 
     def __init__(self, tokens_per_tile: int = QUERY_TOKENS_PER_TILE) -> None:
         assert tokens_per_tile > 0 and tokens_per_tile & (tokens_per_tile - 1) == 0
         self.tokens_per_tile = tokens_per_tile
         self.kernels = compile_kernels()
+        self._capture: CaptureBuffers | None = None
+
+    def init_capture(
+        self,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        check_block_size(block_size)
+        self._capture = CaptureBuffers(max_num_seqs, max_blocks_per_seq, block_size, device)
+
+    def prepare_for_capture(self, num_seqs: int) -> AttentionMetadata:
+        """Views of the capture buffers, the padded plan: one tile per row, `num_seqs` tiles
+        (a grid fixed at capture)."""
+        assert self._capture is not None, "init_capture first"
+        return self._capture.metadata(num_seqs, self)
+
+    def prepare_for_replay(self, metadata: AttentionMetadata, num_seqs: int) -> bool:
+        assert self._capture is not None, "init_capture first"
+        return self._capture.fill(metadata, num_seqs)
 
     def build_metadata(
         self,

@@ -1,0 +1,1 @@
+"""Sampling one step: rows, penalties, grammar masks, the draw, logprobs, one host copy."""

@@ -1,0 +1,104 @@
+"""RemoteItemIntake: what the runner sent, what it takes back, and what it refuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mmserve.errors import FailureKind
+from mmserve.execution.encoder.cache import EncoderCache
+from mmserve.execution.encoder.intake import RemoteItemIntake
+from mmserve.execution.encoder.runner import EncoderRunner
+from mmserve.multimodal import MultiModalFeature, PlaceholderRange, ProcessedImage, RemoteItem
+from tests.engine.fake_encoder_source import FakeEncoderSource
+
+HIDDEN = 3
+GRID = (1, 2, 4)  # 8 patches merged 2x2: 2 embeddings
+
+
+def _embed_rows(pixels: torch.Tensor, grids):  # [8 * n, 2] -> two [2, HIDDEN] per item
+    return [pixels[i * 8 : i * 8 + 2, :1].repeat(1, HIDDEN) for i in range(len(grids))]
+
+
+def _setup(embeddings: torch.Tensor | None = None):
+    encoder = EncoderRunner(
+        _embed_rows, EncoderCache(torch.device("cpu"), torch.float32), max_patches_per_call=64
+    )
+    source = FakeEncoderSource(lambda p: embeddings if embeddings is not None else torch.ones(2, 3))
+    return encoder, source, RemoteItemIntake(source, encoder, HIDDEN)
+
+
+def _feature(identifier: str) -> MultiModalFeature:
+    item = RemoteItem("bytes", b"img", None, None, 3136, 1 << 20, GRID, "d" * 64)
+    return MultiModalFeature(identifier, "image", PlaceholderRange(3, 2), item, GRID)
+
+
+def _pixels(grid=GRID) -> ProcessedImage:
+    return ProcessedImage(np.arange(16, dtype=np.float32).reshape(8, 2), grid)
+
+
+def test_embeddings_are_checked_moved_to_the_cache_dtype_and_reported_once() -> None:
+    encoder, source, intake = _setup(torch.ones(2, HIDDEN, dtype=torch.float64))
+    source.register("a", _pixels())
+    assert intake.submit({"r1": [_feature("a")], "r2": [_feature("a")]}) == {}
+    assert source.submitted == [("r1", "a")]  # pending: not sent twice
+    results = intake.collect()
+    assert results.arrived == ["a"] and not results.failed
+    assert encoder.cache.get("a").dtype == torch.float32 and not intake.pending
+
+
+def test_embeddings_of_the_wrong_shape_or_dtype_fail_the_item_and_stay_out() -> None:
+    for bad in (torch.ones(3, HIDDEN), torch.ones(2, HIDDEN + 1), torch.ones(2, HIDDEN).int()):
+        encoder, source, intake = _setup(bad)
+        source.register("a", _pixels())
+        intake.submit({"r": [_feature("a")]})
+        results = intake.collect()
+        assert not results.arrived and "a" not in encoder.cache
+        failure = results.failed["a"]
+        assert failure.kind is FailureKind.INTERNAL and "expected floating point [2, 3]" in (
+            failure.message
+        )
+
+
+def test_fallback_pixels_are_encoded_here_and_a_wrong_grid_fails() -> None:
+    encoder, source, intake = _setup()
+    source.register("a", _pixels())
+    source.register("b", _pixels((1, 4, 2)))
+    source.fallback = {"a", "b"}
+    intake.submit({"r": [_feature("a"), _feature("b")]})
+    results = intake.collect()
+    # the local tower's answer: rows 0 and 1 of the pixels' first column, widened
+    assert results.arrived == ["a"]
+    assert torch.equal(encoder.cache.get("a"), torch.tensor([[0.0] * HIDDEN, [2.0] * HIDDEN]))
+    assert "grid (1, 4, 2)" in results.failed["b"].message and "b" not in encoder.cache
+
+
+def test_a_cancelled_item_is_cancelled_at_the_source_and_its_late_reply_dropped() -> None:
+    encoder, source, intake = _setup()
+    source.answers_after_cancel = True
+    source.register("a", _pixels())
+    intake.submit({"r": [_feature("a")]})
+    intake.cancel(["a", "never-sent"])
+    assert source.cancelled == ["a"]  # only what is pending goes to the source
+    results = intake.collect()
+    assert not results.arrived and not results.failed and "a" not in encoder.cache
+    assert intake.num_dropped == 1
+
+
+def test_without_a_source_a_remote_item_fails_with_an_internal_error() -> None:
+    encoder = EncoderRunner(
+        _embed_rows, EncoderCache(torch.device("cpu"), torch.float32), max_patches_per_call=64
+    )
+    intake = RemoteItemIntake(None, encoder, HIDDEN)
+    failed = intake.submit({"r": [_feature("a")]})
+    assert failed["a"].kind is FailureKind.INTERNAL
+    assert "encoder pool" in failed["a"].message and "request r" in failed["a"].message
+    intake.wait(10.0)  # nothing in flight: returns at once
+    assert intake.collect().arrived == []
+
+
+def test_a_local_encode_refuses_a_remote_item() -> None:
+    encoder, _, _ = _setup()
+    with pytest.raises(RuntimeError, match="no pixels"):
+        encoder.encode([_feature("a")])
