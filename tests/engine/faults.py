@@ -87,9 +87,9 @@ def run_all(engine: LLMEngine, max_steps: int = 500) -> dict[str, RequestOutput]
 
 def assert_nothing_held(engine: LLMEngine) -> None:
     """Every KV block and encoder slot is free and no request is tracked anywhere."""
-    engine.scheduler.check_integrity()
-    stats = engine.scheduler.make_stats()
-    assert stats.num_free_kv_blocks == engine.scheduler.cache_config.num_blocks
+    engine.core.scheduler.check_integrity()
+    stats = engine.core.scheduler.make_stats()
+    assert stats.num_free_kv_blocks == engine.core.scheduler.cache_config.num_blocks
     assert stats.encoder_cache_used_slots == 0
     assert not engine.has_unfinished_requests()
     assert not engine.output_processor.request_ids

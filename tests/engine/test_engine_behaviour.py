@@ -57,8 +57,8 @@ def test_placeholder_count_mismatch_fails_only_that_request(llm):
     assert f"to {feature.placeholder.length + 1} placeholders" in finals["bad"].error
     assert finals["good"].outputs[0].finish_reason == "length"
     assert len(finals["good"].outputs[0].token_ids) == 4
-    stats = engine.scheduler.make_stats()
-    assert stats.num_free_kv_blocks == engine.scheduler.cache_config.num_blocks
+    stats = engine.core.scheduler.make_stats()
+    assert stats.num_free_kv_blocks == engine.core.scheduler.cache_config.num_blocks
     assert stats.encoder_cache_used_slots == 0
 
 
@@ -108,7 +108,7 @@ def test_preemption_recomputes_to_the_same_answer(diverse_checkpoint):
     tight = LLM(model=str(diverse_checkpoint), block_size=4, num_gpu_blocks_override=40)
     got = [o.outputs[0].token_ids for o in tight.generate(requests, greedy)]
     assert got == expected
-    stats = tight.engine.scheduler.make_stats()
+    stats = tight.engine.core.scheduler.make_stats()
     assert stats.num_free_kv_blocks == 40
     assert any(r for r in [tight.engine.metrics.snapshot().counters["requests_finished"] == 6])
 
@@ -130,7 +130,7 @@ def test_a_refused_request_in_a_batch_leaves_nothing_behind(diverse_checkpoint):
     with pytest.raises(EncoderItemTooLargeError):
         llm.generate([_image_request(1), huge], SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished_requests()
-    stats = llm.engine.scheduler.make_stats()
-    assert stats.num_free_kv_blocks == llm.engine.scheduler.cache_config.num_blocks
+    stats = llm.engine.core.scheduler.make_stats()
+    assert stats.num_free_kv_blocks == llm.engine.core.scheduler.cache_config.num_blocks
     out = llm.generate(_image_request(1), SamplingParams(temperature=0, max_tokens=2))
     assert len(out[0].outputs[0].token_ids) == 2

@@ -60,13 +60,13 @@ def _peak_blocks(engine: LLMEngine, prompt, params: SamplingParams, request_id: 
     """Most distinct KV blocks held at once while the request runs."""
     processed = engine.input_processor.process_generate_input(prompt)
     engine.add_request(request_id, processed, params)
-    kv = engine.scheduler.kv_cache_manager
+    kv = engine.core.scheduler.kv_cache_manager
     peak = 0
     for _ in range(200):
         if not engine.has_unfinished_requests():
             return peak
         engine.step()
-        held = {b for rid in engine.scheduler.requests for b in kv.block_ids(rid)}
+        held = {b for rid in engine.core.scheduler.requests for b in kv.block_ids(rid)}
         peak = max(peak, len(held))
     raise AssertionError("the request did not finish")
 
@@ -83,11 +83,11 @@ def test_siblings_share_the_prompt_blocks_and_encode_the_image_once(diverse_chec
             engine = fresh.engine
             p = msgspec.structs.replace(params, n=n)
             peaks[n] = _peak_blocks(engine, prompt, p, "req")
-            stats = engine.scheduler.make_stats()
+            stats = engine.core.scheduler.make_stats()
             encoded = engine.metrics.snapshot().counters["encoder_items_encoded"]
             assert encoded == 1, f"n={n}: the image was encoded {encoded} times"
             num_prompt = len(engine.input_processor.process_generate_input(prompt).prompt_token_ids)
-            block_size = engine.scheduler.cache_config.block_size
+            block_size = engine.core.scheduler.cache_config.block_size
             if n == 3:
                 # both later siblings hit every full prompt block of the first
                 assert stats.prefix_cache_hits >= 2 * (num_prompt // block_size) * block_size
@@ -103,7 +103,7 @@ def test_aborting_the_request_aborts_every_sample_and_frees_everything(llm) -> N
     engine.add_request("gone", processed, long)
     for _ in range(3):
         engine.step()
-    assert len(engine.scheduler.requests) == 3
+    assert len(engine.core.scheduler.requests) == 3
     (final,) = engine.abort_requests(["gone"])
     assert final.finished and [c.finish_reason for c in final.outputs] == ["abort"] * 3
     assert_nothing_held(engine)
@@ -132,7 +132,7 @@ class FailOneExecutor:
 
 
 def test_a_failing_sample_fails_the_request_and_stops_its_siblings(llm) -> None:
-    engine = rewired(llm.engine, executor=FailOneExecutor(llm.engine.executor, "bad#1"))
+    engine = rewired(llm.engine, executor=FailOneExecutor(llm.engine.core.executor, "bad#1"))
     processed = engine.input_processor.process_generate_input(_request(*CASES["text_only"]))
     engine.add_request("bad", processed, msgspec.structs.replace(SAMPLED, max_tokens=40))
     engine.add_request("fine", processed, msgspec.structs.replace(SAMPLED, n=2))

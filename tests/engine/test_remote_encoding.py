@@ -77,7 +77,7 @@ def llm(diverse_checkpoint: Path) -> LLM:
 def _remote_engine(llm: LLM) -> tuple[LLMEngine, FakeEncoderSource, CountingExecutor]:
     """The LLM's engine rewired onto a runner (same model, KV and encoder cache) that sends
     remote items to a fake source running the model's vision tower."""
-    local = llm.engine.executor
+    local = llm.engine.core.executor
     assert isinstance(local, InProcessExecutor)
     runner = local.runner
     dtype = next(runner.model.parameters()).dtype
@@ -141,7 +141,7 @@ def _tokens(finals: dict[str, Any]) -> dict[str, list[int]]:
 
 def _assert_free(engine: LLMEngine, source: FakeEncoderSource) -> None:
     assert_nothing_held(engine)
-    stats = engine.scheduler.make_stats()
+    stats = engine.core.scheduler.make_stats()
     assert stats.encoder_cache_used_bytes == 0
     assert stats.encoder_inflight_items == stats.encoder_inflight_bytes == 0
     assert source.num_pending() == 0 or source.answers_after_cancel
@@ -179,7 +179,7 @@ def test_text_runs_before_a_held_item_and_the_core_waits_without_spinning(llm: L
     finals: dict[str, Any] = {}
     while "text" not in finals:  # the text request decodes to the end meanwhile
         finals.update({o.request_id: o for o in engine.step() if o.finished})
-    assert engine.scheduler.requests["img"].num_computed_tokens == offset
+    assert engine.core.scheduler.requests["img"].num_computed_tokens == offset
     steps_before = executor.num_steps
     threading.Timer(0.3, source.release, [list(source.held)]).start()
     deadline = time.monotonic() + 30

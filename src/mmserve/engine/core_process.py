@@ -113,8 +113,8 @@ class CoreLoop:
                 logger.error("dropped a %s: not a message for the engine core", type(msg).__name__)
 
     def _add(self, msg: EngineCoreRequest) -> RequestUpdate | None:
-        """Add the request; a refusal is its final update (the API checked admission already,
-        so this is the rare case of a limit it could not see)."""
+        """Add the request the API process admitted; a refusal (a grammar this engine cannot
+        compile, a bug) is its final update."""
         try:
             add = request_from_wire(msg)
             self.core.add_request(add.request_id, add.prompt, add.params, cache_salt=add.cache_salt)
