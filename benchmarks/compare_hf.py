@@ -2,9 +2,9 @@
 
 The workload: N image requests (mixed sizes; half of them repeat an earlier request's image),
 each generating exactly --output-len tokens (EOS ignored on both sides), on one small random
-Qwen2-VL checkpoint written by tests/factory.py. Both engines run in this process, one after the
-other, with the same torch thread count. Prints throughput of each, the ratio, and how many
-images each ran through the vision tower.
+Qwen2-VL checkpoint written by tests/support/factory.py. Both engines run in this process, one
+after the other, with the same torch thread count. Prints throughput of each, the ratio, and how
+many images each ran through the vision tower.
 
     .venv/bin/python benchmarks/compare_hf.py [--num-requests 64] [--output-len 32]
     python benchmarks/compare_hf.py --device cuda --dtype bfloat16     # on a GPU machine
@@ -24,8 +24,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.factory import random_image, write_tiny_checkpoint  # noqa: E402
-from tests.oracle import HFOracle  # noqa: E402
+from tests.support.factory import random_image, write_tiny_checkpoint  # noqa: E402
+from tests.support.oracle import HFOracle  # noqa: E402
 
 from mmserve import LLM, SamplingParams  # noqa: E402
 

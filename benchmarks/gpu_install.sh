@@ -51,7 +51,7 @@ for dist in ("triton", "transformers", "numpy", "tokenizers", "safetensors", "pi
         print(f"{dist} MISSING")
 # The suite and tests/models/test_gpu.py import these; fail here, not ten minutes in.
 for module in ("mmserve.engine.llm", "mmserve.models.qwen2_vl_vision", "transformers",
-               "tests.factory", "tests.oracle", "pytest"):
+               "tests.support.factory", "tests.support.oracle", "pytest"):
     importlib.import_module(module)
 print("imports ok")
 PYEOF

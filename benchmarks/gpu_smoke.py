@@ -20,7 +20,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.toy_examples import TASKS, held_out  # noqa: E402
+from tests.support.toy_examples import TASKS, held_out  # noqa: E402
 
 from mmserve import LLM, SamplingParams  # noqa: E402
 

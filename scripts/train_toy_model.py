@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 SCRIPTS = Path(__file__).resolve().parent
 sys.path[:0] = [str(SCRIPTS), str(SCRIPTS.parent)]
 
-from tests.factory import (  # noqa: E402
+from tests.support.factory import (  # noqa: E402
     QWEN2_VL_CHAT_TEMPLATE,
     build_tokenizer,
     preprocessor_config,

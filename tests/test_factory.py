@@ -6,7 +6,7 @@ import json
 
 from tokenizers import Tokenizer
 
-from tests.factory import SPECIAL_TOKENS
+from tests.support.factory import SPECIAL_TOKENS
 
 
 def test_tiny_checkpoint_has_every_file(tiny_checkpoint):

@@ -90,7 +90,7 @@ def test_the_offline_api_starts_from_the_checkpoints_values(tmp_path: Path) -> N
     import shutil
 
     from mmserve import LLM, SamplingParams
-    from mmserve.engine.args import bundled_toy_model_dir
+    from mmserve.config.model import bundled_toy_model_dir
 
     model = Path(shutil.copytree(bundled_toy_model_dir(), tmp_path / "toy"))
     config = json.loads((model / "generation_config.json").read_text())

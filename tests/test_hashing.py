@@ -13,7 +13,7 @@ from mmserve.processing.item_resolver import ItemResolver
 from mmserve.processing.media import MediaLoader
 from mmserve.processing.modalities import ProcessingConfig
 from mmserve.processing.processor_cache import ProcessorCache
-from tests.factory import random_image
+from tests.support.factory import random_image
 
 CFG = ImageProcessorConfig(min_pixels=56 * 56, max_pixels=16384 * 28 * 28)
 
@@ -35,7 +35,7 @@ def _identity(
         trust_exif_image_id=trust_exif_image_id,
     )
     pcfg = ProcessingConfig(cfg)
-    return resolver.identity(resolver.plan(image, uuid, pcfg, namespace), pcfg, namespace)
+    return resolver.identifier(resolver.plan(image, uuid, pcfg, namespace), pcfg, namespace)
 
 
 def _encode(image: Image.Image, fmt: str, **kwargs) -> bytes:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.api.harness import Server
+from tests.support.harness import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -1,4 +1,4 @@
-"""Random checkpoints shaped like Qwen2-VL-2B and -7B (tests/factory.py), and their weight bytes."""
+"""Random checkpoints shaped like Qwen2-VL-2B and -7B (tests/support/factory.py) and their bytes."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 
 from benchmarks.suite.profile import CheckpointSpec, Profile
 from benchmarks.suite.timing import release_memory
-from tests.factory import write_tiny_checkpoint
+from tests.support.factory import write_tiny_checkpoint
 
-from mmserve.engine.args import bundled_toy_model_dir
+from mmserve.config.model import bundled_toy_model_dir
 
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4}
 

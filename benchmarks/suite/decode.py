@@ -17,13 +17,13 @@ from benchmarks.suite.profile import Profile
 from benchmarks.suite.timing import synchronize
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine import args as engine_args
+from mmserve.config import device as device_config
 
-# The backend names issue #15 gives `--attention-backend`, unless EngineArgs' module lists its
+# The backend names issue #15 gives `--attention-backend`, unless the device config lists its
 # own; "auto" is left out, it would repeat one of the others.
 ATTENTION_BACKENDS = tuple(
     name
-    for name in getattr(engine_args, "ATTENTION_BACKENDS", ("torch", "triton"))
+    for name in getattr(device_config, "ATTENTION_BACKENDS", ("torch", "triton"))
     if name != "auto"
 )
 
@@ -73,7 +73,7 @@ def step_ms(llm: LLM, profile: Profile, batch: int, run: int) -> float | None:
 def measure_decode(
     profile: Profile, model_dir: Path, limit_ms: float | None, **engine_extra: Any
 ) -> dict[str, Any]:
-    """ms per decode step for each batch size of the profile, with `engine_extra` EngineArgs."""
+    """ms per decode step for each batch size of the profile, with `engine_extra` LLM keywords."""
     rows = []
     max_seqs = max(profile.decode_batches)
     with open_llm(
@@ -138,5 +138,5 @@ def decode_section(profile: Profile, model_dir: Path, checkpoint: dict, peaks: d
                 out["backends"][backend] = {"error": f"{type(exc).__name__}: {exc}"}
     else:
         out["backends"] = {"torch": measure_decode(profile, model_dir, limit_ms)}
-        out["backends_note"] = "EngineArgs has no attention_backend: only the torch path exists"
+        out["backends_note"] = "the engine has no attention_backend: only the torch path exists"
     return out

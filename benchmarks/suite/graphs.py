@@ -59,7 +59,7 @@ def compare_graphs(
     if not found or "enforce_eager" not in ENGINE_FIELDS:
         return {
             "status": "not built",
-            "reason": "EngineArgs has no CUDA-graph option (looked for "
+            "reason": "the engine has no CUDA-graph option (looked for "
             + ", ".join(GRAPH_FIELDS)
             + "); enforce_eager is accepted but changes nothing",
         }

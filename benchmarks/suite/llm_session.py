@@ -12,10 +12,10 @@ from benchmarks.suite.profile import Profile
 from benchmarks.suite.timing import release_memory
 
 from mmserve import LLM
-from mmserve.engine.args import EngineArgs
+from mmserve.config.engine import EngineConfig, keyword_owners
 from mmserve.engine.factory import ResolvedConfig
 
-ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineArgs))
+ENGINE_FIELDS = frozenset(keyword_owners())
 RESOLVED_FIELDS = tuple(f.name for f in dataclasses.fields(ResolvedConfig))
 # What an engine of a section ran with, from its resolved configuration (recorded beside its
 # figures): the kernels, the graphs and the encoder budget they were measured under.
@@ -46,20 +46,22 @@ def engine_defaults(profile: Profile) -> dict[str, Any]:
     from mmserve.layers.fused import select_layer_ops
 
     device = torch.device(profile.device)
-    args = EngineArgs(max_num_seqs=max(profile.decode_batches))
-    backend = select_backend(args.attention_backend, device, block_size=args.block_size)
+    config = EngineConfig.from_kwargs(max_num_seqs=max(profile.decode_batches))
+    backend = select_backend(
+        config.device.attention_backend, device, block_size=config.cache.block_size
+    )
     sizes = graph_sizes_for(
-        enforce_eager=args.enforce_eager,
+        enforce_eager=config.device.enforce_eager,
         device=device,
         backend=backend,
-        max_num_seqs=args.max_num_seqs,
-        requested=args.cuda_graph_sizes,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        requested=config.device.cuda_graph_sizes,
     )
     return {
         "attention_backend": backend.name,
         "layer_ops": select_layer_ops(backend.name).name,
         "cuda_graph_sizes": list(sizes),
-        "encoder_cuda_graph": args.enable_encoder_cuda_graph,
+        "encoder_cuda_graph": config.device.enable_encoder_cuda_graph,
         "resolved_config_fields": list(RESOLVED_FIELDS),
     }
 

@@ -9,8 +9,8 @@ import torch
 from benchmarks.suite.llm_session import open_llm
 from benchmarks.suite.profile import CheckpointSpec, Profile
 from benchmarks.suite.timing import release_memory
-from tests.factory import random_image
-from tests.oracle import HFOracle
+from tests.support.factory import random_image
+from tests.support.oracle import HFOracle
 
 from mmserve import SamplingParams
 

@@ -11,13 +11,14 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from mmserve.config.engine import EngineConfig
+from mmserve.config.flags import flag_values
+from mmserve.config.server import ServerConfig
 from mmserve.disaggregation.encode_args import add_encode_args
-from mmserve.engine.args import EngineArgs
-from mmserve.media_flags import ENCODER_SECRET_ENV
-from mmserve.serve_flags import API_KEY_ENV, add_serve_args
+from mmserve.serve_flags import add_serve_args, serve_configs
 
 logger = logging.getLogger("mmserve")
 # How long in-flight requests may run after SIGTERM before they are cancelled.
@@ -51,7 +52,10 @@ def build_parser(*, with_bench: bool) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, *, build_engine: Callable[[EngineConfig], Any] | None = None
+) -> int:
+    """Run the command line; `build_engine` replaces the engine factory for `serve` (tests)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(with_bench=bool(argv) and argv[0] == "bench")
     args = parser.parse_args(argv)
@@ -61,29 +65,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(run_bench_serve(args) or 0)
     if args.command == "encode":
         return encode(args)
-    if args.api_key is None:
-        env_keys = [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
-        args.api_key = env_keys or None
-    if getattr(args, "encoder_urls", None) is not None and args.encoder_secret_file is None:
-        args.encoder_secret = os.environ.get(ENCODER_SECRET_ENV) or None
     try:
-        engine_args = EngineArgs.from_cli(args)
+        engine_config, server_config = serve_configs(args, os.environ)
     except ValueError as exc:
         args.subparser.error(str(exc))
     logging.basicConfig(
-        level=engine_args.log_level.upper(),
+        level=server_config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     from mmserve.engine.model_source import with_local_sources
     from mmserve.generation_config import load_sampling_defaults
 
     try:  # a hub id is looked up (and downloaded) before anything starts
-        engine_args = with_local_sources(engine_args)
-        load_sampling_defaults(engine_args.generation_config, engine_args.model, log=False)
+        engine_config = with_local_sources(engine_config)
+        checkpoint = engine_config.checkpoint
+        load_sampling_defaults(checkpoint.generation_config, checkpoint.model, log=False)
     except ValueError as exc:  # ModelNotFoundError included
         args.subparser.error(str(exc))
-    _log_vllm_flags(engine_args)
-    return serve(engine_args)
+    _log_vllm_flags(engine_config)
+    return serve(engine_config, server_config, build_engine)
 
 
 def encode(args: argparse.Namespace) -> int:
@@ -109,58 +109,68 @@ def encode(args: argparse.Namespace) -> int:
         return 1
 
 
-def _log_vllm_flags(args: EngineArgs) -> None:
+def _log_vllm_flags(config: EngineConfig) -> None:
     """Flags a vLLM command line brings that change nothing here: said once, not ignored."""
-    if args.trust_remote_code:
+    if config.checkpoint.trust_remote_code:
         logger.info(
             "--trust-remote-code: accepted; mmserve implements Qwen2-VL and Qwen2.5-VL itself "
             "and never runs code that comes with a checkpoint"
         )
 
 
-def serve(engine_args: EngineArgs) -> int:
+def serve(
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    build_engine: Callable[[EngineConfig], Any] | None = None,
+) -> int:
     """Build the engine, then serve until SIGINT/SIGTERM; exits 0 after a graceful shutdown."""
     # uvicorn re-raises the signal it caught after its shutdown, with the handler that was
     # installed before it started; a no-op handler turns that into a clean exit 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        return asyncio.run(_serve(engine_args))
+        return asyncio.run(_serve(engine_config, server_config, build_engine))
     except Exception:
         logger.exception("mmserve failed")
         return 1
 
 
-async def _serve(engine_args: EngineArgs) -> int:
+async def _serve(
+    engine_config: EngineConfig,
+    settings: ServerConfig,
+    build_engine: Callable[[EngineConfig], Any] | None,
+) -> int:
     """Serve until a signal (exit code 0) or the engine's death (1: a supervisor restarts it)."""
     import uvicorn
 
     from mmserve.api.app import create_app
     from mmserve.api.http_protocol import header_deadline_protocol
-    from mmserve.engine.factory import build_async_engine
 
-    engine = build_async_engine(engine_args)
+    if build_engine is None:
+        from mmserve.engine.factory import build_async_engine as build_engine
+
+    engine = build_engine(engine_config)
     if inspect.isawaitable(engine):
         engine = await engine
-    names = engine_args.served_model_names
-    _log_configuration(engine_args, engine, ", ".join(names))
+    names = engine_config.checkpoint.served_model_names
+    _log_configuration(engine_config, settings, engine, ", ".join(names))
     app = create_app(
         engine,
-        api_keys=engine_args.api_key,
+        api_keys=settings.api_key,
         served_model_name=names,
-        max_request_body_bytes=engine_args.max_request_body_bytes,
-        http_body_timeout_s=engine_args.http_body_timeout,
+        max_request_body_bytes=settings.max_request_body_bytes,
+        http_body_timeout_s=settings.http_body_timeout,
         shutdown_timeout_s=ENGINE_SHUTDOWN_S,
     )
     config = uvicorn.Config(
         app,
-        host=engine_args.host,
-        port=engine_args.port,
-        log_level=engine_args.uvicorn_log_level,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.uvicorn_log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         lifespan="on",
-        http=header_deadline_protocol(engine_args.http_header_timeout),  # type: ignore[arg-type]
-        timeout_keep_alive=engine_args.http_keep_alive_timeout,  # type: ignore[arg-type]
+        http=header_deadline_protocol(settings.http_header_timeout),  # type: ignore[arg-type]
+        timeout_keep_alive=settings.http_keep_alive_timeout,  # type: ignore[arg-type]
         ws="none",  # no websocket routes; an upgrade request is answered as plain HTTP
     )
     server = uvicorn.Server(config)
@@ -175,12 +185,14 @@ async def _serve(engine_args: EngineArgs) -> int:
     engine.on_dead = stop_serving
     if not engine.is_healthy():  # died before it could be told whom to call
         stop_serving("before the server started")
-    logger.info("serving %r on http://%s:%d", names[0], engine_args.host, engine_args.port)
+    logger.info("serving %r on http://%s:%d", names[0], settings.host, settings.port)
     await server.serve()
     return 1 if engine_died.is_set() else 0
 
 
-def _log_configuration(engine_args: EngineArgs, engine: Any, name: str) -> None:
+def _log_configuration(
+    engine_config: EngineConfig, settings: ServerConfig, engine: Any, name: str
+) -> None:
     """One block: what the engine resolved (sizes with their byte cost), then the flags."""
     lines = [f"  served model name: {name}"]
     describe = getattr(engine, "describe", None)
@@ -188,10 +200,11 @@ def _log_configuration(engine_args: EngineArgs, engine: Any, name: str) -> None:
         lines.append("  engine (resolved):")
         lines.extend(f"    {key}: {_with_units(key, value)}" for key, value in describe().items())
     lines.append("  flags:")
-    for key, value in vars(engine_args).items():
+    flags = {**engine_config.flag_values(), **flag_values(settings)}
+    for key, value in flags.items():
         if key != "api_key":
             lines.append(f"    {key}: {json.dumps(value) if isinstance(value, dict) else value}")
-    lines.append(f"    api_key: {'set' if engine_args.api_key else 'not set'}")
+    lines.append(f"    api_key: {'set' if settings.api_key else 'not set'}")
     logger.info("configuration:\n%s", "\n".join(lines))
 
 

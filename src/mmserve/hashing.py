@@ -101,7 +101,7 @@ def mm_item_identity(
     """Full-width identity digest of one processed multimodal item (see the table above).
 
     `domain`: ITEM_DOMAIN for items processed here; a disaggregated server's images planned
-    for the encoder pool take their own (`processing.remote_items.REMOTE_ITEM_DOMAIN`)."""
+    for the encoder pool take their own (`processing.remote_planning.REMOTE_ITEM_DOMAIN`)."""
     fingerprint = list(processor_fingerprint)
     decided = list(decision)
     parts: list[bytes | str | int] = [model_id, revision, len(fingerprint), *fingerprint]

@@ -6,19 +6,18 @@ import base64
 import io
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 from PIL import Image
 
-from tests.api.harness import Server
+from tests.support.harness import Server
+from tests.support.media_server import running_media_server
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 INNOCENT_QUESTION = "What is in the image?"
@@ -154,58 +153,15 @@ def is_closed(sock: socket.socket, wait_s: float) -> bool:
         return True
 
 
-# ---- a local media server ------------------------------------------------------------------
-
-
-class _MediaHandler(BaseHTTPRequestHandler):
-    images: dict[str, bytes] = {}
-    trickle_s: float = 0.25
-    trickle_for_s: float = 20.0
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        if self.path == "/slow.png":
-            self.send_response(200)
-            self.send_header("content-type", "image/png")
-            self.send_header("content-length", "100000")
-            self.end_headers()
-            deadline = time.monotonic() + self.trickle_for_s
-            try:
-                while time.monotonic() < deadline:
-                    self.wfile.write(b"\x00")
-                    self.wfile.flush()
-                    time.sleep(self.trickle_s)
-            except OSError:
-                return
-            return
-        data = self.images.get(self.path)
-        if data is None:
-            self.send_error(404)
-            return
-        self.send_response(200)
-        self.send_header("content-type", "image/png")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @contextmanager
 def media_server(images: dict[str, Image.Image]) -> Iterator[int]:
     """Serve PNGs at /<name>.png and a slow trickle at /slow.png; yields the port."""
-    encoded = {}
-    for name, image in images.items():
-        buf = io.BytesIO()
-        image.save(buf, format="PNG")
-        encoded[f"/{name}.png"] = buf.getvalue()
-    handler = type("Handler", (_MediaHandler,), {"images": encoded})
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield httpd.server_address[1]
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    files = {f"/{name}.png": _png(image) for name, image in images.items()}
+    with running_media_server(files) as srv:
+        yield srv.port
+
+
+def _png(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()

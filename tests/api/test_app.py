@@ -5,26 +5,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.api.conftest import MODEL, make_app
-from tests.api.echo_engine import CRASH_MARKER, FAIL_MARKER, IMAGE_TOKENS, EchoEngine
-from tests.api.harness import parse_samples
+from tests.support.echo_app import MODEL, assert_openai_error, chat, make_app
+from tests.support.echo_engine import CRASH_MARKER, FAIL_MARKER, IMAGE_TOKENS, EchoEngine
+from tests.support.harness import parse_samples
 
 pytestmark = pytest.mark.anyio
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-
-
-def chat(content: object, **extra: object) -> dict[str, object]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
-
-
-def assert_openai_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert resp.status_code == status, resp.text
-    error = resp.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
 
 
 async def test_models_and_health(client: httpx.AsyncClient, engine: EchoEngine) -> None:

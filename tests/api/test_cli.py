@@ -1,4 +1,4 @@
-"""`mmserve serve` flags → EngineArgs, validation that names the flag, and the status line."""
+"""`mmserve serve` flags → engine and server configs, errors that name the flag, the status line."""
 
 from __future__ import annotations
 
@@ -9,12 +9,9 @@ from pathlib import Path
 import pytest
 
 from mmserve.cli import build_parser
-from mmserve.engine.args import TOY_MODEL_NAME, EngineArgs, bundled_toy_model_dir
+from mmserve.config.model import TOY_MODEL_NAME, bundled_toy_model_dir
 from mmserve.metrics import EngineMetrics
-
-
-def args_of(*argv: str) -> EngineArgs:
-    return EngineArgs.from_cli(build_parser(with_bench=False).parse_args(["serve", *argv]))
+from tests.config_args import args_of, configs_of
 
 
 def test_defaults_serve_the_bundled_toy_model() -> None:
@@ -145,7 +142,7 @@ def test_http_timeout_flags_reach_their_fields_and_refuse_nonsense() -> None:
     for field in ("http_header_timeout", "http_body_timeout", "http_keep_alive_timeout"):
         for bad in (0, -1.0, float("nan"), float("inf")):
             with pytest.raises(ValueError, match="--" + field.replace("_", "-")):
-                EngineArgs(**{field: bad})
+                configs_of(**{field: bad})
 
 
 def test_decode_memory_flags_reach_their_fields_and_are_checked() -> None:
@@ -194,4 +191,4 @@ def test_several_served_model_names_first_one_answers() -> None:
     assert args.served_model_names == ("qwen", "qwen-vl")  # repeats dropped, order kept
     assert args.resolved_served_model_name == "qwen"
     with pytest.raises(ValueError, match="--served-model-name must not be empty"):
-        EngineArgs(served_model_name=("qwen", " "))
+        configs_of(served_model_name=("qwen", " "))

@@ -1,7 +1,7 @@
 """`mmserve serve` as a process over the echo engine: startup log, requests, SIGTERM → exit 0.
 
-The engine factory is replaced at its module seam (`mmserve.engine.factory`) by one that builds
-the echo engine, so this runs without torch or a checkpoint.
+The CLI is handed a builder of the echo engine in place of its engine factory, so this runs
+without torch or a checkpoint.
 """
 
 from __future__ import annotations
@@ -20,21 +20,19 @@ import httpx
 import pytest
 
 LAUNCHER = """
-import sys, types
+import sys
 sys.path.insert(0, {root!r})
-from tests.api.echo_engine import EchoEngine
+from tests.support.echo_engine import EchoEngine
+from mmserve.cli import main
 
 class DescribedEchoEngine(EchoEngine):
     def describe(self):
         return {{"kv_blocks": 16, "encoder_cache_slots": 4096}}
 
-factory = types.ModuleType("mmserve.engine.factory")
-factory.build_async_engine = lambda args: DescribedEchoEngine(
-    max_model_len=4096, token_delay_s=0.05
-)
-sys.modules["mmserve.engine.factory"] = factory
-from mmserve.cli import main
-sys.exit(main(sys.argv[1:]))
+def build_engine(args):
+    return DescribedEchoEngine(max_model_len=4096, token_delay_s=0.05)
+
+sys.exit(main(sys.argv[1:], build_engine=build_engine))
 """
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from mmserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from mmserve.api.unsupported import UNSUPPORTED_FIELDS
-from tests.api.test_app import chat
+from tests.support.echo_app import chat
 
 pytestmark = pytest.mark.anyio
 NUM_REQUESTS = 300

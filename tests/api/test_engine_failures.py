@@ -2,7 +2,7 @@
 names the request id, a dead engine a fast 503; and an innocent request goes on untouched.
 
 A real engine (tiny checkpoint) behind the real app, in-process; faults are injected with
-`tests.engine.faults.FaultyExecutor`.
+`tests.support.faults.FaultyExecutor`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from mmserve import LLM, SamplingParams
 from mmserve.api.app import create_app
 from mmserve.engine.async_engine import AsyncLLMEngine
 from mmserve.errors import EngineDeadError, InternalRequestError, InvalidRequestError
-from tests.api.conftest import MODEL as ECHO_MODEL
-from tests.api.conftest import sse_payloads
-from tests.api.echo_engine import INTERNAL_MARKER, EchoEngine
-from tests.engine.faults import FaultyExecutor, bypassing_validation, rewired
+from tests.support.echo_app import MODEL as ECHO_MODEL
+from tests.support.echo_app import sse_payloads
+from tests.support.echo_engine import INTERNAL_MARKER, EchoEngine
+from tests.support.faults import FaultyExecutor, bypassing_validation, rewired
 
 pytestmark = pytest.mark.anyio
 MODEL = "tiny"

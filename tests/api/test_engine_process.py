@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.harness import Server, data_url, image_part, png_bytes, user
+from tests.support.factory import png_bytes
+from tests.support.harness import Server, data_url, image_part, user
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
 

@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from mmserve.engine.args import bundled_toy_model_dir
-from tests.api.harness import Server, wait_until_idle
+from mmserve.config.model import bundled_toy_model_dir
 from tests.api.hostile import chat_body, example, healthy, png_data_url
+from tests.support.harness import Server, wait_until_idle
 
 NUM_REQUESTS = 320
 CONCURRENCY = 8

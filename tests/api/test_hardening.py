@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mmserve.engine.args import bundled_toy_model_dir
-from tests.api.harness import Server, wait_until_idle
+from mmserve.config.model import bundled_toy_model_dir
 from tests.api.hostile import (
     Reply,
     chat_body,
@@ -33,6 +32,7 @@ from tests.api.hostile import (
     raw_exchange,
     rss_bytes,
 )
+from tests.support.harness import Server, wait_until_idle
 
 HEADER_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 3.0

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.api.echo_server import EchoServer, read_until_closed
+from tests.support.echo_server import EchoServer, read_until_closed
 
 HEADER_S, BODY_S, KEEP_ALIVE_S = 2.0, 1.0, 0.5
 SLACK_S = 2.0

@@ -19,11 +19,10 @@ import pytest
 from PIL import Image
 from scripts.toy_data import COLOURS, Picture, Shape, draw
 
-from mmserve.engine.args import bundled_toy_model_dir
-from tests.api.harness import Server, data_url, wait_until_idle
-from tests.factory import video_bytes
-from tests.local_http import MediaServer, png_bytes, running_media_server
-from tests.processing.test_video_decode import huge_frame_header
+from mmserve.config.model import bundled_toy_model_dir
+from tests.support.factory import huge_frame_header, png_bytes, video_bytes
+from tests.support.harness import Server, data_url, wait_until_idle
+from tests.support.media_server import MediaServer, running_media_server
 
 MODEL = "mmserve-toy"
 SIZE = 168

@@ -16,7 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmserve.metrics import HISTOGRAM_NAMES, PHASE_HISTOGRAMS, TOKEN_HISTOGRAMS
-from tests.api.harness import Server, data_url, image_part, png_bytes, user, wait_until_idle
+from tests.support.factory import png_bytes
+from tests.support.harness import Server, data_url, image_part, user, wait_until_idle
 
 SERVED = "tiny-qwen2-vl"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.api.conftest import make_app
-from tests.api.echo_engine import EchoEngine
+from tests.support.echo_app import make_app
+from tests.support.echo_engine import EchoEngine
 
 pytestmark = pytest.mark.anyio
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from tests.api.harness import Server, wait_until_idle
-from tests.engine.conftest import DIVERSE
-from tests.factory import write_tiny_checkpoint
-from tests.oracle import HFOracle
+from tests.support.factory import write_tiny_checkpoint
+from tests.support.harness import Server, wait_until_idle
+from tests.support.oracle import HFOracle
+from tests.support.parity_cases import DIVERSE
 
 MAX_LOGPROBS = 6
 PROMPT_IDS = [21, 34, 55, 89, 144, 233, 17, 4]

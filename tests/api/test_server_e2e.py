@@ -9,21 +9,21 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.api.harness import (
+from tests.support.factory import png_bytes
+from tests.support.harness import (
     Server,
     data_url,
     image_part,
-    png_bytes,
     read_metrics,
     user,
     wait_until_idle,
 )
+from tests.support.media_server import MediaServer, running_media_server
 
 
 @pytest.fixture(scope="module")
@@ -32,20 +32,16 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def redirect_web() -> Iterator[ThreadingHTTPServer]:
+def redirect_web() -> Iterator[MediaServer]:
     """A redirecting media server, started first so that its port can be allowlisted."""
-    handler = type("Handler", (_RedirectHandler,), {"hits": []})
-    web = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    handler.target = f"http://localhost:{web.server_port}/target.png"
-    threading.Thread(target=web.serve_forever, daemon=True).start()
-    yield web
-    web.shutdown()
-    web.server_close()
+    with running_media_server() as web:
+        web.redirects["/redirect.png"] = f"http://localhost:{web.port}/target.png"
+        yield web
 
 
 @pytest.fixture(scope="module")
 def server(
-    qwen2_vl_dir: Path, media_dir: Path, redirect_web: ThreadingHTTPServer, tmp_path_factory
+    qwen2_vl_dir: Path, media_dir: Path, redirect_web: MediaServer, tmp_path_factory
 ) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("logs") / "server.log"
     srv = Server(
@@ -133,28 +129,6 @@ def test_same_image_three_times_is_encoded_once(server: Server, model_name: str)
     assert after[hits] - before[hits] == 2
 
 
-class _RedirectHandler(BaseHTTPRequestHandler):
-    target = ""
-    hits: list[str] = []
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        self.hits.append(self.path)
-        if self.path.startswith("/redirect"):
-            self.send_response(302)
-            self.send_header("Location", self.target)
-            self.end_headers()
-        else:
-            body = png_bytes(28, 28)
-            self.send_response(200)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 def _bomb_png(width: int, height: int) -> bytes:
     def chunk(kind: bytes, data: bytes) -> bytes:
         crc = zlib.crc32(kind + data)
@@ -170,10 +144,9 @@ def test_hostile_inputs_never_5xx_and_leave_nothing_behind(
     model_name: str,
     media_dir: Path,
     tmp_path: Path,
-    redirect_web: ThreadingHTTPServer,
+    redirect_web: MediaServer,
 ) -> None:
     web = redirect_web
-    handler = web.RequestHandlerClass
     outside = tmp_path / "outside.png"
     outside.write_bytes(png_bytes(28, 28))
     valid = png_bytes(56, 56, seed=5)
@@ -221,8 +194,8 @@ def test_hostile_inputs_never_5xx_and_leave_nothing_behind(
         assert statuses[name] == 400, statuses
     for name in ("loopback url", "link-local url", "file outside allowed", "redirect to unlisted"):
         assert statuses[name] == 400, statuses
-    assert "/redirect.png" in handler.hits  # the listed host:port was reached...
-    assert "/target.png" not in handler.hits  # ...and its redirect target never fetched
+    assert "/redirect.png" in web.requests_seen  # the listed host:port was reached...
+    assert "/target.png" not in web.requests_seen  # ...and its redirect target never fetched
 
     assert httpx.get(f"{server.url}/health").status_code == 200
     ok = server.client.chat.completions.create(

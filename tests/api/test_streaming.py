@@ -11,8 +11,8 @@ import httpx
 import pytest
 import uvicorn
 
-from tests.api.conftest import MODEL, make_app, sse_payloads
-from tests.api.echo_engine import FAIL_MARKER, FAIL_NOW_MARKER, EchoEngine
+from tests.support.echo_app import MODEL, make_app, sse_payloads
+from tests.support.echo_engine import FAIL_MARKER, FAIL_NOW_MARKER, EchoEngine
 
 pytestmark = pytest.mark.anyio
 

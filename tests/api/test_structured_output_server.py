@@ -14,12 +14,12 @@ import openai
 import pytest
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine.args import bundled_toy_model_dir
+from mmserve.config.model import bundled_toy_model_dir
 from mmserve.structured_output.params import StructuredOutputParams
-from tests.api.harness import Server, data_url
-from tests.factory import write_tiny_checkpoint
-from tests.structured_output.test_engine import SCHEMA
-from tests.toy_examples import held_out
+from tests.support.factory import write_tiny_checkpoint
+from tests.support.grammar import SCHEMA
+from tests.support.harness import Server, data_url
+from tests.support.toy_examples import held_out
 
 RESPONSE_FORMAT = {
     "type": "json_schema",

@@ -15,9 +15,9 @@ import pytest
 from PIL import Image
 from scripts.toy_data import COLOURS, Picture, Shape, draw
 
-from mmserve.engine.args import bundled_toy_model_dir
-from tests.api.harness import Server, data_url, read_metrics, wait_until_idle
-from tests.toy_examples import held_out
+from mmserve.config.model import bundled_toy_model_dir
+from tests.support.harness import Server, data_url, read_metrics, wait_until_idle
+from tests.support.toy_examples import held_out
 
 LONG_SYSTEM = (
     "you are a helpful assistant that answers questions about pictures briefly and exactly "

@@ -10,9 +10,8 @@ import httpx
 import pytest
 
 from mmserve.api.unsupported import UNSUPPORTED_FIELDS
-from tests.api.conftest import MODEL, make_app
-from tests.api.echo_engine import EchoEngine
-from tests.api.test_app import assert_openai_error, chat
+from tests.support.echo_app import MODEL, assert_openai_error, chat, make_app
+from tests.support.echo_engine import EchoEngine
 
 pytestmark = pytest.mark.anyio
 CHAT_URL = "/v1/chat/completions"

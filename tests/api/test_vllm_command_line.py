@@ -18,16 +18,12 @@ from typing import Any
 
 import pytest
 
-from mmserve.cli import build_parser
-from mmserve.engine.args import EngineArgs, bundled_toy_model_dir
-from tests.api.harness import Server, wait_until_idle
-from tests.engine.test_model_source import COMMIT, make_hub_cache
+from mmserve.config.model import bundled_toy_model_dir
+from tests.config_args import args_of
+from tests.support.harness import Server, wait_until_idle
+from tests.support.hub_cache import COMMIT, make_hub_cache
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
-
-
-def args_of(*argv: str) -> EngineArgs:
-    return EngineArgs.from_cli(build_parser(with_bench=False).parse_args(["serve", *argv]))
 
 
 def test_vllm_flags_reach_their_fields() -> None:

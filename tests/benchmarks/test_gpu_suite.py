@@ -25,7 +25,7 @@ from benchmarks.suite.vit import vit_flops
 
 from benchmarks import gpu_suite
 from mmserve.models.config import VisionConfig
-from tests.factory import SPECIAL_TOKENS, tiny_config_dict, write_tiny_checkpoint
+from tests.support.factory import SPECIAL_TOKENS, tiny_config_dict, write_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 

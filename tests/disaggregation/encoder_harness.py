@@ -36,7 +36,7 @@ from mmserve.processing.image_processor import (
     get_grid_thw,
     process_image,
 )
-from tests.factory import random_image
+from tests.support.factory import random_image
 
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 128 * 128

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.api.harness import free_port, parse_samples, wait_until_healthy
+from tests.support.harness import free_port, parse_samples, wait_until_healthy
 
 
 class Encoder:

@@ -31,8 +31,8 @@ from tests.disaggregation.encoder_harness import (
     png,
     running_encoder,
 )
-from tests.factory import random_image
-from tests.local_http import png_bytes, running_media_server
+from tests.support.factory import png_bytes, random_image
+from tests.support.media_server import running_media_server
 
 # Ports of this module (18100-18199 belong to the encoder tests).
 PORTS = {"qwen2_vl": 18110, "qwen2_5_vl": 18112}

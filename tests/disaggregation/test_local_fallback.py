@@ -7,13 +7,15 @@ import io
 import pytest
 from PIL import Image
 
+from mmserve.config.media import MediaConfig
 from mmserve.disaggregation.local_fallback import LocalFallback
 from mmserve.disaggregation.protocol import content_digest
 from mmserve.errors import InvalidRequestError, MediaFetchRefusedError
 from mmserve.multimodal import RemoteItem
 from mmserve.processing.image_processor import ImageProcessorConfig, get_grid_thw, process_image
-from mmserve.processing.media import MediaConfig, MediaLoader
-from tests.local_http import png_bytes, running_media_server
+from mmserve.processing.media import MediaLoader
+from tests.support.factory import png_bytes
+from tests.support.media_server import running_media_server
 
 CFG = ImageProcessorConfig()
 PNG = png_bytes(32, 24)

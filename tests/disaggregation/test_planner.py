@@ -10,7 +10,7 @@ import pytest
 from mmserve.disaggregation.planner import HttpUrlPlanner
 from mmserve.errors import ImageTooLargeError, InvalidRequestError, MediaFetchRefusedError
 from mmserve.processing.url_planner import UrlPlan, UrlPlanUnavailable
-from tests.disaggregation.fake_encoder import FakeEncoder
+from tests.support.fake_encoder import FakeEncoder
 
 PLAN = {"content_digest": "d" * 64, "width": 640, "height": 480, "grid_thw": [1, 34, 46]}
 UNREACHABLE = "http://127.0.0.1:9"

@@ -18,7 +18,7 @@ from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import MultiModalFeature, PlaceholderRange, RemoteItem
 from mmserve.processing.image_processor import ImageProcessorConfig, process_image
 from mmserve.processing.media import MediaLoader
-from tests.disaggregation.fake_encoder import (
+from tests.support.fake_encoder import (
     FINGERPRINT,
     HIDDEN,
     FakeEncoder,
@@ -395,7 +395,7 @@ def test_pool_config_refuses_bad_values():
 
 
 def test_an_encoder_taken_out_again_and_again_waits_longer_each_time():
-    from mmserve.disaggregation.pool_io import MAX_REJOIN_BACKOFF_S, rejoin_backoff_s
+    from mmserve.disaggregation.pool_state import MAX_REJOIN_BACKOFF_S, rejoin_backoff_s
 
     waits = [rejoin_backoff_s(n, 0.5) for n in range(1, 9)]
     assert waits[:5] == [0.0, 1.0, 2.0, 4.0, 8.0]  # the first time: back on its next pong

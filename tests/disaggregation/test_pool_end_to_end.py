@@ -8,10 +8,8 @@ no request, every KV block free, no encoder-cache entry referenced, nothing in f
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -21,8 +19,10 @@ import zmq
 
 from mmserve.engine.llm import LLM
 from mmserve.sampling_params import SamplingParams
-from tests.api.harness import Server, data_url, image_part, png_bytes, read_metrics, user
 from tests.disaggregation.harness import Encoder, metric_sum
+from tests.support.factory import png_bytes
+from tests.support.harness import Server, data_url, image_part, read_metrics, user
+from tests.support.media_server import MediaServer, running_media_server
 
 MAX_TOKENS = 8
 TIMEOUT_S = 2.0  # --encoder-timeout of the language servers: the fault tests wait this long
@@ -46,25 +46,10 @@ CONVERSATIONS = {
 
 
 @pytest.fixture(scope="module")
-def web() -> Iterator[ThreadingHTTPServer]:
+def web() -> Iterator[MediaServer]:
     """Serves IMAGES by name (the encoder fetches URL images; the LM never does)."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            body = IMAGES.get(self.path.strip("/").removesuffix(".png"))
-            self.send_response(200 if body else 404)
-            self.send_header("Content-Type", "image/png")
-            self.end_headers()
-            self.wfile.write(body or b"")
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with running_media_server({f"/{name}.png": data for name, data in IMAGES.items()}) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

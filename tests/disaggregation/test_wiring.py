@@ -6,14 +6,20 @@ import msgspec
 import pytest
 
 from mmserve.cli import build_parser
+from mmserve.config.engine import EngineConfig
+from mmserve.config.pool import EncoderPoolConfig
 from mmserve.disaggregation.pool import RemoteEncoderPool
 from mmserve.disaggregation.protocol import model_fingerprint
-from mmserve.engine.args import EngineArgs
 from mmserve.engine.factory import build_core, resolve_shape
 from mmserve.engine.remote_encoders import read_encoder_secret
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import load_model_config
-from tests.disaggregation.fake_encoder import FakeEncoder
+from tests.config_args import configs_of, serve_configs_of
+from tests.support.fake_encoder import FakeEncoder
+
+
+def pool_of(**kwargs) -> EncoderPoolConfig:
+    return EngineConfig.from_kwargs(**kwargs).encoder_pool
 
 
 def test_serve_flags_reach_engine_args():
@@ -31,11 +37,11 @@ def test_serve_flags_reach_engine_args():
             "/tmp/h16-client/secret",
         ]
     )
-    args = EngineArgs.from_cli(ns)
+    args = serve_configs_of(ns)
     assert args.encoder_urls == ("http://127.0.0.1:18201", "http://127.0.0.1:18203")
     assert (args.resolved_encoder_fallback, args.resolved_encoder_timeout) == ("fail", 2.5)
     assert args.encoder_secret_file == "/tmp/h16-client/secret"
-    plain = EngineArgs.from_cli(build_parser(with_bench=False).parse_args(["serve"]))
+    plain = serve_configs_of(build_parser(with_bench=False).parse_args(["serve"]))
     assert plain.encoder_urls is None and plain.resolved_encoder_fallback == "local"
     assert plain.resolved_encoder_timeout == 30.0
 
@@ -58,27 +64,27 @@ def test_serve_flags_reach_engine_args():
 )
 def test_encoder_flags_are_validated(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        EngineArgs(**kwargs)
+        configs_of(**kwargs)
 
 
 def test_the_secret_file_is_read_stripped_and_checked(tmp_path):
     path = tmp_path / "secret"
     path.write_text("  s3cret-value\n")
     urls = ("http://a:1",)
-    assert read_encoder_secret(EngineArgs(encoder_urls=urls, encoder_secret_file=str(path))) == (
+    assert read_encoder_secret(pool_of(encoder_urls=urls, encoder_secret_file=str(path))) == (
         b"s3cret-value"
     )
-    assert read_encoder_secret(EngineArgs(encoder_urls=urls, encoder_secret="env")) == b"env"
-    assert read_encoder_secret(EngineArgs(encoder_urls=urls)) is None
+    assert read_encoder_secret(pool_of(encoder_urls=urls, encoder_secret="env")) == b"env"
+    assert read_encoder_secret(pool_of(encoder_urls=urls)) is None
     path.write_text("\n")
     with pytest.raises(ValueError, match="is empty"):
-        read_encoder_secret(EngineArgs(encoder_urls=urls, encoder_secret_file=str(path)))
+        read_encoder_secret(pool_of(encoder_urls=urls, encoder_secret_file=str(path)))
     path.write_text("two words")
     with pytest.raises(ValueError, match="printable ASCII without spaces"):
-        read_encoder_secret(EngineArgs(encoder_urls=urls, encoder_secret_file=str(path)))
+        read_encoder_secret(pool_of(encoder_urls=urls, encoder_secret_file=str(path)))
     with pytest.raises(ValueError, match="cannot read it"):
         read_encoder_secret(
-            EngineArgs(encoder_urls=urls, encoder_secret_file=str(tmp_path / "missing"))
+            pool_of(encoder_urls=urls, encoder_secret_file=str(tmp_path / "missing"))
         )
 
 
@@ -88,7 +94,7 @@ def test_the_engine_core_gets_a_pool_that_fits_its_model(qwen2_vl_dir):
     fake.behaviour.fingerprint = model_fingerprint(qwen2_vl_dir)
     fake.behaviour.hidden_size = hidden
     try:
-        args = EngineArgs(
+        args = EngineConfig.from_kwargs(
             model=str(qwen2_vl_dir),
             device="cpu",
             encoder_urls=(fake.url,),
@@ -108,6 +114,6 @@ def test_the_engine_core_gets_a_pool_that_fits_its_model(qwen2_vl_dir):
 
 
 def test_encoder_flags_reach_the_engine_process_intact():
-    args = EngineArgs(encoder_urls=("http://127.0.0.1:18201",), encoder_secret="k")
-    again = msgspec.json.decode(msgspec.json.encode(args), type=EngineArgs)
-    assert again.encoder_urls == args.encoder_urls and again.encoder_secret == "k"
+    args = EngineConfig.from_kwargs(encoder_urls=("http://127.0.0.1:18201",), encoder_secret="k")
+    again = msgspec.json.decode(msgspec.json.encode(args), type=EngineConfig).encoder_pool
+    assert again.encoder_urls == args.encoder_pool.encoder_urls and again.encoder_secret == "k"

@@ -6,12 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.factory import write_tiny_checkpoint
-from tests.oracle import HFOracle
-
-# With transformers' default init (std 0.02) a tiny random model repeats one token whatever
-# the image; std 0.15 makes greedy output depend on every input, so parity tests can fail.
-DIVERSE = {"text": {"initializer_range": 0.15}, "vision": {"initializer_range": 0.15}}
+from tests.support.factory import write_tiny_checkpoint
+from tests.support.oracle import HFOracle
+from tests.support.parity_cases import DIVERSE
 
 
 @pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 
 from mmserve.engine.detokenizer import IncrementalDetokenizer
-from tests.factory import build_tokenizer
+from tests.support.factory import build_tokenizer
 
 
 def _decode_fn(tok: Tokenizer):

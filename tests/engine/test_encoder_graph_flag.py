@@ -7,19 +7,16 @@ import msgspec
 import pytest
 
 from mmserve import LLM
-from mmserve.engine.args import EngineArgs
+from mmserve.config.engine import EngineConfig
+from tests.config_args import args_of
 
 
 def test_off_by_default_and_set_by_the_flag() -> None:
-    from mmserve.cli import build_parser
-
-    def args_of(*argv: str) -> EngineArgs:
-        return EngineArgs.from_cli(build_parser(with_bench=False).parse_args(["serve", *argv]))
-
     assert args_of().enable_encoder_cuda_graph is False
     assert args_of("--enable-encoder-cuda-graph").enable_encoder_cuda_graph is True
-    encoded = msgspec.json.encode(EngineArgs(enable_encoder_cuda_graph=True))
-    assert msgspec.json.decode(encoded, type=EngineArgs).enable_encoder_cuda_graph is True
+    encoded = msgspec.json.encode(EngineConfig.from_kwargs(enable_encoder_cuda_graph=True))
+    decoded = msgspec.json.decode(encoded, type=EngineConfig)
+    assert decoded.device.enable_encoder_cuda_graph is True
 
 
 def test_refused_on_the_cpu_in_process_and_in_the_engine_process(qwen2_vl_dir) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from mmserve import LLM, SamplingParams
 from mmserve.multimodal import PlaceholderRange
-from tests.factory import random_image
+from tests.support.factory import random_image
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPT = f"<|im_start|>user\n{IMG}What is in the image?<|im_end|>\n<|im_start|>assistant\n"

@@ -15,9 +15,9 @@ import pytest
 
 from mmserve import LLM, SamplingParams
 from mmserve.errors import MMServeError
-from tests.engine.conftest import DIVERSE
-from tests.engine.faults import assert_nothing_held, bypassing_validation, run_all
-from tests.factory import write_tiny_checkpoint
+from tests.support.factory import write_tiny_checkpoint
+from tests.support.faults import assert_nothing_held, bypassing_validation, run_all
+from tests.support.parity_cases import DIVERSE
 
 NUM_ROUNDS = 40
 HOSTILE_PER_ROUND = 4

@@ -15,15 +15,15 @@ from mmserve.engine.output_processor import OutputProcessor
 from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError
 from mmserve.execution.encoder.runner import EncoderRunner
 from mmserve.multimodal import ProcessedPrompt
-from tests.engine.conftest import DIVERSE
-from tests.engine.faults import (
+from tests.support.factory import random_image, write_tiny_checkpoint
+from tests.support.faults import (
     FaultyExecutor,
     assert_nothing_held,
     bypassing_validation,
     rewired,
     run_all,
 )
-from tests.factory import random_image, write_tiny_checkpoint
+from tests.support.parity_cases import DIVERSE
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

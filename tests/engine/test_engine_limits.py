@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine.args import EngineArgs
+from mmserve.config.model import CheckpointConfig
 from mmserve.errors import InvalidRequestError
 
 
@@ -39,4 +39,4 @@ def test_request_ids_may_not_take_the_child_separator(llm) -> None:
 
 def test_max_logprobs_must_be_a_count() -> None:
     with pytest.raises(ValueError, match="--max-logprobs"):
-        EngineArgs(max_logprobs=-1)
+        CheckpointConfig(max_logprobs=-1)

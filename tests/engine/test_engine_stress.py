@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from mmserve import LLM, SamplingParams
-from tests.factory import random_image
+from tests.support.factory import random_image
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 WORDS = [

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
-from tests.engine.test_parity import CASES, _request
+from tests.support.parity_cases import CASES, _request
 
 NUM_TOKENS = 6
 NUM_TOP = 5

@@ -6,7 +6,7 @@ import pytest
 
 from mmserve import LLM, SamplingParams
 from mmserve.errors import ImageTooLargeError
-from tests.factory import flat_png
+from tests.support.factory import flat_png
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -20,7 +20,7 @@ def test_pixel_cap_defaults_to_the_larger_of_the_processor_and_4096_squared() ->
     assert _config(toy).max_image_pixels == 4096 * 4096
     cfg = _config(toy)
     assert (cfg.max_decode_bytes_per_request, cfg.max_inflight_decode_bytes) == (1 << 30, 2 << 30)
-    assert (cfg.decode_wait_timeout_s, cfg.decode_worker_max_rss_bytes) == (10.0, 1 << 30)
+    assert (cfg.decode_wait_timeout, cfg.decode_worker_max_rss_mb) == (10.0, 1024)
     big = LLM(mm_processor_kwargs={"max_pixels": 5000 * 5000})
     assert _config(big).max_image_pixels == 5000 * 5000
 
@@ -35,8 +35,8 @@ def test_explicit_caps_reach_the_loader_and_refuse_before_decoding() -> None:
     )
     cfg = _config(llm)
     assert (cfg.max_image_pixels, cfg.max_decode_bytes_per_request) == (4096, 4 << 20)
-    assert (cfg.max_inflight_decode_bytes, cfg.decode_wait_timeout_s) == (8 << 20, 1.5)
-    assert cfg.decode_worker_max_rss_bytes == 300 << 20
+    assert (cfg.max_inflight_decode_bytes, cfg.decode_wait_timeout) == (8 << 20, 1.5)
+    assert cfg.decode_worker_max_rss_mb == 300
     prompt = f"<|im_start|>user\n{IMG}shape?<|im_end|>\n<|im_start|>assistant\n"
     params = SamplingParams(max_tokens=1)
     with pytest.raises(ImageTooLargeError, match="--max-image-pixels"):
@@ -53,12 +53,12 @@ SMALL = {"min_pixels": 3136, "max_pixels": 12544}
 
 def test_video_ceilings_reach_the_loader_and_videos_run_offline(tmp_path) -> None:
     from mmserve.errors import VideoTooLargeError
-    from tests.factory import video_bytes, video_frames
+    from tests.support.factory import video_bytes, video_frames
 
     llm = LLM(max_video_seconds=4.0, max_video_frames_decoded=50, max_video_bytes=1 << 20)
     cfg = _config(llm)
     assert (cfg.max_video_seconds, cfg.max_video_frames_decoded) == (4.0, 50)
-    assert cfg.max_video_bytes == 1 << 20 and cfg.video_decode_timeout_s == 30.0
+    assert cfg.max_video_bytes == 1 << 20 and cfg.video_decode_timeout == 30.0
     assert (cfg.max_video_frame_pixels, cfg.max_video_decoded_pixels) == (4096 * 2160, 8 << 30)
     prompt = f"<|im_start|>user\n{VID}what moves?<|im_end|>\n<|im_start|>assistant\n"
     path = tmp_path / "clip.mp4"

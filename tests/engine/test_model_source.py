@@ -6,34 +6,20 @@ snapshots/<commit>) around the bundled toy checkpoint and resolves with HF_HUB_O
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine.args import EngineArgs, bundled_toy_model_dir
+from mmserve.config.engine import EngineConfig
+from mmserve.config.model import bundled_toy_model_dir
 from mmserve.engine.model_source import (
     ModelNotFoundError,
     hub_cache_dir,
     resolve_model_dir,
     with_local_sources,
 )
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
-
-
-def make_hub_cache(root: Path, repo_id: str, refs: dict[str, str]) -> Path:
-    """`root`/hub as huggingface_hub lays it out, one snapshot per distinct commit in refs."""
-    repo = root / "hub" / ("models--" + repo_id.replace("/", "--"))
-    (repo / "refs").mkdir(parents=True)
-    for ref, commit in refs.items():
-        (repo / "refs" / ref).write_text(commit)
-        snapshot = repo / "snapshots" / commit
-        if not snapshot.exists():
-            shutil.copytree(bundled_toy_model_dir(), snapshot)
-    return repo
+from tests.support.hub_cache import COMMIT, OTHER_COMMIT, make_hub_cache
 
 
 @pytest.fixture
@@ -111,21 +97,22 @@ def test_a_snapshot_without_config_is_not_a_checkpoint(
 
 
 def test_with_local_sources_keeps_the_name_as_given(offline_hub: Path) -> None:
-    args = with_local_sources(
-        EngineArgs(model="acme/toy-vl", revision="v2", tokenizer="acme/toy-vl")
+    config = with_local_sources(
+        EngineConfig.from_kwargs(model="acme/toy-vl", revision="v2", tokenizer="acme/toy-vl")
     )
+    args = config.checkpoint
     assert args.model == str(offline_hub / "snapshots" / OTHER_COMMIT)
     assert args.tokenizer == str(offline_hub / "snapshots" / COMMIT)  # its own revision: main
     assert args.served_model_names == ("acme/toy-vl",)  # what clients send, as with vLLM
-    assert args.revision is None and with_local_sources(args) == args  # resolving is idempotent
-    local = EngineArgs(model=bundled_toy_model_dir())
+    assert args.revision is None and with_local_sources(config) == config  # idempotent
+    local = EngineConfig.from_kwargs(model=bundled_toy_model_dir())
     assert with_local_sources(local) is local
 
 
 def test_the_offline_api_serves_a_hub_id(offline_hub: Path) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=4)
     with LLM(model="acme/toy-vl") as from_hub:
-        assert from_hub.engine_args.model == "acme/toy-vl"
+        assert from_hub.engine_config.checkpoint.model == "acme/toy-vl"
         hub_text = from_hub.generate(["a red"], greedy)[0].outputs[0].text
     with LLM() as local:
         assert local.generate(["a red"], greedy)[0].outputs[0].text == hub_text

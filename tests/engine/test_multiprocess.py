@@ -24,7 +24,7 @@ from mmserve.wire.engine_core import (
     EngineCoreShutdown,
     EngineDead,
 )
-from tests.factory import random_image
+from tests.support.factory import random_image
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 

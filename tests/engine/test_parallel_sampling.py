@@ -9,10 +9,10 @@ from mmserve import LLM, SamplingParams
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.executor import Executor
-from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
-from tests.engine.faults import assert_nothing_held, rewired, run_all
-from tests.engine.test_parity import CASES, _request, chat
-from tests.factory import random_image
+from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from tests.support.factory import random_image
+from tests.support.faults import assert_nothing_held, rewired, run_all
+from tests.support.parity_cases import CASES, _request, chat
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 SAMPLED = SamplingParams(n=3, temperature=1.5, seed=11, max_tokens=8, ignore_eos=True)
@@ -31,8 +31,8 @@ def llm(diverse_checkpoint_qwen2):
 
 @pytest.fixture(scope="module")
 def diverse_checkpoint_qwen2(tmp_path_factory):
-    from tests.engine.conftest import DIVERSE
-    from tests.factory import write_tiny_checkpoint
+    from tests.support.factory import write_tiny_checkpoint
+    from tests.support.parity_cases import DIVERSE
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("n"), "qwen2_vl", seed=3, **DIVERSE)
 
@@ -116,8 +116,10 @@ class FailOneExecutor:
         self.executor = executor
         self.request_id = request_id
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        out = self.executor.execute(so)
+    def execute(
+        self, so: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        out = self.executor.execute(so, grammar_output)
         if self.request_id not in out.sampled_token_ids:
             return out
         sampled = {k: v for k, v in out.sampled_token_ids.items() if k != self.request_id}

@@ -5,32 +5,11 @@ from __future__ import annotations
 import pytest
 
 from mmserve import LLM, SamplingParams
-from tests.factory import random_image
+from tests.support.factory import random_image
+from tests.support.parity_cases import CASES, IMG, _request, chat
 
 NUM_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-IMG = "<|vision_start|><|image_pad|><|vision_end|>"
-
-
-def chat(text: str) -> str:
-    return (
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-        f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
-    )
-
-
-CASES = {
-    "text_only": (chat("Describe a red circle."), []),
-    "one_image": (chat(f"{IMG}What is in the image?"), [random_image(56, 84, seed=1)]),
-    "two_images": (
-        chat(f"{IMG}First this one, then{IMG} this one. Same?"),
-        [random_image(112, 60, seed=2), random_image(70, 140, seed=3)],
-    ),
-}
-
-
-def _request(prompt: str, images: list) -> dict | str:
-    return {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
 
 
 @pytest.fixture

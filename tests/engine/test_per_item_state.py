@@ -10,7 +10,7 @@ import io
 import random
 
 from mmserve import LLM, SamplingParams
-from tests.factory import random_image
+from tests.support.factory import random_image
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from mmserve import LLM, SamplingParams
-from tests.engine.faults import assert_nothing_held, run_all
-from tests.factory import random_image
+from tests.support.factory import random_image
+from tests.support.faults import assert_nothing_held, run_all
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

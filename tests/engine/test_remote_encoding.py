@@ -24,10 +24,10 @@ from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.executor import InProcessExecutor
 from mmserve.execution.model_runner import ModelRunner
 from mmserve.multimodal import ProcessedImage, ProcessedPrompt, RemoteItem
-from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
-from tests.engine.fake_encoder_source import FakeEncoderSource
-from tests.engine.faults import FaultyExecutor, assert_nothing_held, rewired, run_all
-from tests.factory import random_image
+from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from tests.support.factory import random_image
+from tests.support.fake_encoder_source import FakeEncoderSource
+from tests.support.faults import FaultyExecutor, assert_nothing_held, rewired, run_all
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -48,7 +48,9 @@ class CountingExecutor:
         self.num_waits = 0
         self.windows: list[tuple[str, int, int]] = []  # (request id, start, end) of each step
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         self.num_steps += 1
         so = scheduler_output
         for r in [*so.scheduled_new_reqs, *so.scheduled_cached_reqs]:
@@ -56,7 +58,7 @@ class CountingExecutor:
             self.windows.append(
                 (r.request_id, start, start + so.num_scheduled_tokens[r.request_id])
             )
-        return self.executor.execute(scheduler_output)
+        return self.executor.execute(scheduler_output, grammar_output)
 
     def wait_for_encoder(self, timeout_s: float) -> None:
         self.num_waits += 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mmserve import LLM, SamplingParams
-from tests.factory import random_image
+from tests.support.factory import random_image
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPT = f"<|im_start|>user\n{IMG}What is in the image?<|im_end|>\n<|im_start|>assistant\n"

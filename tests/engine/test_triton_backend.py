@@ -8,9 +8,10 @@ import msgspec
 import pytest
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine.args import EngineArgs
-from tests.engine.conftest import DIVERSE
-from tests.factory import random_image, write_tiny_checkpoint
+from mmserve.config.engine import EngineConfig
+from tests.config_args import args_of
+from tests.support.factory import random_image, write_tiny_checkpoint
+from tests.support.parity_cases import DIVERSE
 
 triton = pytest.importorskip("triton")
 
@@ -61,8 +62,8 @@ def test_triton_backend_is_greedy_identical_to_the_torch_backend(checkpoint) -> 
 )
 def test_the_choice_crosses_to_the_engine_process(checkpoint) -> None:
     """The engine process resolves the backend itself (it inherits TRITON_INTERPRET)."""
-    encoded = msgspec.json.encode(EngineArgs(attention_backend="triton"))
-    assert msgspec.json.decode(encoded, type=EngineArgs).attention_backend == "triton"
+    encoded = msgspec.json.encode(EngineConfig.from_kwargs(attention_backend="triton"))
+    assert msgspec.json.decode(encoded, type=EngineConfig).device.attention_backend == "triton"
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     with LLM(model=str(checkpoint), attention_backend="torch") as llm:
         want = llm.generate(REQUESTS[0], params)[0].outputs[0].token_ids
@@ -83,15 +84,10 @@ def test_auto_is_torch_on_a_machine_without_cuda(qwen2_vl_dir) -> None:
 
 def test_a_bad_attention_backend_is_refused_naming_the_flag() -> None:
     with pytest.raises(ValueError, match="--attention-backend must be one of"):
-        EngineArgs(attention_backend="flash")
+        EngineConfig.from_kwargs(attention_backend="flash")
 
 
 def test_the_flag_reaches_engine_args() -> None:
-    from mmserve.cli import build_parser
-
-    def args_of(*argv: str) -> EngineArgs:
-        return EngineArgs.from_cli(build_parser(with_bench=False).parse_args(["serve", *argv]))
-
     assert args_of().attention_backend == "auto"
     assert args_of("--attention-backend", "triton").attention_backend == "triton"
 

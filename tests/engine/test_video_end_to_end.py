@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from mmserve import LLM, SamplingParams
-from tests.engine.test_parity import chat
 from tests.engine.video_oracle import IMG, VID, build_case, oracle_greedy, random_video
-from tests.factory import random_image
+from tests.support.factory import random_image
+from tests.support.parity_cases import chat
 
 NUM_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from mmserve.multimodal import MultiModalFeature, PlaceholderRange, ProcessedImage, ProcessedPrompt
-from tests.oracle import HFOracle
+from tests.support.oracle import HFOracle
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 VID = "<|vision_start|><|video_pad|><|vision_end|>"

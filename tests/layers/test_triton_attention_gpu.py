@@ -9,8 +9,8 @@ import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.layers.attention import write_kv_cache
-from tests.factory import random_image
 from tests.layers.triton_cases import make_batch, reference, run_backend
+from tests.support.factory import random_image
 
 triton = pytest.importorskip("triton")
 pytestmark = [

@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from mmserve.models.config import ModelConfig
 from mmserve.models.loader import load_model
-
-
-@dataclass
-class LoadedPair:
-    model_dir: Path
-    model: torch.nn.Module
-    config: ModelConfig
-    hf: torch.nn.Module  # the transformers model of the same checkpoint (the oracle)
+from tests.support.oracle import LoadedPair
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from mmserve.layers.attention import TorchAttentionBackend
 from mmserve.models.config import ModelConfig
 from mmserve.models.kv_cache import allocate_kv_caches
 from mmserve.processing.mrope import decode_positions, get_mrope_positions
-from tests.factory import random_image
+from tests.support.factory import random_image
 
 
 @dataclass

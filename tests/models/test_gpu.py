@@ -17,7 +17,7 @@ from mmserve.models.kv_cache import allocate_kv_caches
 from mmserve.models.qwen2_vl_vision import VisionTransformer
 from mmserve.models.registry import get_model_class
 from mmserve.processing.mrope import decode_positions, get_mrope_positions
-from tests.layers.test_attention import check_paged_equals_dense
+from tests.support.paged_attention import check_paged_equals_dense
 
 pytestmark = [
     pytest.mark.gpu,

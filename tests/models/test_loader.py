@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from mmserve.layers.attention import TorchAttentionBackend
 from mmserve.models.kv_cache import allocate_kv_caches
 from mmserve.models.loader import CheckpointError, load_model
-from tests.factory import write_tiny_checkpoint
+from tests.support.factory import write_tiny_checkpoint
 
 
 def _copy_with_tensors(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Path:

@@ -10,8 +10,8 @@ from mmserve.errors import RequestFailedError
 from mmserve.layers.attention import TorchAttentionBackend
 from mmserve.models.kv_cache import allocate_kv_caches
 from mmserve.processing.mrope import get_mrope_positions
-from tests.models.conftest import LoadedPair
 from tests.models.driver import Prompt, build_prompt, generate_paged
+from tests.support.oracle import LoadedPair
 
 TWO_IMAGES = [
     "Describe the first picture.",

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine.args import bundled_toy_model_dir
-from tests.oracle import HFOracle
-from tests.toy_examples import EXTRA_TASKS, TASKS, accuracy_target, held_out
+from mmserve.config.model import bundled_toy_model_dir
+from tests.support.oracle import HFOracle
+from tests.support.toy_examples import EXTRA_TASKS, TASKS, accuracy_target, held_out
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 NUM_PER_TASK = 100
@@ -40,7 +40,7 @@ def _accuracy(llm: LLM, task: str, num: int) -> float:
 
 
 def test_llm_with_no_model_loads_the_toy(toy):
-    assert Path(toy.engine_args.model) == Path(bundled_toy_model_dir())
+    assert Path(toy.engine_config.checkpoint.model) == Path(bundled_toy_model_dir())
     assert toy.get_tokenizer().token_to_id("<|image_pad|>") is not None
 
 

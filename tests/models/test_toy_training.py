@@ -29,7 +29,7 @@ from toy_card import (  # noqa: E402
 )
 from toy_data import FIRST, TASKS, WIDE, sample_example  # noqa: E402
 
-from mmserve.engine.args import bundled_toy_model_dir  # noqa: E402
+from mmserve.config.model import bundled_toy_model_dir  # noqa: E402
 
 
 def test_a_stage_draws_only_the_tasks_it_names() -> None:

@@ -17,7 +17,7 @@ from mmserve.layers.attention.vision import (
 )
 from mmserve.models.config import VisionConfig
 from mmserve.models.qwen2_vl_vision import VisionTransformer
-from tests.factory import random_image
+from tests.support.factory import random_image
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,4 +1,4 @@
-"""Fixtures of the remote-mode tests (test_remote_items.py, test_remote_urls.py): a local and a
+"""Fixtures of the remote-mode tests (test_remote_planning.py, test_remote_urls.py): a local and a
 remote InputProcessor over one media root, the fake UrlPlanner, and a guard against decoding."""
 
 from __future__ import annotations

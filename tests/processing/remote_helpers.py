@@ -12,15 +12,16 @@ import blake3
 import numpy as np
 from PIL import Image
 
+from mmserve.config.media import MediaConfig
 from mmserve.errors import MediaFetchRefusedError
 from mmserve.multimodal import ProcessedImage, ProcessedPrompt
 from mmserve.processing.image_decode import read_header
 from mmserve.processing.image_processor import ImageProcessorConfig, get_grid_thw
 from mmserve.processing.input_processor import InputProcessor
-from mmserve.processing.media import MediaConfig, MediaLoader
-from mmserve.processing.remote_items import RemoteImagePlanning
+from mmserve.processing.media import MediaLoader
+from mmserve.processing.remote_planning import RemoteImagePlanning
 from mmserve.processing.url_planner import UrlPlan, UrlPlanUnavailable
-from tests.factory import random_image
+from tests.support.factory import random_image
 
 ONE_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>describe"
 CAT_URL = "https://images.example/cat.png"

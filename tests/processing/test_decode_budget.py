@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from mmserve.engine.args import EngineArgs
+from mmserve.config.media import MediaConfig
 from mmserve.errors import DecodeBusyError, ImageTooLargeError
 from mmserve.processing.decode_budget import DecodeMemoryGate, RequestDecodeBudget
 from mmserve.processing.input_processor import InputProcessor
-from mmserve.processing.media import MediaConfig, MediaLoader
-from tests.factory import flat_png
+from mmserve.processing.media import MediaLoader
+from tests.support.factory import flat_png
 
 GREY_100 = flat_png(100, 100, "L")
 GREY_100_BYTES = 100 * 100 * (4 + 6) + (1 << 20)  # its estimate: RGB + packed copy, decoder
@@ -64,7 +64,7 @@ def test_inflight_cap_makes_a_second_decode_wait_for_the_first_image(decode_work
     loader = _loader(
         max_decode_bytes_per_request=GREY_100_BYTES,
         max_inflight_decode_bytes=int(1.5 * GREY_100_BYTES),
-        decode_wait_timeout_s=20,
+        decode_wait_timeout=20,
         decode_workers=decode_workers,
         decode_timeout_s=60,
     )
@@ -95,7 +95,7 @@ def test_a_decode_that_cannot_get_room_in_time_is_a_503() -> None:
     loader = _loader(
         max_decode_bytes_per_request=GREY_100_BYTES,
         max_inflight_decode_bytes=int(1.5 * GREY_100_BYTES),
-        decode_wait_timeout_s=0.2,
+        decode_wait_timeout=0.2,
     )
     held = loader.load_image(GREY_100)
     start = time.monotonic()
@@ -179,18 +179,18 @@ def test_request_budget_without_a_cap_only_counts() -> None:
 
 
 def test_caps_are_validated_naming_the_field_or_flag() -> None:
-    with pytest.raises(ValueError, match="must not exceed max_inflight_decode_bytes"):
+    with pytest.raises(ValueError, match="must not exceed --max-inflight-decode-bytes"):
         MediaConfig(max_decode_bytes_per_request=3, max_inflight_decode_bytes=2)
-    with pytest.raises(ValueError, match="decode_worker_max_rss_bytes must be >= 0"):
-        MediaConfig(decode_worker_max_rss_bytes=-1)
+    with pytest.raises(ValueError, match="--decode-worker-max-rss-mb must be >= 0"):
+        MediaConfig(decode_worker_max_rss_mb=-1)
     # 0 per request: the in-flight cap bounds a request too (it could never fit beyond it).
     assert MediaConfig(max_decode_bytes_per_request=0).decode_bytes_per_request_cap == 2 << 30
     with pytest.raises(ValueError, match="--max-decode-bytes-per-request .* must not exceed"):
-        EngineArgs(max_decode_bytes_per_request=3 << 30)
+        MediaConfig(max_decode_bytes_per_request=3 << 30)
     with pytest.raises(ValueError, match="--max-image-pixels must be positive"):
-        EngineArgs(max_image_pixels=0)
+        MediaConfig(max_image_pixels=0)
     with pytest.raises(ValueError, match="--decode-worker-max-rss-mb must be >= 0"):
-        EngineArgs(decode_worker_max_rss_mb=-5)
+        MediaConfig(decode_worker_max_rss_mb=-5)
 
 
 @pytest.mark.parametrize(("decode_workers", "entry"), [(0, "adecode"), (1, "aload_image")])
@@ -204,7 +204,7 @@ def test_async_decode_waits_for_room_without_holding_a_thread_or_a_worker(
     loader = _loader(
         max_decode_bytes_per_request=GREY_100_BYTES,
         max_inflight_decode_bytes=int(1.5 * GREY_100_BYTES),
-        decode_wait_timeout_s=20,
+        decode_wait_timeout=20,
         decode_workers=decode_workers,
         decode_timeout_s=60,
     )
@@ -240,7 +240,7 @@ def test_async_decode_times_out_with_a_503_and_gives_way_when_cancelled() -> Non
     loader = _loader(
         max_decode_bytes_per_request=GREY_100_BYTES,
         max_inflight_decode_bytes=int(1.5 * GREY_100_BYTES),
-        decode_wait_timeout_s=0.3,
+        decode_wait_timeout=0.3,
     )
     held = loader.load_image(GREY_100)
 

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from mmserve.config.media import MediaConfig
 from mmserve.errors import InvalidRequestError, MediaError, MediaFetchRefusedError
-from mmserve.processing.media import MediaConfig, MediaLoader
-from tests.factory import random_image
+from mmserve.processing.media import MediaLoader
+from tests.support.factory import random_image
 
 
 @pytest.fixture

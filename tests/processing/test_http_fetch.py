@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from mmserve.config.allowlist import parse_allowed_host
+from mmserve.config.media import MediaConfig
 from mmserve.errors import MediaError, MediaFetchBusyError
 from mmserve.processing.http_fetch import AsyncFetcher, FetchPolicy
 from mmserve.processing.input_processor import InputProcessor
-from mmserve.processing.media import MediaConfig, MediaLoader
-from mmserve.processing.url_guard import parse_allowed_host
-from tests.local_http import MediaServer, png_bytes, running_media_server
+from mmserve.processing.media import MediaLoader
+from tests.support.factory import png_bytes
+from tests.support.media_server import MediaServer, running_media_server
 
 NUM_SLOW = 12
 # The default executor the issue measured (min(32, cpus + 4) on a 2-core machine): set
@@ -59,7 +61,7 @@ async def _with_slow_fetches(srv: MediaServer, start_slow, inline) -> tuple[floa
 
 
 def test_slow_fetches_do_not_delay_an_inline_image(server: MediaServer) -> None:
-    loader = MediaLoader(_config(server, fetch_timeout_s=10))
+    loader = MediaLoader(_config(server, media_fetch_timeout=10))
 
     async def inline() -> None:
         image = await loader.aload_image(_data_url())
@@ -75,7 +77,7 @@ def test_slow_fetches_do_not_delay_an_inline_image(server: MediaServer) -> None:
 def test_slow_fetches_do_not_delay_an_inline_chat_request(
     server: MediaServer, qwen2_vl_dir: Path
 ) -> None:
-    loader = MediaLoader(_config(server, fetch_timeout_s=10))
+    loader = MediaLoader(_config(server, media_fetch_timeout=10))
     processor = InputProcessor.from_pretrained(
         qwen2_vl_dir, max_model_len=4096, mm_processor_cache_gb=0, media_loader=loader
     )
@@ -97,7 +99,7 @@ def test_slow_fetches_do_not_delay_an_inline_chat_request(
 def test_fetches_beyond_the_pool_wait_then_fail_as_busy(server: MediaServer) -> None:
     # One slot, timeout T: the first fetch holds the slot for T, the second gets it next
     # (first come, first served) and holds it for T more, so the third waits past its T.
-    loader = MediaLoader(_config(server, fetch_timeout_s=0.5, max_concurrent_fetches=1))
+    loader = MediaLoader(_config(server, media_fetch_timeout=0.5, max_concurrent_media_fetches=1))
 
     async def main() -> list[BaseException]:
         tasks = [loader.aload_image(f"{server.base}/trickle") for _ in range(3)]
@@ -147,7 +149,7 @@ def test_a_hanging_dns_lookup_is_cut_at_the_deadline_and_holds_no_cpu_thread() -
 def test_one_failed_image_stops_the_other_fetches_of_its_request(
     server: MediaServer, qwen2_vl_dir: Path
 ) -> None:
-    loader = MediaLoader(_config(server, fetch_timeout_s=10))
+    loader = MediaLoader(_config(server, media_fetch_timeout=10))
     processor = InputProcessor.from_pretrained(
         qwen2_vl_dir, max_model_len=4096, media_loader=loader
     )

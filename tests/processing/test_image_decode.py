@@ -13,18 +13,18 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from mmserve.config.media import MediaConfig
 from mmserve.errors import ImageTooLargeError
 from mmserve.processing.image_decode import (
     DEFAULT_MAX_IMAGE_PIXELS,
     MAX_EXIF_BYTES,
     ImageHeader,
     decode_image_bytes,
-    default_max_image_pixels,
     read_header,
     webp_canvas_size,
 )
-from mmserve.processing.media import MediaConfig, MediaLoader
-from tests.factory import flat_png, random_image
+from mmserve.processing.media import MediaLoader
+from tests.support.factory import flat_png, random_image
 
 
 def _encode(image: Image.Image, fmt: str = "PNG", **kwargs) -> bytes:
@@ -35,9 +35,16 @@ def _encode(image: Image.Image, fmt: str = "PNG", **kwargs) -> bytes:
 
 def test_default_pixel_cap_is_what_the_largest_accepted_image_needs() -> None:
     assert DEFAULT_MAX_IMAGE_PIXELS == 4096 * 4096
-    assert default_max_image_pixels(12544) == 4096 * 4096  # the toy model's max_pixels
-    assert default_max_image_pixels(5000 * 5000) == 5000 * 5000  # a processor keeping more
-    assert MediaConfig().max_image_pixels == 4096 * 4096  # not Pillow's 89 MP any more
+
+    def cap(processor_max_pixels: int) -> int | None:
+        loaded = MediaConfig().for_loader(
+            processor_max_pixels=processor_max_pixels, decode_workers=0
+        )
+        return loaded.max_image_pixels
+
+    assert cap(12544) == 4096 * 4096  # the toy model's max_pixels
+    assert cap(5000 * 5000) == 5000 * 5000  # a processor keeping more
+    assert MediaConfig().image_pixel_cap == 4096 * 4096  # not Pillow's 89 MP any more
 
 
 def test_9000px_one_bit_png_is_refused_from_its_header_without_allocating() -> None:
@@ -104,7 +111,7 @@ _PEAK_SCRIPT = textwrap.dedent(
     """
     import sys
     from mmserve.processing.image_decode import decode_image_bytes, read_header
-    from tests.factory import flat_png
+    from tests.support.factory import flat_png
 
     def high_water_bytes():  # VmHWM is per address space: unlike ru_maxrss, exec resets it
         with open("/proc/self/status") as f:

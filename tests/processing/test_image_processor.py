@@ -18,7 +18,7 @@ from mmserve.processing.image_processor import (
     process_image,
     smart_resize,
 )
-from tests.factory import random_image
+from tests.support.factory import random_image
 
 QWEN2_VL_7B = ImageProcessorConfig(min_pixels=56 * 56, max_pixels=16384 * 28 * 28)
 

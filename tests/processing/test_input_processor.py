@@ -18,7 +18,7 @@ from mmserve.errors import (
     UnknownMediaUUIDError,
 )
 from mmserve.processing.input_processor import InputProcessor
-from tests.factory import random_image
+from tests.support.factory import random_image
 
 PROMPT_2 = (
     "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>and"

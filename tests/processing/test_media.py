@@ -13,10 +13,11 @@ import zlib
 import pytest
 from PIL import Image
 
+from mmserve.config.media import MediaConfig
 from mmserve.errors import ImageDecodeError, ImageTooLargeError, MediaError
 from mmserve.processing.decode_workers import DecodeWorkerPool
-from mmserve.processing.media import MediaConfig, MediaLoader
-from tests.factory import flat_png, random_image
+from mmserve.processing.media import MediaLoader
+from tests.support.factory import flat_png, random_image
 
 
 def _encode(image: Image.Image, fmt: str = "PNG") -> bytes:
@@ -101,7 +102,7 @@ def test_bad_data_urls_are_refused() -> None:
     with pytest.raises(MediaError, match="data:image/png;base64"):
         loader.load_image("data:image/png,rawbytes")
     with pytest.raises(MediaError, match="byte limit"):
-        MediaLoader(MediaConfig(max_fetch_bytes=10)).load_image("data:image/png;base64," + "A" * 40)
+        MediaLoader(MediaConfig(max_media_bytes=10)).load_image("data:image/png;base64," + "A" * 40)
     with pytest.raises(MediaError, match="unsupported image source"):
         loader.load_image(12345)  # type: ignore[arg-type]
 

@@ -19,8 +19,7 @@ from mmserve.errors import (
 )
 from mmserve.multimodal import ProcessedPrompt, RemoteItem
 from mmserve.processing.input_processor import InputProcessor
-from mmserve.processing.remote_items import RemoteImagePlanning
-from tests.factory import random_image
+from mmserve.processing.remote_planning import RemoteImagePlanning
 from tests.processing.remote_helpers import (
     CAT_URL,
     ONE_IMAGE,
@@ -33,6 +32,7 @@ from tests.processing.remote_helpers import (
     make_processor,
     same_plan,
 )
+from tests.support.factory import random_image
 
 
 @pytest.fixture

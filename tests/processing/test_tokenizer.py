@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import tokenizers
 
-from mmserve.engine.args import bundled_toy_model_dir
+from mmserve.config.model import bundled_toy_model_dir
 from mmserve.errors import InvalidRequestError
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.tokenizer import RESERVED_TEMPLATE_ARGS, Tokenizer

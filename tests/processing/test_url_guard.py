@@ -13,11 +13,12 @@ from collections.abc import Callable, Iterator
 import pytest
 from PIL import Image
 
-from mmserve.engine.args import EngineArgs
+from mmserve.config.allowlist import AllowedHost, parse_allowed_host
+from mmserve.config.media import MediaConfig
 from mmserve.errors import MediaError, MediaFetchRefusedError
-from mmserve.processing.media import MediaConfig, MediaLoader, MediaSource
-from mmserve.processing.url_guard import AllowedHost, parse_allowed_host, parse_media_url
-from tests.local_http import MediaServer, running_media_server
+from mmserve.processing.media import MediaLoader, MediaSource
+from mmserve.processing.url_guard import parse_media_url
+from tests.support.media_server import MediaServer, running_media_server
 
 Load = Callable[[MediaLoader, MediaSource], Image.Image]
 
@@ -95,10 +96,10 @@ def test_redirect_loops_are_capped(server: MediaServer, load: Load) -> None:
 
 
 def test_byte_cap_and_timeout(server: MediaServer, load: Load) -> None:
-    loader = _loader(allowed_media_domains=_listed(server), max_fetch_bytes=10_000)
+    loader = _loader(allowed_media_domains=_listed(server), max_media_bytes=10_000)
     with pytest.raises(MediaFetchRefusedError, match="10000-byte limit"):
         load(loader, f"{server.base}/big")
-    slow = _loader(allowed_media_domains=_listed(server), fetch_timeout_s=0.5)
+    slow = _loader(allowed_media_domains=_listed(server), media_fetch_timeout=0.5)
     start = time.monotonic()
     with pytest.raises(MediaError, match="longer than 0.5 s"):
         load(slow, f"{server.base}/trickle")
@@ -171,7 +172,7 @@ def test_bad_allowlist_entries_are_refused_at_start(entry: str) -> None:
     with pytest.raises(ValueError, match="--allowed-media-domains entry"):
         parse_allowed_host(entry)
     with pytest.raises(ValueError, match="--allowed-media-domains entry"):
-        EngineArgs(allowed_media_domains=("ok.example", entry or ":"))
+        MediaConfig(allowed_media_domains=("ok.example", entry or ":"))
 
 
 def test_a_bare_host_means_each_schemes_default_port() -> None:

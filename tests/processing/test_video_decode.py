@@ -3,44 +3,32 @@
 from __future__ import annotations
 
 import io
-import struct
 import time
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from mmserve.config.media import MediaConfig, VideoLimits
 from mmserve.errors import VideoDecodeError, VideoTooLargeError
 from mmserve.processing.decode_workers import DecodeWorkerPool
 from mmserve.processing.image_processor import ImageProcessorConfig
-from mmserve.processing.video_decode import VideoLimits, decode_video_bytes
+from mmserve.processing.video_decode import decode_video_bytes
 from mmserve.processing.video_sampling import VideoConfig
 from mmserve.processing.video_worker import decode_video_in_worker
-from tests.factory import video_bytes
+from tests.support.factory import huge_frame_header, video_bytes
 
 IMAGE_CFG = ImageProcessorConfig()
 CFG = VideoConfig(min_pixels=3136, max_pixels=12544)
 
 
-def huge_frame_header(side: int = 8000) -> bytes:
-    """A few-KB AVI of raw 16x16 frames whose header says side x side: the dimensions of a raw
-    stream come from the header alone, so it is what a decoder would allocate for."""
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="avi") as out:
-        stream = out.add_stream("rawvideo", rate=2)
-        stream.width = stream.height = 16
-        stream.pix_fmt = "yuv420p"
-        for i in range(4):
-            frame = av.VideoFrame.from_ndarray(np.full((16, 16, 3), i * 40, np.uint8), "rgb24")
-            out.mux(stream.encode(frame))
-        out.mux(stream.encode())
-    return buf.getvalue().replace(struct.pack("<ii", 16, 16), struct.pack("<ii", side, side))
+def video_limits(**ceilings) -> VideoLimits:
+    """The engine's video ceilings, some lowered."""
+    return MediaConfig(**ceilings).video_limits
 
 
 def _decode(data: bytes, limits: VideoLimits | None = None):
-    return decode_video_bytes(data, CFG, IMAGE_CFG, limits or VideoLimits())
+    return decode_video_bytes(data, CFG, IMAGE_CFG, limits or video_limits())
 
 
 def _png() -> bytes:
@@ -81,13 +69,13 @@ def test_hostile_containers_fail_fast_and_typed(data: bytes, error: type, match:
 
 def test_every_ceiling_is_enforced() -> None:
     data = video_bytes(40, 64, 48, fps=10)  # 4 s, 40 frames of 3072 pixels
-    _decode(data, VideoLimits(max_frames_walked=40, max_decoded_pixels=40 * 3072))
+    _decode(data, video_limits(max_video_frames_decoded=40, max_video_decoded_pixels=40 * 3072))
     for limits, match in [
-        (VideoLimits(max_bytes=len(data) - 1), "size \\(bytes\\)"),
-        (VideoLimits(max_duration_s=3.5), "duration"),
-        (VideoLimits(max_frames_walked=39), "frame count"),
-        (VideoLimits(max_frame_pixels=64 * 48 - 1), "frame size"),
-        (VideoLimits(max_decoded_pixels=40 * 3072 - 1), "decoded pixel"),
+        (video_limits(max_video_bytes=len(data) - 1), "size \\(bytes\\)"),
+        (video_limits(max_video_seconds=3.5), "duration"),
+        (video_limits(max_video_frames_decoded=39), "frame count"),
+        (video_limits(max_video_frame_pixels=64 * 48 - 1), "frame size"),
+        (video_limits(max_video_decoded_pixels=40 * 3072 - 1), "decoded pixel"),
     ]:
         with pytest.raises(VideoTooLargeError, match=match):
             _decode(data, limits)
@@ -102,19 +90,19 @@ def test_worker_decodes_the_same_frames_and_survives_hostile_input() -> None:
         def admit(header, plan):
             admitted.append((header.meta.total_frames, plan.num_frames, header.decode_bytes(plan)))
 
-        video = decode_video_in_worker(pool, data, CFG, IMAGE_CFG, VideoLimits(), admit=admit)
+        video = decode_video_in_worker(pool, data, CFG, IMAGE_CFG, video_limits(), admit=admit)
         np.testing.assert_array_equal(video.frames, _decode(data).frames)
         assert admitted[0][:2] == (20, 4) and admitted[0][2] > 4 * 56 * 56 * 3
         with pytest.raises(VideoTooLargeError, match="8000x8000") as info:
-            decode_video_in_worker(pool, huge_frame_header(), CFG, IMAGE_CFG, VideoLimits())
+            decode_video_in_worker(pool, huge_frame_header(), CFG, IMAGE_CFG, video_limits())
         assert info.value.param == "video_url"
         with pytest.raises(VideoDecodeError, match="truncated"):
-            decode_video_in_worker(pool, data[:1500], CFG, IMAGE_CFG, VideoLimits())
+            decode_video_in_worker(pool, data[:1500], CFG, IMAGE_CFG, video_limits())
         with pytest.raises(VideoDecodeError, match="at least 2"):  # the plan refuses it
-            decode_video_in_worker(pool, video_bytes(1), CFG, IMAGE_CFG, VideoLimits())
+            decode_video_in_worker(pool, video_bytes(1), CFG, IMAGE_CFG, video_limits())
         with pytest.raises(VideoDecodeError, match="aspect ratio"):
-            decode_video_in_worker(pool, video_bytes(4, 640, 2), CFG, IMAGE_CFG, VideoLimits())
-        again = decode_video_in_worker(pool, data, CFG, IMAGE_CFG, VideoLimits())
+            decode_video_in_worker(pool, video_bytes(4, 640, 2), CFG, IMAGE_CFG, video_limits())
+        again = decode_video_in_worker(pool, data, CFG, IMAGE_CFG, video_limits())
         np.testing.assert_array_equal(again.frames, video.frames)
         assert pool.num_started == 1  # refusals do not cost the worker
     finally:

@@ -15,7 +15,7 @@ import torch
 from mmserve.errors import InvalidRequestError, TooManyItemsError, UnknownMediaUUIDError
 from mmserve.models.config import load_model_config
 from mmserve.processing.input_processor import InputProcessor
-from tests.factory import random_image, video_bytes, video_frames
+from tests.support.factory import random_image, video_bytes, video_frames
 
 VIDEO_PROMPT = "<|vision_start|><|video_pad|><|vision_end|>What happens?"
 SMALL = {"min_pixels": 3136, "max_pixels": 12544}  # 4..16 tokens per temporal patch

@@ -13,7 +13,7 @@ from mmserve.processing.media import MediaLoader
 from mmserve.processing.video_processor import VideoMeta, plan_video, process_video
 from mmserve.processing.video_resize import resize_frames
 from mmserve.processing.video_sampling import VideoConfig, sample_indices
-from tests.factory import video_bytes, video_frames
+from tests.support.factory import video_bytes, video_frames
 
 IMAGE_CFG = ImageProcessorConfig()
 

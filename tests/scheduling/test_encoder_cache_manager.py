@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from mmserve.scheduling import EncoderCacheManager
-from tests.scheduling.fake_runner import make_request
+from tests.support.fake_runner import make_request
 
 
 def _img_request(rid: str, identifier: str, num_embeds: int = 1369):

@@ -9,7 +9,7 @@ from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.hashing import Hasher
 from mmserve.scheduling import KVCacheManager, Scheduler
 from mmserve.scheduling.kv_cache_manager import hash_block
-from tests.scheduling.fake_runner import FakeRunner, make_request, make_scheduler, run_step
+from tests.support.fake_runner import FakeRunner, make_request, make_scheduler, run_step
 
 BS = 16
 

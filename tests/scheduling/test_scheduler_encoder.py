@@ -7,7 +7,7 @@ import pytest
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import EncoderItemTooLargeError, PromptTooLongError
 from mmserve.scheduling import RequestStatus, Scheduler
-from tests.scheduling.fake_runner import FakeRunner, admit, make_request, make_scheduler, run_step
+from tests.support.fake_runner import FakeRunner, admit, make_request, make_scheduler, run_step
 
 
 def _setup(**scheduler_kwargs) -> tuple[Scheduler, FakeRunner]:

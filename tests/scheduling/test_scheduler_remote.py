@@ -8,7 +8,7 @@ from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.multimodal import RemoteItem
 from mmserve.scheduling import Request, RequestStatus, Scheduler
-from tests.scheduling.fake_runner import FakeRunner, make_request, make_scheduler, run_step
+from tests.support.fake_runner import FakeRunner, make_request, make_scheduler, run_step
 
 EMBED_BYTES = 8
 

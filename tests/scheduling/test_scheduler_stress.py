@@ -13,7 +13,7 @@ from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import InvalidRequestError
 from mmserve.scheduling import Request
 from mmserve.scheduling.request import RequestStatus
-from tests.scheduling.fake_runner import FakeRunner, admit, make_request, make_scheduler, run_step
+from tests.support.fake_runner import FakeRunner, admit, make_request, make_scheduler, run_step
 
 EOS = 2
 NUM_ARRIVAL_STEPS = 400

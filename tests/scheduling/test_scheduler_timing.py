@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from mmserve.config import CacheConfig, SchedulerConfig
-from tests.scheduling.fake_runner import FakeRunner, make_request, make_scheduler, run_step
+from tests.support.fake_runner import FakeRunner, make_request, make_scheduler, run_step
 
 
 def _scheduler(num_blocks: int = 200, max_num_batched_tokens: int = 256):

@@ -12,21 +12,10 @@ import pytest
 from mmserve import LLM, SamplingParams
 from mmserve.errors import InvalidRequestError
 from mmserve.structured_output.params import StructuredOutputParams
-from tests.factory import write_tiny_checkpoint
-from tests.toy_examples import held_out
+from tests.support.factory import write_tiny_checkpoint
+from tests.support.grammar import SCHEMA
+from tests.support.toy_examples import held_out
 
-# Every valid string is short (enums, a boolean, a bounded integer): even a random model must
-# finish within max_tokens.
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "shape": {"enum": ["circle", "square", "triangle", "star"]},
-        "filled": {"type": "boolean"},
-        "count": {"type": "integer", "minimum": 0, "maximum": 9},
-    },
-    "required": ["shape", "filled", "count"],
-    "additionalProperties": False,
-}
 GREEDY = dict(temperature=0, max_tokens=48)
 
 

@@ -8,7 +8,7 @@ from mmserve.errors import FailureKind
 from mmserve.scheduling.outputs import ModelRunnerOutput
 from mmserve.structured_output.manager import StructuredOutputManager
 from mmserve.structured_output.params import StructuredOutputParams
-from tests.structured_output.test_params import toy_compiler
+from tests.support.grammar import toy_compiler
 
 
 def manager_with(**grammars: StructuredOutputParams) -> StructuredOutputManager:
@@ -27,14 +27,14 @@ def test_only_rows_with_a_grammar_are_masked():
     manager = manager_with(a=StructuredOutputParams.choice(["yes", "no"]))
     result = manager.bitmask(["free", "a"])
     assert result.failures == {}
-    assert result.bitmask.request_ids == ("a",)
+    assert result.grammar_output.request_ids == ("a",)
     # [1, ceil(576 / 32)]: the model's logits width, not the tokenizer's 526 tokens
-    assert result.bitmask.bitmask.shape == (1, 18)
+    assert result.grammar_output.bitmask.shape == (1, 18)
     tok = manager.compiler.tokenizer
     first = {tok.tokenize_str("yes")[0], tok.tokenize_str("no")[0]}
-    assert first <= set(allowed(result.bitmask.bitmask[0]))
-    assert all(t < 526 for t in allowed(result.bitmask.bitmask[0]))
-    assert manager.bitmask(["free"]).bitmask is None
+    assert first <= set(allowed(result.grammar_output.bitmask[0]))
+    assert all(t < 526 for t in allowed(result.grammar_output.bitmask[0]))
+    assert manager.bitmask(["free"]).grammar_output is None
 
 
 def test_accept_completes_a_finished_grammar_and_fails_a_refused_token():
@@ -51,7 +51,7 @@ def test_accept_completes_a_finished_grammar_and_fails_a_refused_token():
     # a failed matcher fails its request again rather than masking (its row samples freely)
     mask = manager.bitmask(["b"])
     assert set(mask.failures) == {"b"}
-    assert (mask.bitmask.bitmask == -1).all()
+    assert (mask.grammar_output.bitmask == -1).all()
 
 
 def test_accept_step_moves_failures_into_the_runner_output():
@@ -87,7 +87,7 @@ def test_the_compiler_is_built_on_first_use_only():
         return toy_compiler()
 
     manager = StructuredOutputManager(make)
-    assert manager.bitmask(["x"]).bitmask is None
+    assert manager.bitmask(["x"]).grammar_output is None
     assert calls == []
     manager.make_matcher(StructuredOutputParams.json_object())
     manager.make_matcher(StructuredOutputParams.regex("a"))

@@ -3,22 +3,14 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from mmserve.engine.args import bundled_toy_model_dir
 from mmserve.errors import InvalidRequestError
 from mmserve.sampling_params import SamplingParams
-from mmserve.structured_output.compiler import GrammarCompiler, check_structured_output
+from mmserve.structured_output.compiler import check_structured_output
 from mmserve.structured_output.params import MAX_SPEC_CHARS, StructuredOutputParams
-
-
-def toy_compiler(**kwargs) -> GrammarCompiler:
-    compiler = GrammarCompiler.from_tokenizer_file(
-        Path(bundled_toy_model_dir()) / "tokenizer.json", vocab_size=576, eos_token_ids=(514, 512)
-    )
-    return GrammarCompiler(compiler.tokenizer, **kwargs)
+from tests.support.grammar import toy_compiler
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from mmserve.config.pool import normalise_encoder_url
+
 
 @dataclass(frozen=True, slots=True)
 class ModelIdentity:
@@ -29,18 +31,6 @@ class EncoderEndpoint:
 
     url: str
     zmq_address: str
-
-
-def normalise_encoder_url(url: str) -> str:
-    """`http://host:port` without a trailing slash; ValueError naming the URL otherwise."""
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
-        raise ValueError(
-            f"--encoder-urls {url!r}: give the http://host:port of an `mmserve encode` server"
-        )
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ValueError(f"--encoder-urls {url!r}: give only http://host:port, without a path")
-    return f"{parts.scheme}://{parts.netloc}"
 
 
 def auth_headers(secret: bytes | None) -> dict[str, str]:

@@ -20,22 +20,21 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from mmserve.config.media import SERVER_DECODE_WORKERS
+from mmserve.config.torch_device import resolve_device, resolve_dtype
 from mmserve.disaggregation.embedding_cache import ByteBudgetLRU, CachedEmbedding
-from mmserve.disaggregation.encode_args import EncodeServerConfig
+from mmserve.disaggregation.encode_args import DEFAULT_PATCH_BUDGET, EncodeServerConfig
 from mmserve.disaggregation.encoder_metrics import EncoderMetrics
 from mmserve.disaggregation.encoder_worker import EncoderWorker
 from mmserve.disaggregation.media_stage import ItemError, MediaStage
 from mmserve.disaggregation.protocol import MAX_HEADER_BYTES, is_input_error, model_fingerprint
 from mmserve.disaggregation.vision_stage import VisionStage
-from mmserve.engine.factory import SERVER_DECODE_WORKERS, resolve_device, resolve_dtype
-from mmserve.engine.media_config import media_config_from_args
 from mmserve.models.config import load_model_config
 from mmserve.models.loader import load_vision_tower
 from mmserve.processing.image_processor import ImageProcessorConfig, max_tokens_per_item
 from mmserve.processing.media import MediaLoader
 
 logger = logging.getLogger(__name__)
-DEFAULT_PATCH_BUDGET = 32768
 CPU_STAGE_THREADS = 4  # image processing threads (decoding runs in worker processes)
 MAX_PLAN_BODY_BYTES = 64 * 1024
 
@@ -63,26 +62,27 @@ class EncoderServer:
     """Everything `mmserve encode` runs; `serve()` until `stop()` (or a signal)."""
 
     def __init__(self, config: EncodeServerConfig, *, decode_workers: int) -> None:
-        args = config.media_args
         self.config = config
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, device, load_model_config(args.model).dtype)
-        tower, model_config = load_vision_tower(args.model, device, dtype)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device, load_model_config(config.model).dtype)
+        tower, model_config = load_vision_tower(config.model, device, dtype)
         self.vision = VisionStage(tower, device, dtype)
-        image_config = ImageProcessorConfig.from_pretrained(args.model)
+        image_config = ImageProcessorConfig.from_pretrained(config.model)
         media = MediaLoader(
-            media_config_from_args(args, image_config, decode_workers=decode_workers)
+            config.media.for_loader(
+                processor_max_pixels=image_config.max_pixels, decode_workers=decode_workers
+            )
         )
         self.media = MediaStage(media, image_config, CPU_STAGE_THREADS)
         self.cache: ByteBudgetLRU[CachedEmbedding] = ByteBudgetLRU(config.cache_bytes)
         self.metrics = EncoderMetrics()
         merge = model_config.spatial_merge_size
         largest = max_tokens_per_item(image_config) * merge * merge
-        self.patch_budget = config.patch_budget or max(DEFAULT_PATCH_BUDGET, largest)
+        self.patch_budget = config.encoder_patch_budget or max(DEFAULT_PATCH_BUDGET, largest)
         vision_cfg = model_config.vision
         self.info = EncoderInfo(
             zmq_port=config.zmq_port,
-            model_fingerprint=model_fingerprint(args.model),
+            model_fingerprint=model_fingerprint(config.model),
             hidden_size=self.vision.hidden_size,
             dtype=self.vision.dtype_name,
             spatial_merge_size=merge,
@@ -90,7 +90,7 @@ class EncoderServer:
             temporal_patch_size=vision_cfg.temporal_patch_size,
         )
         self._max_message_bytes = (
-            max(media.config.max_fetch_bytes, media.config.max_image_pixels * 3)
+            max(media.config.max_media_bytes, media.config.image_pixel_cap * 3)
             + 2 * MAX_HEADER_BYTES
         )
         self._uvicorn: Any = None
@@ -137,7 +137,7 @@ class EncoderServer:
         self._uvicorn = uvicorn.Server(uv_config)
         logger.info(
             "encoding with %s on http://%s:%d (ZMQ port %d, patch budget %d, cache %.1f GiB)",
-            self.config.model_dir,
+            self.config.model,
             self.config.host,
             self.config.port,
             self.config.zmq_port,

@@ -42,6 +42,7 @@ from mmserve.disaggregation.protocol import (
     encode_message,
 )
 from mmserve.disaggregation.vision_stage import VisionStage
+from mmserve.grid import grid_num_patches
 from mmserve.multimodal import ProcessedImage
 
 logger = logging.getLogger(__name__)
@@ -65,8 +66,7 @@ class _Waiter:
 
     @property
     def num_patches(self) -> int:
-        t, h, w = self.item.grid_thw
-        return t * h * w
+        return grid_num_patches(self.item.grid_thw)
 
 
 @dataclass(slots=True, eq=False)

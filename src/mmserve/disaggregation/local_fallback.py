@@ -59,7 +59,7 @@ class LocalFallback:
             assert item.payload is not None
             return self.media_loader.load_image(item.payload)
         assert item.url is not None
-        data = fetch_url(item.url, self.media_loader.config.fetch_policy)
+        data = fetch_url(item.url, self.media_loader.fetch_policy)
         if content_digest(data) != item.content_digest:
             raise InvalidRequestError(
                 "the image at the URL changed since the request was planned (its bytes differ); "

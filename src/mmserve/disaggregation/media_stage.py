@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import blake3
 from PIL import Image
@@ -27,6 +26,7 @@ from mmserve.multimodal import ProcessedImage
 from mmserve.processing.http_fetch import AsyncFetcher
 from mmserve.processing.image_processor import ImageProcessorConfig, get_grid_thw, process_image
 from mmserve.processing.media import MediaLoader
+from mmserve.processing.url_planner import UrlPlan
 
 # Fetched URL bytes are kept this long (and within PLAN_STORE_BYTES) for the encode that
 # follows a plan; after that the encode fetches again (and checks the digest).
@@ -43,16 +43,6 @@ class ItemError(Exception):
         self.code = code
         self.message = message
         self.param = param
-
-
-@dataclass(frozen=True, slots=True)
-class UrlPlan:
-    """The answer of POST /v1/encode/plan."""
-
-    content_digest: str
-    width: int
-    height: int
-    grid_thw: tuple[int, int, int]
 
 
 def content_key(item: EncodeItem, digest: str) -> str:
@@ -78,8 +68,8 @@ class MediaStage:
     ) -> None:
         self.media = media
         self.image_config = image_config
-        policy = media.config.fetch_policy
-        self._fetcher = AsyncFetcher(policy, media.config.max_concurrent_fetches)
+        policy = media.fetch_policy
+        self._fetcher = AsyncFetcher(policy, media.config.max_concurrent_media_fetches)
         self._plans: ByteBudgetLRU[bytes] = ByteBudgetLRU(PLAN_STORE_BYTES, PLAN_STORE_TTL_S)
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="mmserve-encode-cpu")
 
@@ -166,7 +156,7 @@ class MediaStage:
 
     def _rgb_image(self, data: bytes, size: tuple[int, int]) -> Image.Image:
         width, height = size
-        max_pixels = self.media.config.max_image_pixels
+        max_pixels = self.media.config.image_pixel_cap
         if width * height > max_pixels:
             raise MediaError(
                 f"the image is {width}x{height} = {width * height} pixels, over the "

@@ -35,7 +35,8 @@ from mmserve.disaggregation.discovery import (
     normalise_encoder_url,
 )
 from mmserve.disaggregation.local_fallback import LocalFallback
-from mmserve.disaggregation.pool_io import IOConfig, PendingItem, PoolIO
+from mmserve.disaggregation.pool_io import PoolIO
+from mmserve.disaggregation.pool_state import IOConfig, PendingItem
 from mmserve.errors import FailureKind, InvalidRequestError, MMServeError, RequestFailure
 from mmserve.execution.encoder.source import EncoderArrival, EncoderItemFailure
 from mmserve.metrics import EngineMetrics

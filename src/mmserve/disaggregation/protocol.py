@@ -34,6 +34,8 @@ MAX_HEADER_BYTES = 64 * 1024
 MAC_BYTES = 32  # SHA-256
 
 Source = Literal["bytes", "rgb", "url"]
+# The embedding dtypes on the wire, and their element sizes (embedding_dtypes.py maps the
+# same names to torch dtypes on both ends).
 EmbeddingDType = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 

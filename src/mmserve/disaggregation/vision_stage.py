@@ -8,11 +8,11 @@ import numpy as np
 import torch
 
 from mmserve.disaggregation.embedding_cache import CachedEmbedding
+from mmserve.disaggregation.embedding_dtypes import DTYPE_NAMES
+from mmserve.grid import grid_num_tokens
 from mmserve.models.qwen2_vl_vision import VisionTransformer
 from mmserve.models.vision_metadata import check_vision_inputs
 from mmserve.multimodal import ProcessedImage
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class VisionStage:
@@ -38,7 +38,7 @@ class VisionStage:
         checked = check_vision_inputs(pixels, grids, self.tower.config)
         with torch.inference_mode():
             embeds = self.tower(pixels, checked)  # [total_patches / merge^2, hidden]
-        sizes = [t * h * w // self.merge**2 for t, h, w in checked]
+        sizes = [grid_num_tokens(grid, self.merge) for grid in checked]
         host = embeds.to("cpu").contiguous()
         out = []
         for grid, emb in zip(checked, host.split(sizes), strict=True):

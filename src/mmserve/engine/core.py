@@ -21,7 +21,12 @@ from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.mrope import decode_positions
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.admission import bounded_max_tokens
-from mmserve.scheduling.outputs import ModelRunnerOutput, RequestUpdate, SchedulerOutput
+from mmserve.scheduling.outputs import (
+    GrammarOutput,
+    ModelRunnerOutput,
+    RequestUpdate,
+    SchedulerOutput,
+)
 from mmserve.scheduling.request import Request, RequestStatus
 from mmserve.scheduling.scheduler import Scheduler
 from mmserve.structured_output.manager import StructuredOutputManager
@@ -186,11 +191,9 @@ class EngineCore:
                 runner_output = self._execute(scheduler_output)
                 updates = self.scheduler.update_from_output(scheduler_output, runner_output)
             else:
-                scheduler_output, failures = grammar.mask_step(
-                    scheduler_output, self.scheduler.requests
-                )
-                runner_output = self._execute(scheduler_output)
-                runner_output, completed = grammar.accept_step(runner_output, failures)
+                mask = grammar.grammar_output(scheduler_output, self.scheduler.requests)
+                runner_output = self._execute(scheduler_output, mask.grammar_output)
+                runner_output, completed = grammar.accept_step(runner_output, mask.failures)
                 updates = self.scheduler.update_from_output(scheduler_output, runner_output)
                 updates = self._stop_completed(updates, completed)
                 grammar.retain(self.scheduler.requests)
@@ -250,10 +253,12 @@ class EngineCore:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         """Run the step; a crash of the forward pass fails the requests in it, not the core."""
         try:
-            return self.executor.execute(scheduler_output)
+            return self.executor.execute(scheduler_output, grammar_output)
         except Exception:  # noqa: BLE001 - contained to the requests of this step
             request_ids = sorted(scheduler_output.num_scheduled_tokens)
             logger.exception("model step failed; failing the requests in it: %s", request_ids)

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from mmserve.config import CacheConfig, SchedulerConfig
-from mmserve.engine.args import EngineArgs
+from mmserve.config.engine import EngineConfig
+from mmserve.config.scheduler import CacheConfig, SchedulerConfig
 from mmserve.errors import EngineDeadError
 from mmserve.metrics import EngineMetrics, record_scheduler_stats
 from mmserve.multimodal import ProcessedPrompt
@@ -91,9 +91,9 @@ class CoreClient:
 
     @classmethod
     def start(
-        cls, args: EngineArgs, shape: EngineShape, metrics: EngineMetrics
+        cls, config: EngineConfig, shape: EngineShape, metrics: EngineMetrics
     ) -> tuple[CoreClient, ResolvedConfig]:
-        """Start an engine process for `args` and wait until it has loaded the model."""
+        """Start an engine process for `config` and wait until it has loaded the model."""
         from mmserve.engine.factory import ResolvedConfig
 
         socket_dir = tempfile.mkdtemp(prefix="mmserve-core-")
@@ -118,12 +118,14 @@ class CoreClient:
             outputs_addr,
             "--parent-pid",
             str(os.getpid()),
+            "--log-level",
+            _log_level(),
         ]
         # A session of its own: a terminal's Ctrl-C or a SIGTERM to the group reaches only
         # the API process, which drains and then stops the engine.
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
         assert proc.stdin is not None
-        proc.stdin.write(msgspec.json.encode(dataclasses.replace(args, api_key=None)))
+        proc.stdin.write(msgspec.json.encode(config))
         proc.stdin.close()
         try:
             ready = _wait_ready(proc, outputs)
@@ -134,12 +136,7 @@ class CoreClient:
             ctx.term()
             raise
         resolved = ResolvedConfig(**ready.config)
-        cache_config = CacheConfig(
-            num_blocks=resolved.num_kv_blocks,
-            block_size=resolved.block_size,
-            enable_prefix_caching=resolved.enable_prefix_caching,
-            hash_algorithm=args.hash_algorithm,
-        )
+        cache_config = dataclasses.replace(config.cache, num_blocks=resolved.num_kv_blocks)
         client = cls(
             proc,
             ctx,
@@ -290,3 +287,10 @@ def _kill(proc: subprocess.Popen, socket_dir: str) -> None:
         except subprocess.TimeoutExpired:
             logger.error("engine process %d did not die after SIGKILL", proc.pid)
     shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def _log_level() -> str:
+    """The engine process logs as this process does (`serve --log-level`); an API that
+    configured no logging (the offline LLM) gets the engine's start-up story at info."""
+    root = logging.getLogger()
+    return logging.getLevelName(root.level) if root.handlers else "INFO"

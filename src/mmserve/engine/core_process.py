@@ -1,8 +1,9 @@
 """The engine-core process: scheduler and model, fed over ZMQ by the API process.
 
 Started by `engine.core_client.CoreClient` as `python -m mmserve.engine.core_process --input
-ADDR --output ADDR --parent-pid PID`, with the EngineArgs as JSON on stdin. It connects a PULL
-socket to the API's requests and a PUSH socket to its outputs, loads the model, says
+ADDR --output ADDR --parent-pid PID --log-level LEVEL`, with the EngineConfig (the engine's
+settings only, never the HTTP server's) as JSON on stdin. It connects a PULL socket to the
+API's requests and a PUSH socket to its outputs, loads the model, says
 `EngineCoreReady`, then loops: take every waiting message, run one step, send its outputs.
 
 It never decides its own lifetime except to die: it stops on `EngineCoreShutdown`, when its
@@ -22,7 +23,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from mmserve.engine.args import EngineArgs
+from mmserve.config.engine import EngineConfig
 from mmserve.engine.core import EngineCore
 from mmserve.errors import EngineDeadError, FailureKind, MMServeError, RequestFailure
 from mmserve.metrics import CORE_COUNTERS, CORE_GAUGES, EngineMetrics, SchedulerStats
@@ -153,10 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", required=True, help="ZMQ address of the API's requests")
     parser.add_argument("--output", required=True, help="ZMQ address of the API's outputs")
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--log-level", default="INFO", help="the API process's log level")
     ns = parser.parse_args(argv)
-    args = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineArgs)
+    config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=ns.log_level,
         format="%(asctime)s %(levelname)s (engine core) %(name)s: %(message)s",
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -169,21 +171,21 @@ def main(argv: list[str] | None = None) -> int:
     inbox.connect(ns.input)
     outbox.connect(ns.output)
     try:
-        return _serve(args, inbox, outbox, ns.parent_pid)
+        return _serve(config, inbox, outbox, ns.parent_pid)
     finally:
         outbox.close(linger=2000)  # let EngineDead / the last outputs leave
         inbox.close(linger=0)
         ctx.term()
 
 
-def _serve(args: EngineArgs, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> int:
+def _serve(config: EngineConfig, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> int:
     from mmserve.engine.factory import build_core, resolve_shape
 
     try:
-        shape = resolve_shape(args)
+        shape = resolve_shape(config)
         if shape.device.type == "cpu":
             _share_cpus_with_the_api_process()
-        core, resolved = build_core(args, shape, EngineMetrics())
+        core, resolved = build_core(config, shape, EngineMetrics())
     except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits
         logger.exception("the engine core failed to start")
         outbox.send_multipart(codec.encode(EngineDead(f"start-up failed: {exc}")))

@@ -1,4 +1,4 @@
-"""The one place that wires an engine together from EngineArgs."""
+"""The one place that wires an engine together from an EngineConfig."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 
-from mmserve.config import CacheConfig, SchedulerConfig
-from mmserve.engine.args import EngineArgs
+from mmserve.config.engine import EngineConfig
+from mmserve.config.media import SERVER_DECODE_WORKERS, MediaConfig
+from mmserve.config.scheduler import CacheConfig, SchedulerConfig
+from mmserve.config.torch_device import resolve_device, resolve_dtype
 from mmserve.engine.core import CoreLike, EngineCore
 from mmserve.engine.llm_engine import LLMEngine
-from mmserve.engine.media_config import media_config_from_args
 from mmserve.engine.model_source import with_local_sources
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.engine.remote_encoders import build_encoder_pool, build_url_planner
@@ -27,7 +28,7 @@ from mmserve.models.config import ModelConfig, load_model_config
 from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.media import MediaLoader
-from mmserve.processing.remote_items import RemoteImagePlanning
+from mmserve.processing.remote_planning import RemoteImagePlanning
 from mmserve.processing.tokenizer import Tokenizer
 from mmserve.processing.video_inputs import (
     largest_item_tokens,
@@ -43,7 +44,6 @@ from mmserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
-SERVER_DECODE_WORKERS = 2
 # The engine core decodes only the local fallback's images (no encoder could): one worker,
 # started on first use.
 FALLBACK_DECODE_WORKERS = 1
@@ -83,23 +83,6 @@ class ResolvedConfig:
         return dict(self.__dict__)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was given but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cpu":
-        return torch.float32  # CPU matmuls in half precision are slow and less accurate
-    ckpt = getattr(torch, checkpoint_dtype, torch.bfloat16)
-    return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
-
-
 @dataclass(frozen=True)
 class EngineShape:
     """What both the API side and the engine core derive from the flags and the checkpoint's
@@ -116,38 +99,36 @@ class EngineShape:
     scheduler_config: SchedulerConfig
 
 
-def resolve_shape(args: EngineArgs) -> EngineShape:
-    device = resolve_device(args.device)
-    model_dir = Path(args.model)
+def resolve_shape(config: EngineConfig) -> EngineShape:
+    device = resolve_device(config.device.device)
+    model_dir = Path(config.checkpoint.model)
     if not (model_dir / "config.json").is_file():
-        raise ValueError(f"--model {args.model}: no config.json there; is it a model directory?")
+        raise ValueError(
+            f"--model {config.checkpoint.model}: no config.json there; is it a model directory?"
+        )
     model_config = load_model_config(model_dir)
-    dtype = resolve_dtype(args.dtype, device, model_config.dtype)
-    max_model_len = args.max_model_len or model_config.text.max_position_embeddings
+    dtype = resolve_dtype(config.checkpoint.dtype, device, model_config.dtype)
+    max_model_len = config.scheduler.max_model_len or model_config.text.max_position_embeddings
     image_config = ImageProcessorConfig.from_pretrained(model_dir).with_overrides(
-        split_processor_kwargs(args.mm_processor_kwargs)[0]  # its video keys: InputProcessor
+        # its video keys: InputProcessor
+        split_processor_kwargs(config.multimodal.mm_processor_kwargs)[0]
     )
-    tokenizer = Tokenizer.from_pretrained(args.tokenizer or model_dir)
+    tokenizer = Tokenizer.from_pretrained(config.checkpoint.tokenizer or model_dir)
     eos_token_ids = tuple(dict.fromkeys([*tokenizer.stop_token_ids, *model_config.eos_token_ids]))
     # The floors of the encoder budgets: the largest item of every modality the server
     # accepts (what the input processor will let through), so a maximal video fits alone too.
     max_item_tokens = largest_item_tokens(
         image_config,
-        load_video_config(model_dir, args.mm_processor_kwargs),
-        args.limit_mm_per_prompt,
+        load_video_config(model_dir, config.multimodal.mm_processor_kwargs),
+        config.multimodal.limit_mm_per_prompt,
         max_model_len,
     )
     merge = model_config.spatial_merge_size
-    scheduler_config = SchedulerConfig(
+    scheduler_config = dataclasses.replace(
+        config.scheduler,
         max_model_len=max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
         max_tokens_per_mm_item=max_item_tokens,
         max_patches_per_mm_item=max_item_tokens * merge * merge,
-        disable_chunked_mm_input=args.disable_chunked_mm_input,
-        encoder_cache_size=args.encoder_cache_size,
-        encoder_cache_bytes=args.encoder_cache_bytes,
-        encoder_patch_budget=args.encoder_patch_budget,
         # one embedding in the runner's cache: [hidden] in the model's dtype
         encoder_embed_bytes=model_config.hidden_size * dtype.itemsize,
         patches_per_embed=merge * merge,
@@ -166,7 +147,7 @@ def resolve_shape(args: EngineArgs) -> EngineShape:
 
 
 def build_input_processor(
-    args: EngineArgs, shape: EngineShape, *, decode_workers: int = 0
+    config: EngineConfig, shape: EngineShape, *, decode_workers: int = 0
 ) -> InputProcessor:
     """The CPU stage: media fetching and decoding, image processing, templating, tokenizing.
 
@@ -174,55 +155,50 @@ def build_input_processor(
     crash or hang fails one request instead of the server (the server uses it; the offline API
     decodes in-process).
     """
-    media = MediaLoader(
-        media_config_from_args(args, shape.image_config, decode_workers=decode_workers)
-    )
+    media = MediaLoader(_media_config(config.media, shape, decode_workers=decode_workers))
     remote: dict[str, Any] = {}
-    if args.encoder_urls:  # images are planned here and encoded by the pool
-        fallback_local = args.resolved_encoder_fallback == "local"
-        remote = {"remote_images": RemoteImagePlanning(build_url_planner(args), fallback_local)}
+    if config.encoder_pool.encoder_urls:  # images are planned here and encoded by the pool
+        fallback_local = config.encoder_pool.resolved_encoder_fallback == "local"
+        remote = {
+            "remote_images": RemoteImagePlanning(
+                build_url_planner(config.encoder_pool), fallback_local
+            )
+        }
     return InputProcessor.from_pretrained(
         shape.model_dir,
         max_model_len=shape.max_model_len,
-        limit_mm_per_prompt=args.limit_mm_per_prompt,
-        mm_processor_kwargs=args.mm_processor_kwargs,
-        mm_processor_cache_gb=args.mm_processor_cache_gb,
-        hash_algorithm=args.hash_algorithm,
-        model_id=args.served_model_name[0]
-        if args.served_model_name
+        limit_mm_per_prompt=config.multimodal.limit_mm_per_prompt,
+        mm_processor_kwargs=config.multimodal.mm_processor_kwargs,
+        mm_processor_cache_gb=config.multimodal.mm_processor_cache_gb,
+        hash_algorithm=config.cache.hash_algorithm,
+        model_id=config.checkpoint.served_model_name[0]
+        if config.checkpoint.served_model_name
         else str(shape.model_dir.resolve()),
         media_loader=media,
-        trust_exif_image_id=args.trust_exif_image_id,
+        trust_exif_image_id=config.multimodal.trust_exif_image_id,
         tokenizer=shape.tokenizer,
         **remote,
     )
 
 
 def build_core(
-    args: EngineArgs, shape: EngineShape, metrics: EngineMetrics
+    config: EngineConfig, shape: EngineShape, metrics: EngineMetrics
 ) -> tuple[EngineCore, ResolvedConfig]:
     """Start the worker and build the scheduler and the executor: what the engine process runs."""
     scheduler_config = shape.scheduler_config
     encoder_source = None
-    if args.encoder_urls:  # images arrive as RemoteItems: the pool encodes them
+    if config.encoder_pool.encoder_urls:  # images arrive as RemoteItems: the pool encodes them
         encoder_source = build_encoder_pool(
-            args,
+            config.encoder_pool,
             model_dir=shape.model_dir,
             hidden_size=shape.model_config.hidden_size,
             dtype=shape.dtype,
             image_config=shape.image_config,
-            media_config=media_config_from_args(
-                args, shape.image_config, decode_workers=FALLBACK_DECODE_WORKERS
-            ),
+            media_config=_media_config(config.media, shape, decode_workers=FALLBACK_DECODE_WORKERS),
             metrics=metrics,
         )
-    worker = Worker(_worker_config(args, shape), metrics, encoder_source).start()
-    cache_config = CacheConfig(
-        num_blocks=worker.num_blocks,
-        block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        hash_algorithm=args.hash_algorithm,
-    )
+    worker = Worker(_worker_config(config, shape), metrics, encoder_source).start()
+    cache_config = dataclasses.replace(config.cache, num_blocks=worker.num_blocks)
     scheduler = Scheduler(
         scheduler_config,
         cache_config,
@@ -230,7 +206,7 @@ def build_core(
         EncoderCacheManager(
             scheduler_config.effective_encoder_cache_bytes, scheduler_config.encoder_embed_bytes
         ),
-        pixel_store=PixelStore(int(args.mm_reencode_cache_gb * (1 << 30))),
+        pixel_store=PixelStore(int(config.multimodal.mm_reencode_cache_gb * (1 << 30))),
         eos_token_ids=shape.eos_token_ids,
     )
     _log_encoder_budget(scheduler_config)
@@ -252,7 +228,7 @@ def build_core(
         ),
     )
     resolved = _describe(
-        args,
+        config,
         worker.model_config,
         shape.device,
         shape.dtype,
@@ -271,14 +247,14 @@ def build_core(
     return core, resolved
 
 
-def _worker_config(args: EngineArgs, shape: EngineShape) -> WorkerConfig:
+def _worker_config(config: EngineConfig, shape: EngineShape) -> WorkerConfig:
     sched = shape.scheduler_config
     return WorkerConfig(
         model_dir=shape.model_dir,
         device=shape.device,
         dtype=shape.dtype,
-        attention_backend=args.attention_backend,
-        seed=args.seed,
+        attention_backend=config.device.attention_backend,
+        seed=config.checkpoint.seed,
         max_model_len=shape.max_model_len,
         max_num_batched_tokens=sched.max_num_batched_tokens,
         max_num_seqs=sched.max_num_seqs,
@@ -286,40 +262,45 @@ def _worker_config(args: EngineArgs, shape: EngineShape) -> WorkerConfig:
         # the per-step encoder budget, in input patches (what activation memory scales with)
         max_patches_per_call=sched.effective_encoder_patch_budget,
         encoder_cache_bytes=sched.effective_encoder_cache_bytes,
-        max_logprobs=args.max_logprobs,
-        block_size=args.block_size,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager,
-        cuda_graph_sizes=args.cuda_graph_sizes,
-        enable_encoder_cuda_graph=args.enable_encoder_cuda_graph,
+        max_logprobs=config.checkpoint.max_logprobs,
+        block_size=config.cache.block_size,
+        num_gpu_blocks_override=config.cache.num_gpu_blocks_override,
+        kv_cache_memory_bytes=config.cache.kv_cache_memory_bytes,
+        gpu_memory_utilization=config.device.gpu_memory_utilization,
+        enforce_eager=config.device.enforce_eager,
+        cuda_graph_sizes=config.device.cuda_graph_sizes,
+        enable_encoder_cuda_graph=config.device.enable_encoder_cuda_graph,
     )
 
 
-def build_engine(args: EngineArgs, *, decode_workers: int = 0) -> tuple[LLMEngine, ResolvedConfig]:
-    """An engine with its core in this process, or in an engine process if `args.multiprocess`."""
-    args = with_local_sources(args)  # a hub id becomes its snapshot directory, once, here
-    shape = resolve_shape(args)
+def build_engine(
+    config: EngineConfig, *, decode_workers: int = 0
+) -> tuple[LLMEngine, ResolvedConfig]:
+    """An engine with its core in this process, or in an engine process if
+    `config.parallel.multiprocess`."""
+    config = with_local_sources(config)  # a hub id becomes its snapshot directory, once, here
+    shape = resolve_shape(config)
     metrics = EngineMetrics(max_model_len=shape.max_model_len)
-    if args.multiprocess:
+    if config.parallel.multiprocess:
         from mmserve.engine.core_client import CoreClient
 
         core: CoreLike
-        core, resolved = CoreClient.start(args, shape, metrics)
+        core, resolved = CoreClient.start(config, shape, metrics)
     else:
-        core, resolved = build_core(args, shape, metrics)
+        core, resolved = build_core(config, shape, metrics)
     tokenizer = shape.tokenizer
     engine = LLMEngine(
-        input_processor=build_input_processor(args, shape, decode_workers=decode_workers),
+        input_processor=build_input_processor(config, shape, decode_workers=decode_workers),
         core=core,
         output_processor=OutputProcessor(
             lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip), metrics
         ),
         metrics=metrics,
         max_model_len=shape.max_model_len,
-        max_logprobs=args.max_logprobs,
-        sampling_defaults=load_sampling_defaults(args.generation_config, shape.model_dir),
+        max_logprobs=config.checkpoint.max_logprobs,
+        sampling_defaults=load_sampling_defaults(
+            config.checkpoint.generation_config, shape.model_dir
+        ),
     )
     return engine, resolved
 
@@ -340,7 +321,7 @@ def _log_encoder_budget(sched: SchedulerConfig) -> None:
 
 
 def _describe(
-    args: EngineArgs,
+    config: EngineConfig,
     model_config: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
@@ -352,7 +333,7 @@ def _describe(
     layer_ops: str,
 ) -> ResolvedConfig:
     return ResolvedConfig(
-        model=str(args.model),
+        model=str(config.checkpoint.model),
         architecture=model_config.architecture,
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
@@ -374,7 +355,7 @@ def _describe(
     )
 
 
-def build_async_engine(args: EngineArgs):  # -> AsyncLLMEngine
+def build_async_engine(config: EngineConfig):  # -> AsyncLLMEngine
     """The server's engine: its core in an engine process unless `--no-multiprocess`."""
     from mmserve.engine.async_engine import AsyncLLMEngine
 
@@ -382,7 +363,16 @@ def build_async_engine(args: EngineArgs):  # -> AsyncLLMEngine
     # server: it processes pictures on many threads, and the offline API measured ~5% slower
     # with the cap.
     limit_malloc_arenas()
-    if args.multiprocess is None:
-        args = dataclasses.replace(args, multiprocess=True)
-    engine, resolved = build_engine(args, decode_workers=SERVER_DECODE_WORKERS)
-    return AsyncLLMEngine(engine, resolved, model_name=args.resolved_served_model_name)
+    if config.parallel.multiprocess is None:
+        config = dataclasses.replace(
+            config, parallel=dataclasses.replace(config.parallel, multiprocess=True)
+        )
+    engine, resolved = build_engine(config, decode_workers=SERVER_DECODE_WORKERS)
+    return AsyncLLMEngine(engine, resolved, model_name=config.checkpoint.resolved_served_model_name)
+
+
+def _media_config(media: MediaConfig, shape: EngineShape, *, decode_workers: int) -> MediaConfig:
+    """The media flags as a loader runs them: the pixel cap resolved against the processor."""
+    return media.for_loader(
+        processor_max_pixels=shape.image_config.max_pixels, decode_workers=decode_workers
+    )

@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from mmserve.engine.args import EngineArgs
+from mmserve.config.engine import EngineConfig
 from mmserve.engine.factory import ResolvedConfig, build_engine
 from mmserve.engine.outputs import OutputKind, RequestOutput
 from mmserve.hashing import DEFAULT_NAMESPACE
@@ -32,8 +32,8 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         if model is not None:
             engine_args["model"] = str(model)
-        self.engine_args = EngineArgs(**engine_args)
-        self.engine, self.resolved_config = build_engine(self.engine_args)
+        self.engine_config = EngineConfig.from_kwargs(**engine_args)
+        self.engine, self.resolved_config = build_engine(self.engine_config)
         self._ids = itertools.count()
 
     def __enter__(self) -> LLM:

@@ -14,10 +14,8 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from mmserve.engine.args import EngineArgs
+from mmserve.config.engine import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -125,32 +123,34 @@ def _from_hub(model: str, revision: str | None, download_dir: str | None, what: 
     return local_dir
 
 
-def with_local_sources(args: EngineArgs) -> EngineArgs:
-    """`args` with the model (and any --tokenizer) as local directories, hub ids resolved.
+def with_local_sources(config: EngineConfig) -> EngineConfig:
+    """`config` with the model (and any --tokenizer) as local directories, hub ids resolved.
 
     The served name stays the string the user gave (a hub id is served as itself, as in
     vLLM), so resolving twice is harmless and the engine process never touches the hub.
     """
+    ckpt = config.checkpoint
     model_dir = resolve_model_dir(
-        args.model, revision=args.revision, download_dir=args.download_dir
+        ckpt.model, revision=ckpt.revision, download_dir=ckpt.download_dir
     )
     tokenizer_dir = None
-    if args.tokenizer is not None:
+    if ckpt.tokenizer is not None:
         tokenizer_dir = str(
             resolve_model_dir(
-                args.tokenizer,
-                revision=args.tokenizer_revision,
-                download_dir=args.download_dir,
+                ckpt.tokenizer,
+                revision=ckpt.tokenizer_revision,
+                download_dir=ckpt.download_dir,
                 what="--tokenizer",
             )
         )
-    if str(model_dir) == args.model and tokenizer_dir == args.tokenizer:
-        return args
-    return dataclasses.replace(
-        args,
+    if str(model_dir) == ckpt.model and tokenizer_dir == ckpt.tokenizer:
+        return config
+    local = dataclasses.replace(
+        ckpt,
         model=str(model_dir),
-        served_model_name=args.served_model_names,
+        served_model_name=ckpt.served_model_names,
         revision=None,
         tokenizer=tokenizer_dir,
         tokenizer_revision=None,
     )
+    return dataclasses.replace(config, checkpoint=local)

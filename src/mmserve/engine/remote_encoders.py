@@ -10,35 +10,36 @@ from pathlib import Path
 
 import torch
 
+from mmserve.config.media import MediaConfig
+from mmserve.config.pool import EncoderPoolConfig
 from mmserve.disaggregation.discovery import ModelIdentity
 from mmserve.disaggregation.local_fallback import LocalFallback
 from mmserve.disaggregation.planner import HttpUrlPlanner
 from mmserve.disaggregation.pool import PoolConfig, RemoteEncoderPool
 from mmserve.disaggregation.protocol import model_fingerprint, read_secret_file
-from mmserve.engine.args import EngineArgs
 from mmserve.metrics import EngineMetrics
 from mmserve.processing.image_processor import ImageProcessorConfig
-from mmserve.processing.media import MediaConfig, MediaLoader
+from mmserve.processing.media import MediaLoader
 
 
-def read_encoder_secret(args: EngineArgs) -> bytes | None:
+def read_encoder_secret(pool: EncoderPoolConfig) -> bytes | None:
     """The secret shared with the encoder pool: --encoder-secret-file's content (surrounding
     whitespace stripped), else MMSERVE_ENCODER_SECRET (put into args by the CLI), else None."""
-    if args.encoder_secret_file is None:
-        return None if args.encoder_secret is None else args.encoder_secret.strip().encode()
-    return read_secret_file(args.encoder_secret_file)
+    if pool.encoder_secret_file is None:
+        return None if pool.encoder_secret is None else pool.encoder_secret.strip().encode()
+    return read_secret_file(pool.encoder_secret_file)
 
 
-def build_url_planner(args: EngineArgs) -> HttpUrlPlanner:
+def build_url_planner(pool: EncoderPoolConfig) -> HttpUrlPlanner:
     """The API side's planner of http(s) images: the pool fetches them, this server never."""
-    assert args.encoder_urls
+    assert pool.encoder_urls
     return HttpUrlPlanner(
-        args.encoder_urls, secret=read_encoder_secret(args), timeout_s=args.resolved_encoder_timeout
+        pool.encoder_urls, secret=read_encoder_secret(pool), timeout_s=pool.resolved_encoder_timeout
     )
 
 
 def build_encoder_pool(
-    args: EngineArgs,
+    pool: EncoderPoolConfig,
     *,
     model_dir: Path,
     hidden_size: int,
@@ -50,20 +51,20 @@ def build_encoder_pool(
     """The engine core's client of the encoder pool (discovers every encoder; ValueError on
     one that is unreachable or serves another model). `media_config`: the local fallback's
     URL policy and decode limits, the same as the API process's."""
-    assert args.encoder_urls
+    assert pool.encoder_urls
     identity = ModelIdentity(
         fingerprint=model_fingerprint(model_dir),
         hidden_size=hidden_size,
         dtype=str(dtype).removeprefix("torch."),
     )
     local = None
-    if args.resolved_encoder_fallback == "local":
+    if pool.resolved_encoder_fallback == "local":
         local = LocalFallback(MediaLoader(media_config), image_config)
     config = PoolConfig(
-        args.encoder_urls,
+        pool.encoder_urls,
         identity,
-        fallback=args.resolved_encoder_fallback,
-        timeout_s=args.resolved_encoder_timeout,
-        secret=read_encoder_secret(args),
+        fallback=pool.resolved_encoder_fallback,
+        timeout_s=pool.resolved_encoder_timeout,
+        secret=read_encoder_secret(pool),
     )
     return RemoteEncoderPool.start(config, metrics=metrics, local_fallback=local)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from mmserve.execution.model_runner import ModelRunner
-from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
+from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(Protocol):
@@ -16,8 +16,11 @@ class Executor(Protocol):
     Steps arrive in order, one at a time, from one thread.
     """
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         """Run one step: encode the scheduled items, forward the scheduled tokens, sample.
+        `grammar_output` masks the tokens the structured requests may sample.
 
         The answer accounts for every request in `scheduler_output.num_scheduled_tokens`:
         sampled token ids for each whose step reaches the end of its tokens, or an entry in
@@ -58,10 +61,12 @@ class InProcessExecutor:
         self.runner = runner
         self.is_shut_down = False
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         if self.is_shut_down:
             raise RuntimeError("execute after shutdown: the executor's runner is released")
-        return self.runner.execute(scheduler_output)
+        return self.runner.execute(scheduler_output, grammar_output)
 
     def wait_for_encoder(self, timeout_s: float) -> None:
         if not self.is_shut_down:

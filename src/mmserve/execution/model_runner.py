@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from mmserve.config.scheduler import SchedulerConfig
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.encoder.intake import RemoteItemIntake, RemoteResults
 from mmserve.execution.encoder.runner import EncoderRunner
@@ -24,12 +25,20 @@ from mmserve.execution.sample.step import sample_step
 from mmserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from mmserve.layers.attention.buffers import BatchLimits
 from mmserve.multimodal import MultiModalFeature, ProcessedImage, RemoteItem
-from mmserve.scheduling.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
+from mmserve.scheduling.outputs import GrammarOutput, Logprobs, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-# Buffers of a runner built without limits (tests): grown past by falling back to exact ones.
-_DEFAULT_LIMITS = BatchLimits(max_num_tokens=8192, max_num_seqs=256, max_blocks_per_seq=512)
+
+def _default_limits() -> BatchLimits:
+    """Buffers of a runner built without limits (tests): the scheduler's default budgets;
+    grown past by falling back to exact ones."""
+    budgets = SchedulerConfig()
+    return BatchLimits(
+        max_num_tokens=budgets.max_num_batched_tokens,
+        max_num_seqs=budgets.max_num_seqs,
+        max_blocks_per_seq=512,
+    )
 
 
 class ModelRunner:
@@ -62,14 +71,18 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}
         # the engine's generator, on the device: unseeded rows draw their noise from it
         self._generator = make_device_generator(seed, device)
-        self.buffers = InputBuffers(limits or _DEFAULT_LIMITS, device)
+        self.buffers = InputBuffers(limits or _default_limits(), device)
         self.decode_graphs: DecodeGraphs | None = None
         self.encoder_source = encoder_source
         hidden_size = model.config.text.hidden_size if encoder_source is not None else 0
         self.remote = RemoteItemIntake(encoder_source, encoder_runner, hidden_size)
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, so: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        """`grammar_output` masks what the structured requests may sample (the engine core
+        computes it after scheduling)."""
         self._update_states(so)
         not_sent = self.remote.submit(so.remote_encoder_inputs)
         collected = self.remote.collect()
@@ -103,7 +116,7 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, Logprobs] = {}
         if batch.sample_request_ids:
-            self._sample(so, batch, hidden, errors, sampled, logprobs)
+            self._sample(batch, hidden, grammar_output, errors, sampled, logprobs)
         return _output(sampled, errors, logprobs, results)
 
     def wait_for_encoder(self, timeout_s: float) -> None:
@@ -140,16 +153,16 @@ class ModelRunner:
 
     def _sample(
         self,
-        so: SchedulerOutput,
         batch: StepBatch,
         hidden: torch.Tensor,
+        grammar_output: GrammarOutput | None,
         errors: dict[str, RequestFailure],
         sampled: dict[str, list[int]],
         logprobs: dict[str, Logprobs],
     ) -> None:
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_samples, vocab]
         rows = [self._sampling_row(self.states[r]) for r in batch.sample_request_ids]
-        bitmask = sampling_bitmask(so.grammar_bitmask, batch.sample_request_ids)
+        bitmask = sampling_bitmask(grammar_output, batch.sample_request_ids)
         step = sample_step(logits, rows, self._generator, bitmask)  # the step's one host sync
         for i, (request_id, token) in enumerate(
             zip(batch.sample_request_ids, step.tokens, strict=True)

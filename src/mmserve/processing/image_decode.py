@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
+from mmserve.config.media import DEFAULT_MAX_IMAGE_PIXELS
 from mmserve.errors import ImageDecodeError, ImageTooLargeError
 from mmserve.processing.decode_budget import Release, hold_until_collected
 from mmserve.processing.image_processor import to_rgb
@@ -22,7 +23,6 @@ from mmserve.processing.image_processor import to_rgb
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 # The default pixel cap is the larger of this and the image processor's max_pixels: smart_resize
 # brings every image down to max_pixels anyway, and 4096x4096 covers 4K photos for any model.
-DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
 # EXIF rides along for its ImageUniqueID only; a JPEG's APP1 segment holds at most 64 KiB, and a
 # larger block (PNG eXIf can be any size) is dropped rather than kept with the image.
 MAX_EXIF_BYTES = 64 * 1024
@@ -83,11 +83,6 @@ def estimate_decode_bytes(fmt: str, mode: str, has_transparency: bool, num_pixel
 
 
 Admit = Callable[[ImageHeader], Release | None]
-
-
-def default_max_image_pixels(processor_max_pixels: int) -> int:
-    """--max-image-pixels when not given: no image needs more, since smart_resize caps it."""
-    return max(processor_max_pixels, DEFAULT_MAX_IMAGE_PIXELS)
 
 
 def read_header(data: bytes, max_pixels: int) -> tuple[Image.Image, ImageHeader]:

@@ -14,6 +14,7 @@ import numpy as np
 from PIL import Image
 
 from mmserve.errors import InvalidRequestError
+from mmserve.grid import grid_num_tokens
 from mmserve.multimodal import ProcessedImage
 
 MAX_ASPECT_RATIO = 200
@@ -181,8 +182,7 @@ def get_grid_thw(width: int, height: int, cfg: ImageProcessorConfig) -> tuple[in
 
 def get_num_image_tokens(width: int, height: int, cfg: ImageProcessorConfig) -> int:
     """Placeholder tokens (= encoder embeddings) of an image of this size."""
-    t, h, w = get_grid_thw(width, height, cfg)
-    return t * h * w // (cfg.merge_size**2)
+    return grid_num_tokens(get_grid_thw(width, height, cfg), cfg.merge_size)
 
 
 def max_tokens_per_item(cfg: ImageProcessorConfig) -> int:

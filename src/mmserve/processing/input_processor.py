@@ -23,7 +23,7 @@ from mmserve.processing.mrope import get_mrope_positions
 from mmserve.processing.placeholders import VisionTokenIds, expand_pads, find_mm_pads
 from mmserve.processing.processor_cache import ProcessorCache
 from mmserve.processing.prompt_inputs import PromptItem, parse_generate_input, with_uuids
-from mmserve.processing.remote_items import (
+from mmserve.processing.remote_planning import (
     RemoteImageLoader,
     RemoteImagePlanning,
     remote_modalities,
@@ -62,7 +62,7 @@ class InputProcessor:
     ) -> None:
         """`tokens_per_second`: Qwen2.5-VL's temporal M-RoPE spacing of videos (None:
         Qwen2-VL, one step per temporal patch). `remote_images`: a disaggregated server's
-        images become RemoteItems for the encoder pool (processing/remote_items.py)."""
+        images become RemoteItems for the encoder pool (processing/remote_planning.py)."""
         self.tokenizer = tokenizer
         self.image_config = image_config
         self.video_config = video_config or VideoConfig()

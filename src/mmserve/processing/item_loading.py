@@ -12,7 +12,7 @@ from mmserve.processing.chat import ChatImage
 from mmserve.processing.decode_budget import RequestDecodeBudget
 from mmserve.processing.media import MediaLoader
 from mmserve.processing.modalities import ProcessingConfig
-from mmserve.processing.remote_items import RemoteImage, RemoteImageLoader
+from mmserve.processing.remote_planning import RemoteImage, RemoteImageLoader
 from mmserve.processing.video_decode import DecodedVideo
 from mmserve.processing.video_inputs import offline_video
 

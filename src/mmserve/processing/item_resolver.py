@@ -43,7 +43,7 @@ class ItemPlan:
 
 @dataclass(frozen=True, slots=True)
 class ResolvedItem:
-    identity: str
+    identifier: str
     modality: str
     data: ProcessedImage | RemoteItem
     grid_thw: tuple[int, int, int]
@@ -105,7 +105,7 @@ class ItemResolver:
             record = kind.record(item)
         return ItemPlan(kind, item, uuid, record, kind.plan(record, cfg))
 
-    def identity(self, plan: ItemPlan, cfg: ProcessingConfig, namespace: str) -> str:
+    def identifier(self, plan: ItemPlan, cfg: ProcessingConfig, namespace: str) -> str:
         return mm_item_identity(
             self.hasher,
             model_id=self.model_id,
@@ -118,18 +118,18 @@ class ItemResolver:
         )
 
     def resolve(self, plan: ItemPlan, cfg: ProcessingConfig, namespace: str) -> ResolvedItem:
-        identity = self.identity(plan, cfg, namespace)
+        identifier = self.identifier(plan, cfg, namespace)
         name = plan.modality.name
-        data = self.cache.get(identity)
+        data = self.cache.get(identifier)
         if data is None:
             if plan.item is None:
                 raise _unknown_uuid(name, plan.uuid or "")
             data = plan.modality.process(plan.item, plan.planned, cfg)
             assert data.grid_thw == plan.grid_thw, (data.grid_thw, plan.grid_thw)
-            self.cache.put(identity, data)
+            self.cache.put(identifier, data)
         if plan.uuid is not None and plan.item is not None:
             self.uuid_index.remember(namespace, plan.uuid, plan.record)
-        return ResolvedItem(identity, name, data, plan.grid_thw, plan.num_tokens)
+        return ResolvedItem(identifier, name, data, plan.grid_thw, plan.num_tokens)
 
     def _content_key(self, plan: ItemPlan, namespace: str) -> ContentKey:
         if plan.uuid is not None:

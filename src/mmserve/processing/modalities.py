@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from PIL import Image
 
+from mmserve.grid import grid_num_tokens
 from mmserve.hashing import ITEM_DOMAIN, ContentKey, claimed_content_key, pixel_content_key
 from mmserve.multimodal import ProcessedImage, RemoteItem
 from mmserve.processing.image_processor import ImageProcessorConfig, get_grid_thw, process_image
@@ -94,7 +95,7 @@ class ImageModality:
     def plan(self, record: object, cfg: ProcessingConfig) -> Planned:
         assert isinstance(record, UUIDRecord)
         t, h, w = get_grid_thw(record.width, record.height, cfg.image)
-        num_tokens = t * h * w // cfg.image.merge_size**2
+        num_tokens = grid_num_tokens((t, h, w), cfg.image.merge_size)
         patch = cfg.image.patch_size
         return Planned((t, h, w), num_tokens, (h * patch, w * patch, t, h, w))
 

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mmserve.errors import InvalidRequestError
+from mmserve.grid import grid_num_tokens
 
 
 class MRopePositions(NamedTuple):
@@ -99,7 +100,7 @@ def get_mrope_positions(
                 f"({len(grids[token])} given)"
             )
         grid = tuple(int(v) for v in grids[token][item_idx])
-        length = grid[0] * grid[1] * grid[2] // spatial_merge_size**2
+        length = grid_num_tokens(grid, spatial_merge_size)
         if not np.all(ids[i : i + length] == token):
             raise InvalidRequestError(
                 f"{kind} {item_idx} with grid {grid} needs {length} consecutive placeholder "

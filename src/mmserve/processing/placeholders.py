@@ -100,7 +100,7 @@ def expand_pads(
         expanded += [pad_ids[item.modality]] * item.num_tokens
         features.append(
             MultiModalFeature(
-                identifier=item.identity,
+                identifier=item.identifier,
                 modality=item.modality,
                 placeholder=placeholder,
                 data=item.data,

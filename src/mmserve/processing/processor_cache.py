@@ -33,11 +33,11 @@ class CacheStats:
 CachedItem = ProcessedImage | RemoteItem  # a remote item: what a disaggregated server planned
 
 
-def cache_entry_bytes(identity: str, item: CachedItem) -> int:
-    """What holding `item` under `identity` costs: its whole pixel buffer (a remote item: its
+def cache_entry_bytes(identifier: str, item: CachedItem) -> int:
+    """What holding `item` under `identifier` costs: its whole pixel buffer (a remote item: its
     payload and URL), the key, overhead."""
     held = item.nbytes + len(item.url or "") if isinstance(item, RemoteItem) else item.buffer_bytes
-    return held + sys.getsizeof(identity) + CACHE_ENTRY_OVERHEAD_BYTES
+    return held + sys.getsizeof(identifier) + CACHE_ENTRY_OVERHEAD_BYTES
 
 
 class ProcessorCache:
@@ -73,38 +73,38 @@ class ProcessorCache:
     def __len__(self) -> int:
         return len(self._items)
 
-    def __contains__(self, identity: str) -> bool:
+    def __contains__(self, identifier: str) -> bool:
         """Membership test that neither counts a query nor refreshes recency."""
-        return identity in self._items
+        return identifier in self._items
 
-    def get(self, identity: str) -> CachedItem | None:
+    def get(self, identifier: str) -> CachedItem | None:
         with self._lock:
             self.stats.queries += 1
-            entry = self._items.get(identity)
+            entry = self._items.get(identifier)
             if entry is None:
                 return None
             self.stats.hits += 1
-            self._items.move_to_end(identity)
+            self._items.move_to_end(identifier)
             return entry[0]
 
-    def put(self, identity: str, item: CachedItem) -> None:
-        cost = cache_entry_bytes(identity, item)
+    def put(self, identifier: str, item: CachedItem) -> None:
+        cost = cache_entry_bytes(identifier, item)
         if cost > self.capacity_bytes:
             return
         with self._lock:
-            old = self._items.pop(identity, None)
+            old = self._items.pop(identifier, None)
             if old is not None:
                 self.used_bytes -= old[1]
             while self.used_bytes + cost > self.capacity_bytes:
                 _, (_, evicted_cost) = self._items.popitem(last=False)
                 self.used_bytes -= evicted_cost
-            self._items[identity] = (item, cost)
+            self._items[identifier] = (item, cost)
             self.used_bytes += cost
 
     def check_integrity(self) -> None:
         with self._lock:
-            for identity, (item, cost) in self._items.items():
-                assert cost == cache_entry_bytes(identity, item), identity
+            for identifier, (item, cost) in self._items.items():
+                assert cost == cache_entry_bytes(identifier, item), identifier
             assert self.used_bytes == sum(cost for _, cost in self._items.values())
             assert 0 <= self.used_bytes <= self.capacity_bytes
             assert self.stats.hits <= self.stats.queries

@@ -1,9 +1,11 @@
 """Video decoding with PyAV under engine ceilings, checked from the header, then while walking.
 
     header (before any frame):  container format (by magic bytes; only mp4/mov, webm/mkv,
-                                avi), one video stream, frame W x H <= max_frame_pixels,
-                                duration <= max_duration_s, frames <= max_frames_walked,
-                                frames x W x H <= max_decoded_pixels; then `admit` (decode memory)
+                                avi), one video stream, frame W x H <= max_video_frame_pixels,
+                                duration <= max_video_seconds,
+                                frames <= max_video_frames_decoded,
+                                frames x W x H <= max_video_decoded_pixels;
+                                then `admit` (decode memory)
     while walking (each frame):  the same four again, on what the decoder actually produces
                                 (a container can lie: huge pts gaps, more frames, a new size)
 
@@ -22,6 +24,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from mmserve.config.media import VideoLimits
 from mmserve.errors import VideoDecodeError, VideoTooLargeError
 from mmserve.processing.decode_budget import Release, hold_until_collected
 from mmserve.processing.image_processor import ImageProcessorConfig
@@ -38,24 +41,6 @@ ALLOWED_VIDEO_FORMATS = ("mp4/mov", "webm/mkv", "avi")
 # the resize's int32 row buffers (three channels, source and accumulator).
 _FRAME_WORK_BYTES_PER_PIXEL = 40
 _DECODER_STATE_BYTES = 16 << 20
-
-
-@dataclass(frozen=True)
-class VideoLimits:
-    """Engine ceilings on one video; a request can lower none of them above these."""
-
-    max_bytes: int = 64 << 20
-    max_duration_s: float = 600.0
-    max_frames_walked: int = 36_000
-    max_frame_pixels: int = 4096 * 2160
-    max_decoded_pixels: int = 8 << 30
-
-    def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_frames_walked", "max_frame_pixels", "max_decoded_pixels"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not (math.isfinite(self.max_duration_s) and self.max_duration_s > 0):
-            raise ValueError(f"max_duration_s must be positive, got {self.max_duration_s}")
 
 
 @dataclass(frozen=True)
@@ -117,11 +102,11 @@ def _read_header(container, limits: VideoLimits) -> VideoHeader:  # av.container
     width, height = int(stream.codec_context.width), int(stream.codec_context.height)
     if width <= 0 or height <= 0:
         raise VideoDecodeError("the video stream has no frame size", param="video_url")
-    if width * height > limits.max_frame_pixels:
+    if width * height > limits.max_video_frame_pixels:
         raise _too_large(
             f"frame size in pixels ({width}x{height})",
             width * height,
-            limits.max_frame_pixels,
+            limits.max_video_frame_pixels,
             "--max-video-frame-pixels",
         )
     rate = stream.average_rate or stream.guessed_rate
@@ -143,15 +128,20 @@ def _read_header(container, limits: VideoLimits) -> VideoHeader:  # av.container
 
 
 def _check_walk(limits: VideoLimits, duration_s: float, frames: int, pixels: int) -> None:
-    if duration_s > limits.max_duration_s:
-        raise _too_large("duration (s)", duration_s, limits.max_duration_s, "--max-video-seconds")
-    if frames > limits.max_frames_walked:
+    if duration_s > limits.max_video_seconds:
         raise _too_large(
-            "frame count", frames, limits.max_frames_walked, "--max-video-frames-decoded"
+            "duration (s)", duration_s, limits.max_video_seconds, "--max-video-seconds"
         )
-    if pixels > limits.max_decoded_pixels:
+    if frames > limits.max_video_frames_decoded:
         raise _too_large(
-            "decoded pixel count", pixels, limits.max_decoded_pixels, "--max-video-decoded-pixels"
+            "frame count", frames, limits.max_video_frames_decoded, "--max-video-frames-decoded"
+        )
+    if pixels > limits.max_video_decoded_pixels:
+        raise _too_large(
+            "decoded pixel count",
+            pixels,
+            limits.max_video_decoded_pixels,
+            "--max-video-decoded-pixels",
         )
 
 
@@ -173,8 +163,8 @@ def decode_video_bytes(
 
     if not data:
         raise VideoDecodeError("the video is empty (0 bytes)", param="video_url")
-    if len(data) > limits.max_bytes:
-        raise _too_large("size (bytes)", len(data), limits.max_bytes, "--max-video-bytes")
+    if len(data) > limits.max_video_bytes:
+        raise _too_large("size (bytes)", len(data), limits.max_video_bytes, "--max-video-bytes")
     fmt = container_format(data)
     try:
         with warnings.catch_warnings():
@@ -223,11 +213,11 @@ def _walk(container, header: VideoHeader, plan: VideoPlan, limits: VideoLimits) 
             pixels += frame.width * frame.height
             seconds = float((frame.pts - start_pts) * time_base) if frame.pts is not None else 0.0
             _check_walk(limits, seconds, walked, pixels)
-            if frame.width * frame.height > limits.max_frame_pixels:
+            if frame.width * frame.height > limits.max_video_frame_pixels:
                 raise _too_large(
                     "frame size in pixels",
                     frame.width * frame.height,
-                    limits.max_frame_pixels,
+                    limits.max_video_frame_pixels,
                     "--max-video-frame-pixels",
                 )
             k = wanted.get(walked - 1)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from mmserve.config.media import VideoLimits
 from mmserve.errors import InvalidRequestError, VideoTooLargeError
 from mmserve.processing.decode_budget import RequestDecodeBudget
 from mmserve.processing.image_processor import (
@@ -26,7 +27,7 @@ from mmserve.processing.image_processor import (
 )
 from mmserve.processing.media import MediaLoader
 from mmserve.processing.modalities import ProcessingConfig
-from mmserve.processing.video_decode import DecodedVideo, VideoLimits
+from mmserve.processing.video_decode import DecodedVideo
 from mmserve.processing.video_processor import VideoMeta
 from mmserve.processing.video_sampling import FPS, VIDEO_KEYS, VideoConfig, frame_max_pixels
 
@@ -135,10 +136,10 @@ def video_from_frames(frames: Any, cfg: VideoConfig, limits: VideoLimits) -> Dec
             param="multi_modal_data",
         )
     _, height, width, _ = frames.shape
-    if width * height > limits.max_frame_pixels:
+    if width * height > limits.max_video_frame_pixels:
         raise VideoTooLargeError(
             f"the video's frames are {width}x{height} pixels, over the limit of "
-            f"{limits.max_frame_pixels} (--max-video-frame-pixels); downscale them",
+            f"{limits.max_video_frame_pixels} (--max-video-frame-pixels); downscale them",
             param="multi_modal_data",
         )
     frames = np.ascontiguousarray(frames)

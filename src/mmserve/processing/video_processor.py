@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmserve.errors import InvalidRequestError
+from mmserve.grid import grid_num_tokens
 from mmserve.multimodal import ProcessedImage
 from mmserve.processing.image_processor import ImageProcessorConfig, smart_resize
 from mmserve.processing.video_resize import resize_frames
@@ -90,7 +91,7 @@ def plan_video(meta: VideoMeta, cfg: VideoConfig, image_cfg: ImageProcessorConfi
         resized_h // image_cfg.patch_size,
         resized_w // image_cfg.patch_size,
     )
-    num_tokens = grid[0] * grid[1] * grid[2] // image_cfg.merge_size**2
+    num_tokens = grid_num_tokens(grid, image_cfg.merge_size)
     return VideoPlan(indices, (resized_h, resized_w), grid, num_tokens, seconds)
 
 

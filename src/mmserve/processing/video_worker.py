@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
+from mmserve.config.media import VideoLimits
 from mmserve.errors import InvalidRequestError, MediaError, VideoDecodeError
 from mmserve.processing.decode_budget import Release, hold_until_collected
 from mmserve.processing.image_processor import ImageProcessorConfig
@@ -24,7 +25,6 @@ from mmserve.processing.video_decode import (
     DecodedVideo,
     VideoAdmit,
     VideoHeader,
-    VideoLimits,
     decode_video_bytes,
 )
 from mmserve.processing.video_processor import VideoMeta, VideoPlan, plan_video

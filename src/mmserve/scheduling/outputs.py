@@ -20,7 +20,7 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 
 __all__ = [
     "CachedRequestData",
-    "GrammarBitmask",
+    "GrammarOutput",
     "Logprobs",
     "ModelRunnerOutput",
     "NewRequestData",
@@ -56,8 +56,9 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True)
-class GrammarBitmask:
-    """The allowed next tokens of the step's structured requests (the engine core fills it).
+class GrammarOutput:
+    """The allowed next tokens of the step's structured requests: the engine core computes it
+    after scheduling and hands it to the executor's sampling beside the `SchedulerOutput`.
 
     Row i of `bitmask` belongs to `request_ids[i]`: bit j of word w allows token 32 * w + j.
     Requests not listed sample from their whole vocabulary.
@@ -103,8 +104,6 @@ class SchedulerOutput:
     free_encoder_identifiers: list[str]
     finished_req_ids: frozenset[str]
     preempted_req_ids: frozenset[str]
-    # set by the engine core after scheduling, when a sampling request has a grammar
-    grammar_bitmask: GrammarBitmask | None = None
     # request id -> items sent to the encoder source this step (see above)
     remote_encoder_inputs: dict[str, list[MultiModalFeature]] = field(default_factory=dict)
 

@@ -1,7 +1,8 @@
 """One grammar matcher per structured request, in the engine core: masks before, tokens after.
 
-Per step: `bitmask` fills one int32 row per sampling request that has a grammar (the runner
-gives every other row all ones); after sampling, `accept` feeds each such request the token
+Per step: `grammar_output` fills one int32 row per sampling request that has a grammar (the
+engine core hands it to the executor beside the step; the runner gives every other row all
+ones); after sampling, `accept` feeds each such request the token
 it got. The matcher therefore always holds exactly the request's generated tokens: a preempted
 request keeps its outputs and its matcher, and its recompute samples nothing until it has
 caught up, so nothing is fed twice.
@@ -19,7 +20,7 @@ import llguidance.numpy
 import numpy as np
 
 from mmserve.errors import FailureKind, RequestFailure
-from mmserve.scheduling.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from mmserve.scheduling.request import Request
 from mmserve.structured_output.compiler import GrammarCompiler
 from mmserve.structured_output.params import PARAM, StructuredOutputParams
@@ -32,7 +33,7 @@ class MaskResult:
     """The step's bitmask (None when no sampling row has a grammar) and the requests whose
     grammar cannot go on (they must fail this step instead of sampling)."""
 
-    bitmask: GrammarBitmask | None
+    grammar_output: GrammarOutput | None
     failures: dict[str, RequestFailure] = field(default_factory=dict)
 
 
@@ -83,13 +84,11 @@ class StructuredOutputManager:
         """Drop the matcher of every request that is no longer unfinished."""
         self.free([r for r in self._matchers if r not in live_request_ids])
 
-    def mask_step(
-        self, so: SchedulerOutput, requests: Mapping[str, Request]
-    ) -> tuple[SchedulerOutput, dict[str, RequestFailure]]:
-        """The step with the bitmask of its structured requests that sample (those whose step
-        reaches the end of their tokens), and the requests whose grammar cannot go on."""
+    def grammar_output(self, so: SchedulerOutput, requests: Mapping[str, Request]) -> MaskResult:
+        """The bitmask of the step's structured requests that sample (those whose step reaches
+        the end of their tokens), and the requests whose grammar cannot go on."""
         if not self._matchers:
-            return so, {}
+            return MaskResult(None)
         sampling = [
             r
             for r in so.num_scheduled_tokens
@@ -97,15 +96,12 @@ class StructuredOutputManager:
             and (request := requests.get(r)) is not None
             and request.num_computed_tokens >= request.num_tokens
         ]
-        result = self.bitmask(sampling)
-        if result.bitmask is None:
-            return so, result.failures
-        return dataclasses.replace(so, grammar_bitmask=result.bitmask), result.failures
+        return self.bitmask(sampling)
 
     def accept_step(
         self, runner_output: ModelRunnerOutput, failures: Mapping[str, RequestFailure]
     ) -> tuple[ModelRunnerOutput, set[str]]:
-        """Feed the sampled tokens to the matchers; `failures` (from `mask_step`) and tokens a
+        """Feed the sampled tokens to the matchers; `failures` (from `grammar_output`) and tokens a
         matcher refuses become errors of the runner output. Returns it with the requests
         whose grammar is now complete."""
         if not self._matchers and not failures:
@@ -149,7 +145,7 @@ class StructuredOutputManager:
         for i, request_id in enumerate(ids):
             if request_id in failures:
                 words[i] = -1  # it fails instead of sampling: let its row sample anything
-        return MaskResult(GrammarBitmask(tuple(ids), np.ascontiguousarray(words)), failures)
+        return MaskResult(GrammarOutput(tuple(ids), np.ascontiguousarray(words)), failures)
 
     def accept(self, sampled_token_ids: Mapping[str, list[int]]) -> AcceptResult:
         """Feed each structured request the tokens it was given this step."""

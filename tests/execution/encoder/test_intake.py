@@ -11,7 +11,7 @@ from mmserve.execution.encoder.cache import EncoderCache
 from mmserve.execution.encoder.intake import RemoteItemIntake
 from mmserve.execution.encoder.runner import EncoderRunner
 from mmserve.multimodal import MultiModalFeature, PlaceholderRange, ProcessedImage, RemoteItem
-from tests.engine.fake_encoder_source import FakeEncoderSource
+from tests.support.fake_encoder_source import FakeEncoderSource
 
 HIDDEN = 3
 GRID = (1, 2, 4)  # 8 patches merged 2x2: 2 embeddings

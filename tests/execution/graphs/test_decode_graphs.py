@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine.args import EngineArgs
+from mmserve.config.device import DeviceConfig
 from mmserve.execution.graphs.capture import EagerGraph
 from mmserve.execution.graphs.decode import (
     DecodeGraphs,
@@ -21,8 +21,8 @@ from mmserve.execution.graphs.decode import (
     padded_size,
     report_graph_memory,
 )
-from tests.engine.conftest import DIVERSE
-from tests.factory import random_image, write_tiny_checkpoint
+from tests.support.factory import random_image, write_tiny_checkpoint
+from tests.support.parity_cases import DIVERSE
 
 triton = pytest.importorskip("triton")
 needs_interpreter = pytest.mark.skipif(
@@ -89,17 +89,16 @@ def test_what_the_capture_took_is_logged_beside_the_reserve_and_warned_past_it(c
 
 
 def test_the_sizes_flag_reaches_engine_args_and_is_checked() -> None:
-    from mmserve.cli import build_parser
+    from tests.config_args import args_of
 
-    parsed = build_parser(with_bench=False).parse_args(["serve", "--cuda-graph-sizes", "1", "8"])
-    assert EngineArgs.from_cli(parsed).cuda_graph_sizes == (1, 8)
-    # the engine process gets its EngineArgs as JSON
-    encoded = msgspec.json.encode(EngineArgs(cuda_graph_sizes=(1, 8)))
-    assert msgspec.json.decode(encoded, type=EngineArgs).cuda_graph_sizes == (1, 8)
-    assert EngineArgs().cuda_graph_sizes is None
+    assert args_of("--cuda-graph-sizes", "1", "8").cuda_graph_sizes == (1, 8)
+    # the engine process gets its EngineConfig as JSON
+    encoded = msgspec.json.encode(DeviceConfig(cuda_graph_sizes=(1, 8)))
+    assert msgspec.json.decode(encoded, type=DeviceConfig).cuda_graph_sizes == (1, 8)
+    assert DeviceConfig().cuda_graph_sizes is None
     for bad in ((), (0,), (2, -1), (True,)):
         with pytest.raises(ValueError, match="--cuda-graph-sizes takes batch sizes >= 1"):
-            EngineArgs(cuda_graph_sizes=bad)
+            DeviceConfig(cuda_graph_sizes=bad)
 
 
 @needs_interpreter

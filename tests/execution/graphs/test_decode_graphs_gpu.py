@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
-from tests.engine.conftest import DIVERSE
-from tests.factory import write_tiny_checkpoint
+from tests.support.factory import write_tiny_checkpoint
+from tests.support.parity_cases import DIVERSE
 
 triton = pytest.importorskip("triton")
 pytestmark = [
@@ -38,7 +38,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _toy() -> str:
-    from mmserve.engine.args import bundled_toy_model_dir
+    from mmserve.config.model import bundled_toy_model_dir
 
     return bundled_toy_model_dir()
 

@@ -257,11 +257,7 @@ def test_profiled_budget_logs_each_figure(qwen2_vl_dir: Path, caplog) -> None:
 
 
 def test_kv_cache_memory_is_vllms_other_name_for_the_bytes_flag() -> None:
-    from mmserve.cli import build_parser
-    from mmserve.engine.args import EngineArgs
-
-    def args_of(*argv: str) -> EngineArgs:
-        return EngineArgs.from_cli(build_parser(with_bench=False).parse_args(["serve", *argv]))
+    from tests.config_args import args_of
 
     assert args_of("--kv-cache-memory", "4096").kv_cache_memory_bytes == 4096
     assert args_of("--kv-cache-memory-bytes", "8192").kv_cache_memory_bytes == 8192

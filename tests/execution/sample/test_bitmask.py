@@ -10,7 +10,7 @@ from mmserve.execution.sample.bitmask import apply_token_bitmask_, sampling_bitm
 from mmserve.execution.sample.rows import SamplingRow
 from mmserve.execution.sample.sampler import sample
 from mmserve.sampling_params import SamplingParams
-from mmserve.scheduling.outputs import GrammarBitmask
+from mmserve.scheduling.outputs import GrammarOutput
 
 
 def reference(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
@@ -79,7 +79,7 @@ def test_the_sampler_never_picks_a_disallowed_token():
 
 
 def test_sampling_rows_take_their_grammar_row_and_others_all_ones():
-    grammar = GrammarBitmask(("b", "d"), np.array([[1, 2], [3, 4]], dtype=np.int32))
+    grammar = GrammarOutput(("b", "d"), np.array([[1, 2], [3, 4]], dtype=np.int32))
     rows = sampling_bitmask(grammar, ["a", "d", "b", "c"])
     assert rows.tolist() == [[-1, -1], [3, 4], [1, 2], [-1, -1]]
     assert sampling_bitmask(grammar, ["a", "c"]) is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mmserve.scheduling.outputs import GrammarBitmask
+from mmserve.scheduling.outputs import GrammarOutput
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -34,7 +34,7 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits.masked_fill_(~allowed, float("-inf"))
 
 
-def sampling_bitmask(grammar: GrammarBitmask | None, request_ids: list[str]) -> torch.Tensor | None:
+def sampling_bitmask(grammar: GrammarOutput | None, request_ids: list[str]) -> torch.Tensor | None:
     """The bitmask of the step's sampling rows, in their order: a structured request's row
     from `grammar`, all ones for every other row. None when no row has a grammar."""
     if grammar is None:

@@ -1,6 +1,6 @@
 """`mmserve serve` as a real process (CLI, uvicorn, middleware) over the echo engine.
 
-Only the engine factory is replaced, at its module seam, so HTTP-level behaviour (timeouts,
+The CLI is handed the echo engine in place of its engine factory, so HTTP-level behaviour (timeouts,
 auth before the body, raw-socket cases) is tested without torch or a checkpoint.
 """
 
@@ -14,18 +14,18 @@ from pathlib import Path
 
 import httpx
 
-from tests.api.harness import free_port
+from tests.support.harness import free_port
 
 _LAUNCHER = """
-import sys, types
+import sys
 sys.path.insert(0, {root!r})
-from tests.api.echo_engine import EchoEngine
-
-factory = types.ModuleType("mmserve.engine.factory")
-factory.build_async_engine = lambda args: EchoEngine(max_model_len=4096, token_delay_s=0.05)
-sys.modules["mmserve.engine.factory"] = factory
+from tests.support.echo_engine import EchoEngine
 from mmserve.cli import main
-sys.exit(main(sys.argv[1:]))
+
+def build_engine(args):
+    return EchoEngine(max_model_len=4096, token_delay_s=0.05)
+
+sys.exit(main(sys.argv[1:], build_engine=build_engine))
 """
 
 

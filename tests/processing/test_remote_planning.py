@@ -14,7 +14,6 @@ from mmserve.processing import image_decode
 from mmserve.processing.decode_workers import DecodeWorkerPool
 from mmserve.processing.image_processor import get_grid_thw, to_rgb
 from mmserve.processing.input_processor import InputProcessor
-from tests.factory import flat_png, random_image, video_frames
 from tests.processing.remote_helpers import (
     ONE_IMAGE,
     chat,
@@ -26,6 +25,7 @@ from tests.processing.remote_helpers import (
     rotated_jpeg,
     same_plan,
 )
+from tests.support.factory import flat_png, random_image, video_frames
 
 # ------------------------------------------------------------- plans equal the local path's
 

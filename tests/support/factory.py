@@ -254,6 +254,15 @@ def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> I
     return Image.fromarray(arr, mode=mode)
 
 
+def png_bytes(width: int = 32, height: int = 24, seed: int = 0) -> bytes:
+    """`random_image(width, height, seed)` as a PNG file."""
+    import io
+
+    buf = io.BytesIO()
+    random_image(width, height, seed=seed).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 # PNG (bit depth, colour type, bytes per row) of the modes `flat_png` writes.
 _PNG_LAYOUTS = {
     "1": (1, 0, 1 / 8),
@@ -333,3 +342,23 @@ def video_bytes(
             out.mux(stream.encode(frame))
         out.mux(stream.encode())
     return buf.getvalue()
+
+
+def huge_frame_header(side: int = 8000) -> bytes:
+    """A few-KB AVI of raw 16x16 frames whose header says side x side: the dimensions of a raw
+    stream come from the header alone, so it is what a decoder would allocate for."""
+    import io
+    import struct
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="avi") as out:
+        stream = out.add_stream("rawvideo", rate=2)
+        stream.width = stream.height = 16
+        stream.pix_fmt = "yuv420p"
+        for i in range(4):
+            frame = av.VideoFrame.from_ndarray(np.full((16, 16, 3), i * 40, np.uint8), "rgb24")
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode())
+    return buf.getvalue().replace(struct.pack("<ii", 16, 16), struct.pack("<ii", side, side))

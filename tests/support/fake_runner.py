@@ -18,6 +18,7 @@ from mmserve.scheduling import (
     SchedulerOutput,
 )
 from mmserve.scheduling.admission import validate_request
+from mmserve.scheduling.outputs import GrammarOutput
 
 IMAGE_PAD_ID = 151655
 
@@ -121,7 +122,10 @@ class FakeRunner:
         self.fail_items: dict[str, RequestFailure] = {}
         self.failed_remote: set[str] = set()  # reported failed, not yet freed by the ledger
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, out: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        assert grammar_output is None, "the fake runner samples no structured output"
         for request_id in out.finished_req_ids | out.preempted_req_ids:
             self.requests.pop(request_id, None)
         for identifier in out.free_encoder_identifiers:

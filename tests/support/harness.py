@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import io
 import signal
 import socket
 import subprocess
@@ -12,9 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import openai
-from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -22,13 +19,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def data_url(raw: bytes, mime: str = "image/png") -> str:

@@ -4,11 +4,14 @@ of mmserve's processing (HF's PIL image processor, our own placeholder expansion
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from PIL import Image
 from tokenizers import Tokenizer
+
+from mmserve.models.config import ModelConfig
 
 
 class HFOracle:
@@ -65,3 +68,11 @@ class HFOracle:
         n = inputs["input_ids"].shape[1]
         out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         return out[0, n:].tolist()
+
+
+@dataclass
+class LoadedPair:
+    model_dir: Path
+    model: torch.nn.Module
+    config: ModelConfig
+    hf: torch.nn.Module  # the transformers model of the same checkpoint (the oracle)

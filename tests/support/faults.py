@@ -11,7 +11,7 @@ from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.outputs import RequestOutput
 from mmserve.execution.executor import Executor
 from mmserve.sampling_params import SamplingParams
-from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
+from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 
 class FaultyExecutor:
@@ -28,8 +28,10 @@ class FaultyExecutor:
         """Let `num_steps` steps pass, then raise in the next one (once)."""
         self.steps_until_crash = num_steps
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        out = self.executor.execute(scheduler_output)
+    def execute(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        out = self.executor.execute(scheduler_output, grammar_output)
         if self.steps_until_crash is not None:
             if self.steps_until_crash == 0:
                 self.steps_until_crash = None

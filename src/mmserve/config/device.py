@@ -1,0 +1,139 @@
+"""Device and parallelism configuration: where the model runs, graphs, attention, processes."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from mmserve.config.flags import check_choice, flag
+
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEVICE = "Device and parallelism"
+
+
+def device_flag() -> str:
+    """--device, as `serve` and `encode` both take it."""
+    return flag("auto", choices=DEVICES, group=DEVICE, help="Where to run; auto: cuda if present.")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """The one device a model runs on, its memory share, and how steps run there (graphs,
+    attention backend)."""
+
+    device: str = device_flag()
+    gpu_memory_utilization: float = flag(
+        0.9,
+        type=float,
+        group=DEVICE,
+        help="Fraction of the GPU's memory mmserve may use (weights, activations, KV cache): "
+        "a profile run at start-up measures the activation peak of the largest step, and the "
+        "KV cache gets what the weights, that peak and a CUDA graph reserve leave. CUDA only "
+        "(on the CPU --kv-cache-memory-bytes sizes the cache). Default {default}.",
+    )
+    # Decode CUDA graphs (issue #15): captured at start-up on CUDA with the Triton backend
+    # unless --enforce-eager.
+    enforce_eager: bool = flag(
+        False,
+        action="store_true",
+        group=DEVICE,
+        help="Turn off the decode CUDA graphs (captured at start-up, CUDA with the triton "
+        "attention backend only) and the encoder CUDA graphs (--enable-encoder-cuda-graph): "
+        "every step runs eagerly, and the KV sizing keeps no CUDA graph reserve.",
+    )
+    # None: the ladder up to max_num_seqs; one value: the ladder up to it; several: exactly
+    # those (vLLM's --cuda-graph-sizes).
+    cuda_graph_sizes: tuple[int, ...] | None = flag(
+        None,
+        type=int,
+        nargs="+",
+        group=DEVICE,
+        help="Decode batch sizes to capture as CUDA graphs. One value: 1, 2, 4, 8, then steps "
+        "of 8 to 64 and of 16 up to it; several: exactly those. Default: that ladder up to "
+        "--max-num-seqs. A decode step pads to the next captured size.",
+    )
+    # Vision encoder CUDA graphs (issue #15): off until measured faster, as in vLLM and SGLang.
+    enable_encoder_cuda_graph: bool = flag(
+        False,
+        action="store_true",
+        group=DEVICE,
+        help="Replay CUDA graphs of the vision encoder: a call is padded to the next of a ladder "
+        "of sizes (256 input patches, doubling, up to the encoder budget), each captured on "
+        "first use. CUDA and bfloat16/float16 only; --enforce-eager turns it off. Default off.",
+    )
+    # Language-model attention (issue #15): auto is triton on CUDA, torch (SDPA) elsewhere.
+    attention_backend: str = flag(
+        "auto",
+        choices=ATTENTION_BACKENDS,
+        group=DEVICE,
+        help="Language-model attention: triton (Triton kernels, CUDA; on the CPU only with "
+        "TRITON_INTERPRET=1) or torch (SDPA, any device). auto: triton on CUDA, else torch.",
+    )
+
+    def __post_init__(self) -> None:
+        check_choice("device", self.device, DEVICES)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                "--gpu-memory-utilization is the fraction of the GPU's memory mmserve may use, "
+                f"in (0, 1]; got {self.gpu_memory_utilization}"
+            )
+        if self.cuda_graph_sizes is not None:
+            sizes = self.cuda_graph_sizes
+            sizes = (sizes,) if isinstance(sizes, int) else tuple(sizes)
+            if not sizes or not all(_is_positive_int(s) for s in sizes):
+                raise ValueError(
+                    "--cuda-graph-sizes takes batch sizes >= 1 (one: capture the ladder up to "
+                    f"it; several: exactly those), e.g. --cuda-graph-sizes 1 2 4 8; got {sizes!r}"
+                )
+            object.__setattr__(self, "cuda_graph_sizes", sizes)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the engine is laid out over processes and devices. Today: one device, the core in
+    this process or in an engine process of its own; the sizes vLLM command lines carry are
+    validated and any above 1 refused, so none is accepted and ignored."""
+
+    tensor_parallel_size: int = flag(
+        1,
+        type=int,
+        group=DEVICE,
+        aliases=("-tp",),
+        help="Devices to split the model over; mmserve runs on one device ({default}), larger "
+        "values are refused at start-up.",
+    )
+    pipeline_parallel_size: int = flag(
+        1,
+        type=int,
+        group=DEVICE,
+        aliases=("-pp",),
+        help="Pipeline stages; {default} (larger values are refused at start-up).",
+    )
+    # The scheduler and the model in an engine process of their own (issue #14). None: the
+    # entry point's default (the server: yes; the offline LLM: no).
+    multiprocess: bool | None = flag(
+        None,
+        action=argparse.BooleanOptionalAction,
+        group=DEVICE,
+        help="Run the scheduler and the model in an engine process, apart from the HTTP server "
+        "and its media processing (default on for `serve`). --no-multiprocess keeps one process.",
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            flag_name = "--" + name.replace("_", "-")
+            if not _is_positive_int(value):
+                raise ValueError(f"{flag_name} must be a positive integer, got {value!r}")
+            if value > 1:
+                raise ValueError(
+                    f"{flag_name} {value}: mmserve runs a model on one device and does not "
+                    f"split it across devices yet; use {flag_name} 1 (a Qwen2-VL-7B in "
+                    "bfloat16 needs ~17 GiB plus KV cache, one 24 GiB+ GPU)"
+                )
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -1,0 +1,98 @@
+"""HTTP server configuration: address, limits, timeouts, keys, logging. Never sent to the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mmserve.config.flags import check_choice, check_positive, check_seconds, flag
+
+API_KEY_ENV = "MMSERVE_API_KEY"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+FRONTEND = "Frontend (HTTP server)"
+DEFAULT_HOST = "127.0.0.1"
+
+
+def host_flag(help_text: str) -> str:
+    return flag(DEFAULT_HOST, group=FRONTEND, help=help_text)
+
+
+def log_level_flag() -> str:
+    return flag(
+        "info", choices=LOG_LEVELS, group=FRONTEND, help="mmserve's log level. Default {default}."
+    )
+
+
+def uvicorn_log_level_flag() -> str:
+    return flag(
+        "warning",
+        choices=LOG_LEVELS,
+        group=FRONTEND,
+        help="uvicorn's log level (access logs appear at info). Default {default}.",
+    )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the API process's HTTP server runs with (the engine never sees any of it)."""
+
+    host: str = host_flag("Address to bind. Default {default}.")
+    port: int = flag(8000, type=int, group=FRONTEND, help="Port to listen on. Default {default}.")
+    api_key: tuple[str, ...] | None = flag(
+        None,
+        nargs="+",
+        group=FRONTEND,
+        metavar="KEY",
+        repr=False,
+        help="Require 'Authorization: Bearer KEY' on /v1/* (several keys: one per tenant, each "
+        f"with its own media-UUID namespace); also read from ${API_KEY_ENV} (comma-separated).",
+    )
+    max_request_body_bytes: int = flag(
+        64 << 20,
+        type=int,
+        group=FRONTEND,
+        unit="bytes",
+        help="Largest HTTP request body (data: URLs included); bigger ones get 413. "
+        "Default {default}.",
+    )
+    # HTTP server timeouts, in seconds (see api/http_protocol.py for the timeline).
+    http_header_timeout: float = flag(
+        10.0,
+        type=float,
+        group=FRONTEND,
+        metavar="SECONDS",
+        help="A connection must send a request's complete headers within this long of opening "
+        "or of the previous response (a deadline: slow bytes do not extend it), else 408 and "
+        "close. Default {default}.",
+    )
+    http_body_timeout: float = flag(
+        60.0,
+        type=float,
+        group=FRONTEND,
+        metavar="SECONDS",
+        help="A request's whole body must arrive within this long of its headers, else 408 "
+        "and close. Default {default}.",
+    )
+    http_keep_alive_timeout: float = flag(
+        5.0,
+        type=float,
+        group=FRONTEND,
+        metavar="SECONDS",
+        help="An idle keep-alive connection is closed after this long without a new request. "
+        "Default {default}.",
+    )
+    log_level: str = log_level_flag()
+    uvicorn_log_level: str = uvicorn_log_level_flag()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        check_positive("max_request_body_bytes", self.max_request_body_bytes)
+        for name in ("http_header_timeout", "http_body_timeout", "http_keep_alive_timeout"):
+            check_seconds(name, getattr(self, name))
+        check_choice("log_level", self.log_level, LOG_LEVELS)
+        check_choice("uvicorn_log_level", self.uvicorn_log_level, LOG_LEVELS)
+        if self.api_key is not None:
+            keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
+            if not keys or not all(isinstance(k, str) and k.strip() for k in keys):
+                raise ValueError("--api-key must not be empty (omit it to disable authentication)")
+            object.__setattr__(self, "api_key", keys)
