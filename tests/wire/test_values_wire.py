@@ -28,7 +28,7 @@ from mmserve.wire import (
     decode,
     encode,
 )
-from tests.scheduling.fake_runner import image
+from tests.support.fake_runner import image
 from tests.wire.samples import logprobs, positions
 
 PIXEL_WIDTH = 6  # narrow pixel rows keep the workload fast; the codec does not care
