@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from mmserve.config.resolved import ResolvedConfig
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.metrics import SchedulerStats
 from mmserve.sampling_params import SamplingParams
@@ -217,15 +218,29 @@ def all_messages() -> list[tuple[str, Message]]:
         (
             "ready",
             EngineCoreReady(
-                {
-                    "model": "/m",
-                    "num_kv_blocks": 128,
-                    "chunked_mm_input": True,
-                    "attention_backend": "triton",
-                    "layer_ops": "triton",
-                    "encoder_cuda_graph": True,
-                    "cuda_graph_sizes": [1, 2, 4, 8, 16],
-                }
+                ResolvedConfig(
+                    model="/m",
+                    architecture="Qwen2VLForConditionalGeneration",
+                    device="cuda:0",
+                    dtype="bfloat16",
+                    max_model_len=4096,
+                    num_kv_blocks=128,
+                    kv_cache_bytes=1 << 30,
+                    block_size=16,
+                    enable_prefix_caching=True,
+                    max_num_batched_tokens=2048,
+                    max_num_seqs=64,
+                    max_tokens_per_mm_item=1024,
+                    max_patches_per_mm_item=4096,
+                    encoder_cache_slots=8,
+                    encoder_cache_bytes=1 << 28,
+                    encoder_patch_budget=16384,
+                    chunked_mm_input=True,
+                    attention_backend="triton",
+                    layer_ops="triton",
+                    encoder_cuda_graph=True,
+                    cuda_graph_sizes=(1, 2, 4, 8, 16),
+                )
             ),
         ),
     ]

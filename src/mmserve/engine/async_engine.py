@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mmserve.engine.factory import ResolvedConfig
+from mmserve.config.resolved import ResolvedConfig
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.outputs import OutputKind, RequestOutput
 from mmserve.errors import (

@@ -27,6 +27,7 @@ import msgspec
 import zmq
 
 from mmserve.config.engine import EngineConfig
+from mmserve.config.resolved import ResolvedConfig
 from mmserve.config.scheduler import CacheConfig, SchedulerConfig
 from mmserve.errors import EngineDeadError
 from mmserve.metrics import EngineMetrics, record_scheduler_stats
@@ -47,7 +48,7 @@ from mmserve.wire.engine_core import (
 )
 
 if TYPE_CHECKING:
-    from mmserve.engine.factory import EngineShape, ResolvedConfig
+    from mmserve.engine.factory import EngineShape
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +95,6 @@ class CoreClient:
         cls, config: EngineConfig, shape: EngineShape, metrics: EngineMetrics
     ) -> tuple[CoreClient, ResolvedConfig]:
         """Start an engine process for `config` and wait until it has loaded the model."""
-        from mmserve.engine.factory import ResolvedConfig
-
         socket_dir = tempfile.mkdtemp(prefix="mmserve-core-")
         requests_addr = f"ipc://{socket_dir}/requests"
         outputs_addr = f"ipc://{socket_dir}/outputs"
@@ -135,7 +134,7 @@ class CoreClient:
             outputs.close(linger=0)
             ctx.term()
             raise
-        resolved = ResolvedConfig(**ready.config)
+        resolved = ready.config
         cache_config = dataclasses.replace(config.cache, num_blocks=resolved.num_kv_blocks)
         client = cls(
             proc,

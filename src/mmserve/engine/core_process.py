@@ -190,7 +190,7 @@ def _serve(config: EngineConfig, inbox: zmq.Socket, outbox: zmq.Socket, parent_p
         logger.exception("the engine core failed to start")
         outbox.send_multipart(codec.encode(EngineDead(f"start-up failed: {exc}")))
         return 1
-    outbox.send_multipart(codec.encode(EngineCoreReady(resolved.as_dict())))
+    outbox.send_multipart(codec.encode(EngineCoreReady(resolved)))
     loop = CoreLoop(core, inbox, outbox, lambda: os.getppid() == parent_pid)
     try:
         return loop.run()

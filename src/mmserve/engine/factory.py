@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from mmserve.config.engine import EngineConfig
 from mmserve.config.media import SERVER_DECODE_WORKERS, MediaConfig
+from mmserve.config.resolved import ResolvedConfig
 from mmserve.config.scheduler import CacheConfig, SchedulerConfig
 from mmserve.config.torch_device import resolve_device, resolve_dtype
 from mmserve.engine.core import CoreLike, EngineCore
@@ -47,40 +49,6 @@ logger = logging.getLogger(__name__)
 # The engine core decodes only the local fallback's images (no encoder could): one worker,
 # started on first use.
 FALLBACK_DECODE_WORKERS = 1
-
-
-@dataclass(frozen=True)
-class ResolvedConfig:
-    """What the engine actually runs with, after defaults and floors; logged at start-up."""
-
-    model: str
-    architecture: str
-    device: str
-    dtype: str
-    max_model_len: int
-    num_kv_blocks: int
-    kv_cache_bytes: int
-    block_size: int
-    enable_prefix_caching: bool
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    max_tokens_per_mm_item: int
-    max_patches_per_mm_item: int
-    encoder_cache_slots: int
-    encoder_cache_bytes: int
-    encoder_patch_budget: int
-    chunked_mm_input: bool
-    attention_backend: str
-    layer_ops: str  # who computes the decoder's norms, SwiGLU and rotary: torch or triton
-    encoder_cuda_graph: bool = False
-    cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes captured; () when eager
-
-    def __post_init__(self) -> None:
-        # from the engine process's ready message a tuple arrives as a list
-        object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 @dataclass(frozen=True)
@@ -239,7 +207,7 @@ def build_core(
         worker.attention_backend,
         worker.layer_ops,
     )
-    resolved = dataclasses.replace(
+    resolved = msgspec.structs.replace(
         resolved,
         encoder_cuda_graph=worker.encoder_cuda_graph,
         cuda_graph_sizes=worker.cuda_graph_sizes,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mmserve.config.resolved import ResolvedConfig
 from mmserve.metrics import SchedulerStats
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.outputs import RequestUpdate
@@ -92,12 +93,11 @@ class EngineCoreOutputs(WireStruct):
 class EngineCoreReady(WireStruct):
     """Sent once, when the engine core has loaded the model and can take requests.
 
-    `config` is what the core resolved (`engine.factory.ResolvedConfig`: KV blocks, budgets),
-    by field name; the API process logs it and checks admission against it. A list is a
-    tuple of ints there (the decode CUDA graph sizes).
+    `config` is what the core resolved (KV blocks, budgets, backends); the API process logs
+    it and checks admission against it.
     """
 
-    config: dict[str, str | int | bool | list[int]]
+    config: ResolvedConfig
 
 
 class EngineDead(WireStruct):
