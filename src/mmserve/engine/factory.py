@@ -39,7 +39,6 @@ from mmserve.processing.video_inputs import (
 )
 from mmserve.scheduling.encoder_cache_manager import EncoderCacheManager
 from mmserve.scheduling.kv_cache_manager import KVCacheManager
-from mmserve.scheduling.pixel_store import PixelStore
 from mmserve.scheduling.scheduler import Scheduler
 from mmserve.structured_output.compiler import GrammarCompiler
 from mmserve.structured_output.manager import StructuredOutputManager
@@ -174,7 +173,7 @@ def build_core(
         EncoderCacheManager(
             scheduler_config.effective_encoder_cache_bytes, scheduler_config.encoder_embed_bytes
         ),
-        pixel_store=PixelStore(int(config.multimodal.mm_reencode_cache_gb * (1 << 30))),
+        item_data=worker.runner.item_data,
         eos_token_ids=shape.eos_token_ids,
     )
     _log_encoder_budget(scheduler_config)
@@ -231,6 +230,7 @@ def _worker_config(config: EngineConfig, shape: EngineShape) -> WorkerConfig:
         max_patches_per_call=sched.effective_encoder_patch_budget,
         encoder_cache_bytes=sched.effective_encoder_cache_bytes,
         max_logprobs=config.checkpoint.max_logprobs,
+        mm_reencode_cache_bytes=int(config.multimodal.mm_reencode_cache_gb * (1 << 30)),
         block_size=config.cache.block_size,
         num_gpu_blocks_override=config.cache.num_gpu_blocks_override,
         kv_cache_memory_bytes=config.cache.kv_cache_memory_bytes,
