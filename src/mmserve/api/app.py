@@ -38,8 +38,8 @@ from mmserve.api.prometheus import build_registry, render
 from mmserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mmserve.api.status import report_status
 from mmserve.api.unsupported import refuse_unsupported_fields
-from mmserve.engine.outputs import OutputKind
-from mmserve.engine.protocol import EngineClient
+from mmserve.engine.frontend.outputs import OutputKind
+from mmserve.engine.frontend.protocol import EngineClient
 from mmserve.errors import EngineDeadError, InvalidRequestError
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.sampling_params import SamplingParams

@@ -14,10 +14,10 @@ from mmserve.config.engine import EngineConfig
 from mmserve.config.media import SERVER_DECODE_WORKERS, MediaConfig
 from mmserve.config.scheduler import CacheConfig, SchedulerConfig
 from mmserve.config.torch_device import resolve_device, resolve_dtype
-from mmserve.engine.core import CoreLike, EngineCore
-from mmserve.engine.llm_engine import LLMEngine
+from mmserve.engine.core.engine_core import CoreLike, EngineCore
+from mmserve.engine.frontend.llm_engine import LLMEngine
+from mmserve.engine.frontend.output_processor import OutputProcessor
 from mmserve.engine.model_source import with_local_sources
-from mmserve.engine.output_processor import OutputProcessor
 from mmserve.engine.remote_encoders import build_encoder_pool, build_url_planner
 from mmserve.execution.executor import InProcessExecutor
 from mmserve.execution.memory.host_allocator import limit_malloc_arenas
@@ -282,7 +282,7 @@ def build_engine(
     shape = resolve_shape(config)
     metrics = EngineMetrics(max_model_len=shape.max_model_len)
     if config.parallel.multiprocess:
-        from mmserve.engine.core_client import CoreClient
+        from mmserve.engine.frontend.core_client import CoreClient
 
         core: CoreLike
         core, resolved = CoreClient.start(config, shape, metrics)
@@ -357,7 +357,7 @@ def _describe(
 
 def build_async_engine(config: EngineConfig):  # -> AsyncLLMEngine
     """The server's engine: its core in an engine process unless `--no-multiprocess`."""
-    from mmserve.engine.async_engine import AsyncLLMEngine
+    from mmserve.engine.frontend.async_engine import AsyncLLMEngine
 
     # Before the serving threads exist (see execution/memory/host_allocator.py). Only the
     # server: it processes pictures on many threads, and the offline API measured ~5% slower

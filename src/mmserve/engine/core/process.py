@@ -1,9 +1,10 @@
 """The engine-core process: scheduler and model, fed over ZMQ by the API process.
 
-Started by `engine.core_client.CoreClient` as `python -m mmserve.engine.core_process --input
-ADDR --output ADDR --parent-pid PID --log-level LEVEL`, with the EngineConfig (the engine's
-settings only, never the HTTP server's) as JSON on stdin. It connects a PULL socket to the
-API's requests and a PUSH socket to its outputs, loads the model, says
+Started by `engine.frontend.core_client.CoreClient` as
+`python -m mmserve.engine.core.process --input ADDR --output ADDR --parent-pid PID --log-level
+LEVEL`, with the EngineConfig (the engine's settings only, never the HTTP server's) as JSON on
+stdin. It connects a PULL socket to the API's requests and a PUSH socket to its outputs, loads
+the model, says
 `EngineCoreReady`, then loops: take every waiting message, run one step, send its outputs.
 
 It never decides its own lifetime except to die: it stops on `EngineCoreShutdown`, when its
@@ -24,7 +25,7 @@ import msgspec
 import zmq
 
 from mmserve.config.engine import EngineConfig
-from mmserve.engine.core import EngineCore
+from mmserve.engine.core.engine_core import EngineCore
 from mmserve.errors import EngineDeadError, FailureKind, MMServeError, RequestFailure
 from mmserve.metrics import CORE_COUNTERS, CORE_GAUGES, EngineMetrics
 from mmserve.scheduling.outputs import RequestUpdate

@@ -27,7 +27,7 @@ import zmq
 
 from mmserve.config.engine import EngineConfig
 from mmserve.config.scheduler import CacheConfig, SchedulerConfig
-from mmserve.engine.core import make_request
+from mmserve.engine.core.engine_core import make_request
 from mmserve.errors import EngineDeadError
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
@@ -112,7 +112,7 @@ class CoreClient:
         command = [
             sys.executable,
             "-m",
-            "mmserve.engine.core_process",
+            "mmserve.engine.core.process",
             "--input",
             requests_addr,
             "--output",

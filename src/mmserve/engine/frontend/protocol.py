@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from mmserve.engine.outputs import OutputKind, RequestOutput
+from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.sampling_params import SamplingParams

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmserve.engine.factory import ResolvedConfig
-from mmserve.engine.llm_engine import LLMEngine
-from mmserve.engine.outputs import OutputKind, RequestOutput
+from mmserve.engine.frontend.llm_engine import LLMEngine
+from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
 from mmserve.errors import (
     EngineDeadError,
     InternalRequestError,
@@ -65,7 +65,7 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    """Implements `mmserve.engine.protocol.EngineClient` over one `LLMEngine`.
+    """Implements `mmserve.engine.frontend.protocol.EngineClient` over one `LLMEngine`.
 
     Only the engine thread touches the LLMEngine; other threads talk to it through a queue of
     commands (add, abort), so the event loop never waits for a model step. A command or step
