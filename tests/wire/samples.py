@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from mmserve.config.scheduler import SchedulerConfig
 from mmserve.wire import (
     MESSAGE_TAGS,
     EngineCoreAbort,
@@ -264,7 +265,8 @@ def all_messages() -> list[tuple[str, Message]]:
                     "layer_ops": "triton",
                     "encoder_cuda_graph": True,
                     "cuda_graph_sizes": [1, 2, 4, 8, 16],
-                }
+                },
+                SchedulerConfig(max_model_len=256, encoder_embed_bytes=3072),
             ),
         ),
         ("scheduler_output", scheduler_output()),

@@ -9,10 +9,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable
-from typing import NoReturn, Protocol
+from typing import TYPE_CHECKING, NoReturn
 
 from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError, RequestFailure
-from mmserve.execution.executor import Executor
 from mmserve.execution.request_state import RunnerPayload
 from mmserve.metrics import EngineMetrics, record_scheduler_stats
 from mmserve.multimodal import ProcessedPrompt
@@ -28,36 +27,14 @@ from mmserve.scheduling.request import Request, RequestStatus
 from mmserve.scheduling.scheduler import Scheduler
 from mmserve.structured_output.manager import StructuredOutputManager
 
+if TYPE_CHECKING:  # the protocol only: `make_request` serves the torch-free client too
+    from mmserve.execution.executor import Executor
+
 logger = logging.getLogger(__name__)
 
 # The longest a step that scheduled nothing waits for a remote item: short, because the loop
 # around the core reads new requests and aborts only between steps.
 ENCODER_WAIT_S = 0.02
-
-
-class CoreLike(Protocol):
-    """What `LLMEngine` drives: an `EngineCore` here, or a client of one in another process."""
-
-    dead_reason: str | None
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt: ProcessedPrompt,
-        params: SamplingParams,
-        *,
-        cache_salt: str | None = None,
-    ) -> None: ...
-
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None: ...
-
-    def has_unfinished_requests(self) -> bool: ...
-
-    def step(self) -> list[RequestUpdate]: ...
-
-    def check_alive(self) -> None: ...
-
-    def shutdown(self) -> None: ...
 
 
 def make_request(

@@ -20,14 +20,15 @@ import tempfile
 import time
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from mmserve.config.engine import EngineConfig
+from mmserve.config.resolved import ResolvedConfig
 from mmserve.config.scheduler import CacheConfig, SchedulerConfig
 from mmserve.engine.core.engine_core import make_request
+from mmserve.engine.shape import EngineShape
 from mmserve.errors import EngineDeadError
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
@@ -46,9 +47,6 @@ from mmserve.wire.engine_core import (
     EngineCoreShutdown,
     EngineDead,
 )
-
-if TYPE_CHECKING:
-    from mmserve.engine.factory import EngineShape, ResolvedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +92,12 @@ class CoreClient:
     def start(
         cls, config: EngineConfig, shape: EngineShape, metrics: EngineMetrics
     ) -> tuple[CoreClient, ResolvedConfig]:
-        """Start an engine process for `config` and wait until it has loaded the model."""
-        from mmserve.engine.factory import ResolvedConfig
+        """Start an engine process for `config` and wait until it has loaded the model.
 
+        What the engine resolved (device, dtype, KV blocks, the scheduler's budgets) comes
+        back in its ready message: this process admits requests by it and never resolves a
+        device itself (it does not import torch).
+        """
         socket_dir = tempfile.mkdtemp(prefix="mmserve-core-")
         requests_addr = f"ipc://{socket_dir}/requests"
         outputs_addr = f"ipc://{socket_dir}/outputs"
@@ -146,7 +147,7 @@ class CoreClient:
             socket_dir,
             metrics=metrics,
             eos_token_ids=shape.eos_token_ids,
-            scheduler_config=shape.scheduler_config,
+            scheduler_config=ready.scheduler,
             cache_config=cache_config,
         )
         logger.info("engine core ready in process %d", proc.pid)

@@ -8,9 +8,9 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from mmserve.engine.core.engine_core import CoreLike, EngineCore
 from mmserve.engine.frontend.output_processor import OutputProcessor
 from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
+from mmserve.engine.frontend.protocol import CoreLike
 from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError, RequestFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
@@ -65,8 +65,8 @@ class LLMEngine:
     def executor(self):  # -> Executor
         return self._local_core().executor
 
-    def _local_core(self) -> EngineCore:
-        if not isinstance(self.core, EngineCore):
+    def _local_core(self) -> Any:  # an EngineCore (not imported: the front end is torch-free)
+        if not hasattr(self.core, "scheduler"):
             raise AttributeError("the engine core runs in another process")
         return self.core
 
