@@ -2,10 +2,9 @@
 
 Usage: .venv/bin/python benchmarks/wire_codec.py [--repeats 2000] [--no-zmq]
 
-Messages: a SchedulerOutput-equivalent with sixteen decodes and one new request carrying a
-448x448 image (grid 1x32x32: 1024 patches x 1176 float32 = 4.8 MB, 256 placeholder tokens, 32
-text tokens); the same step with only the sixteen decodes; the EngineCoreRequest of that image
-request; the EngineCoreOutputs of sixteen one-token outputs. For each: median microseconds to
+Messages: the EngineCoreRequest of a request carrying a 448x448 image (grid 1x32x32: 1024
+patches x 1176 float32 = 4.8 MB, 256 placeholder tokens, 32 text tokens); the EngineCoreOutputs
+of sixteen one-token updates. For each: median microseconds to
 encode, to decode and for the round trip, frame count and bytes (frame 0 = header + msgpack).
 Then token ids as msgpack ints against a raw int32 frame, and a round trip over a zmq PAIR
 socket on ipc:// (send_multipart with copy=False, recv_multipart with copy=False).
@@ -28,17 +27,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from mmserve.sampling_params import SamplingParams  # noqa: E402
+from mmserve.scheduling.outputs import RequestUpdate  # noqa: E402
 from mmserve.wire import (  # noqa: E402
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    WireCachedRequestData,
     WireEncoderInput,
     WireMMFeature,
-    WireNewRequestData,
-    WireRunnerPayload,
-    WireSamplingParams,
-    WireSchedulerOutput,
     decode,
     encode,
 )
@@ -64,31 +59,7 @@ def _image_request_parts():
 
 def messages() -> dict[str, object]:
     tokens, feature, encoder_input = _image_request_parts()
-    params = WireSamplingParams(temperature=0.0, max_tokens=32)
-    new = WireNewRequestData(
-        "chatcmpl-new",
-        tokens,
-        [feature],
-        list(range(len(tokens) // 16 + 1)),
-        0,
-        WireRunnerPayload(params, _positions(len(tokens)), 0, (151645,)),
-    )
-    cached = [WireCachedRequestData(f"chatcmpl-{i}", [], 300 + i) for i in range(NUM_DECODES)]
-    decodes = {c.request_id: 1 for c in cached}
-    mixed = WireSchedulerOutput(
-        [new],
-        cached,
-        {**decodes, new.request_id: len(tokens)},
-        NUM_DECODES + len(tokens),
-        {new.request_id: [0]},
-        [encoder_input],
-        [],
-        frozenset(),
-        frozenset(),
-    )
-    decode_only = WireSchedulerOutput(
-        [], cached, decodes, NUM_DECODES, {}, [], [], frozenset(), frozenset()
-    )
+    params = SamplingParams(temperature=0.0, max_tokens=32)
     request = EngineCoreRequest(
         "chatcmpl-new",
         tokens,
@@ -102,11 +73,9 @@ def messages() -> dict[str, object]:
         time.monotonic(),
     )
     outputs = EngineCoreOutputs(
-        [EngineCoreOutput(f"chatcmpl-{i}", [1000 + i]) for i in range(NUM_DECODES)]
+        [RequestUpdate(f"chatcmpl-{i}", [1000 + i]) for i in range(NUM_DECODES)]
     )
     return {
-        "scheduler output: 16 decodes + 1 new 448x448 image request": mixed,
-        "scheduler output: 16 decodes": decode_only,
         "engine-core request: 448x448 image, 288 tokens": request,
         "engine-core outputs: 16 one-token deltas": outputs,
     }

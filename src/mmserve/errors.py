@@ -6,7 +6,8 @@ The API turns each `InvalidRequestError` into a 4xx with the message as written 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+
+import msgspec
 
 
 class MMServeError(Exception):
@@ -154,11 +155,11 @@ class FailureKind(enum.Enum):
     UNAVAILABLE = "unavailable"  # a service it needs is down (the encoder pool): 503, retry
 
 
-@dataclass(frozen=True)
-class RequestFailure:
+class RequestFailure(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """Why the engine ended one request with an error; every other request goes on.
 
-    For INTERNAL failures `message` is for the server log and offline users: the HTTP answer
+    The same value in-process and on the wire (`kind` travels as its value). For INTERNAL
+    failures `message` is for the server log and offline users: the HTTP answer
     does not repeat it (it may carry library text).
     """
 

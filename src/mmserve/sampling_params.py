@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+
+import msgspec
+from msgspec.structs import force_setattr
 
 from mmserve.errors import InvalidRequestError
 from mmserve.structured_output.params import StructuredOutputParams
@@ -29,14 +31,15 @@ MAX_ABS_PENALTY = 2.0  # presence_penalty and frequency_penalty, as OpenAI bound
 MAX_ABS_LOGIT_BIAS = 100.0
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """How to pick tokens and when to stop.
 
     temperature 0 means greedy; values in (0, 0.01) are raised to 0.01. `seed` (64-bit signed)
     makes one request's samples reproducible whatever else is in the batch. `max_tokens=None`
     means "up to the model length". Every field is checked here, so the HTTP server and the
-    offline `LLM` refuse the same values with the same message.
+    offline `LLM` refuse the same values with the same message. The same value travels to the
+    engine process (`wire.codec`), where decoding runs these checks again. Copy with changes
+    through `msgspec.structs.replace`.
     """
 
     n: int = 1
@@ -59,12 +62,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: Mapping[int, float] | None = None  # token id -> bias added to its logit
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        force_setattr(self, "stop", stop)
+        force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         _check_int("n", self.n, 1, MAX_N, "the number of samples to return")
         self._check_temperature()
         _check_float("top_p", self.top_p)
@@ -111,8 +114,8 @@ class SamplingParams:
                 self.temperature,
                 MIN_SAMPLING_TEMPERATURE,
             )
-            object.__setattr__(self, "temperature", MIN_SAMPLING_TEMPERATURE)
-        object.__setattr__(self, "temperature", float(self.temperature))
+            force_setattr(self, "temperature", MIN_SAMPLING_TEMPERATURE)
+        force_setattr(self, "temperature", float(self.temperature))
 
     def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -146,16 +149,16 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"{name} must be in [-2, 2] (0 disables it), got {value}", param=name
                 )
-            object.__setattr__(self, name, float(value))
+            force_setattr(self, name, float(value))
         _check_float("repetition_penalty", self.repetition_penalty)
         if not self.repetition_penalty > 0:
             raise InvalidRequestError(
                 f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}",
                 param="repetition_penalty",
             )
-        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        force_setattr(self, "repetition_penalty", float(self.repetition_penalty))
         if self.logit_bias is not None:
-            object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+            force_setattr(self, "logit_bias", _checked_logit_bias(self.logit_bias))
 
     @property
     def has_penalties(self) -> bool:

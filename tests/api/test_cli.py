@@ -11,7 +11,7 @@ import pytest
 from mmserve.cli import build_parser
 from mmserve.config.model import TOY_MODEL_NAME, bundled_toy_model_dir
 from mmserve.metrics import EngineMetrics
-from tests.config_args import args_of, configs_of
+from tests.support.config_args import args_of, configs_of
 
 
 def test_defaults_serve_the_bundled_toy_model() -> None:

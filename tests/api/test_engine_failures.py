@@ -47,7 +47,7 @@ class Served:
 @pytest.fixture
 async def served(qwen2_vl_dir: Path) -> AsyncIterator[Served]:
     llm = LLM(model=str(qwen2_vl_dir), num_gpu_blocks_override=128)
-    executor = FaultyExecutor(llm.engine.executor)
+    executor = FaultyExecutor(llm.engine.core.executor)
     engine = AsyncLLMEngine(rewired(llm.engine, executor=executor), llm.config, model_name=MODEL)
     app = create_app(
         engine,

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from mmserve.config.model import bundled_toy_model_dir
-from tests.config_args import args_of
+from tests.support.config_args import args_of
 from tests.support.harness import Server, wait_until_idle
 from tests.support.hub_cache import COMMIT, make_hub_cache
 

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from mmserve.cli import build_parser
+from mmserve.config.device import ParallelConfig
 from mmserve.config.engine import EngineConfig, keyword_owners, section_types
 from mmserve.config.flags import FLAG_KEY, field_default, flag_fields
 from mmserve.config.media import MediaConfig
@@ -130,3 +131,14 @@ def test_the_engine_process_gets_no_server_setting() -> None:
     engine_fields = {f.name for cls in section_types().values() for f in dataclasses.fields(cls)}
     assert not engine_fields & {f.name for f in dataclasses.fields(ServerConfig)}
     assert field_default(dataclasses.fields(ServerConfig)[0]) == "127.0.0.1"
+
+
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size", "-dp"])
+def test_parallel_sizes_above_one_are_refused_not_ignored(flag: str) -> None:
+    from tests.support.config_args import args_of
+
+    assert args_of(flag, "1").engine.parallel == ParallelConfig()
+    with pytest.raises(ValueError, match="does not split it across devices yet"):
+        args_of(flag, "2")
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        ParallelConfig(data_parallel_size=0)

@@ -250,7 +250,7 @@ def test_qwen2_5_vl_through_the_offline_api_equals_local(qwen2_5_vl_dir: Path, t
             want = [o.outputs[0].token_ids for o in local.chat(conversations, params)]
         with LLM(str(qwen2_5_vl_dir), max_num_batched_tokens=32, encoder_urls=[enc.url]) as remote:
             got = [o.outputs[0].token_ids for o in remote.chat(conversations, params)]
-            stats = remote.engine.scheduler.make_stats()
+            stats = remote.engine.core.scheduler.make_stats()
             assert stats.encoder_inflight_items == 0 and stats.encoder_cache_used_bytes == 0
             assert stats.encoder_pool_bytes > 0  # the embeddings came from the pool
         assert got == want

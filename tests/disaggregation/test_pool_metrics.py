@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmserve.api.prometheus import build_registry, render
-from mmserve.metrics import EngineMetrics
-from mmserve.scheduling.outputs import SchedulerStats
-from mmserve.wire import codec, convert
+from mmserve.metrics import EngineMetrics, SchedulerStats, record_scheduler_stats
+from mmserve.wire import EngineCoreOutputs, codec
 from mmserve.wire.common import WireError
 
 URL_A, URL_B = "http://10.0.0.1:8100", "http://10.0.0.2:8100"
 
 
 def _zero_stats() -> SchedulerStats:
-    return SchedulerStats(**dict.fromkeys((f.name for f in dataclasses.fields(SchedulerStats)), 0))
+    return SchedulerStats(
+        **dict.fromkeys((f.name for f in msgspec.structs.fields(SchedulerStats) if f.required), 0)
+    )
 
 
 def _engine_side() -> EngineMetrics:
@@ -37,16 +37,16 @@ def test_labelled_counters_cross_the_seam_and_are_exported_by_label():
     snap = _engine_side().snapshot()
     assert snap.counters["embedding_transfer_bytes"] == 8168  # the total of its labels
     stats = _zero_stats()
-    wire = convert.stats_to_wire(
+    sent = msgspec.structs.replace(
         stats,
-        {"remote_encoder_retries": 1, "embedding_transfer_bytes": 8168},
-        {"remote_encoder_healthy": 2.0},
-        {},
-        snap.labelled_counters,
+        counters={"remote_encoder_retries": 1, "embedding_transfer_bytes": 8168},
+        gauges={"remote_encoder_healthy": 2.0},
+        labelled_counters={k: dict(v) for k, v in snap.labelled_counters.items()},
     )
-    msg = codec.decode([bytes(f) for f in codec.encode(wire)])
+    msg = codec.decode([bytes(f) for f in codec.encode(EngineCoreOutputs([], sent))])
+    assert isinstance(msg, EngineCoreOutputs) and msg.stats == sent
     api_side = EngineMetrics()
-    convert.apply_stats(msg, api_side)
+    record_scheduler_stats(api_side, msg.stats)
     text = render(build_registry(api_side, "m")).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     samples = {
@@ -80,7 +80,13 @@ def test_without_a_pool_the_transfer_series_exist_at_zero_and_the_others_are_abs
 
 
 def test_unknown_labelled_counters_are_refused_on_the_wire_and_here():
+    with pytest.raises(ValueError, match="unknown metrics"):
+        msgspec.structs.replace(_zero_stats(), labelled_counters={"made_up": {"x": 1.0}})
+    stats = msgspec.structs.replace(_zero_stats(), labelled_counters={"remote_encoder_items": {}})
+    frames = [bytes(f) for f in codec.encode(EngineCoreOutputs([], stats))]
+    # the same bytes naming a metric nobody keeps (a name of the same length)
+    frames[0] = frames[0].replace(b"remote_encoder_items", b"made_up_metric_items")
     with pytest.raises(WireError, match="unknown metrics"):
-        convert.stats_to_wire(_zero_stats(), labelled_counters={"made_up": {"x": 1.0}})
+        codec.decode(frames)
     with pytest.raises(KeyError, match="not kept by label"):
         EngineMetrics().inc_labelled("prompt_tokens", "x")

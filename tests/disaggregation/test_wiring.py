@@ -15,7 +15,7 @@ from mmserve.engine.remote_encoders import read_encoder_secret
 from mmserve.engine.shape import resolve_shape
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import load_model_config
-from tests.config_args import configs_of, serve_configs_of
+from tests.support.config_args import configs_of, serve_configs_of
 from tests.support.fake_encoder import FakeEncoder
 
 

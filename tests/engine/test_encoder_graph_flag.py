@@ -8,7 +8,7 @@ import pytest
 
 from mmserve import LLM
 from mmserve.config.engine import EngineConfig
-from tests.config_args import args_of
+from tests.support.config_args import args_of
 
 
 def test_off_by_default_and_set_by_the_flag() -> None:

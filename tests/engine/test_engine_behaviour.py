@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 
 from mmserve import LLM, SamplingParams
@@ -56,8 +57,8 @@ def test_placeholder_count_mismatch_fails_only_that_request(llm):
     assert f"to {feature.placeholder.length + 1} placeholders" in finals["bad"].error
     assert finals["good"].outputs[0].finish_reason == "length"
     assert len(finals["good"].outputs[0].token_ids) == 4
-    stats = engine.scheduler.make_stats()
-    assert stats.num_free_kv_blocks == engine.scheduler.cache_config.num_blocks
+    stats = engine.core.scheduler.make_stats()
+    assert stats.num_free_kv_blocks == engine.core.scheduler.cache_config.num_blocks
     assert stats.encoder_cache_used_slots == 0
 
 
@@ -69,7 +70,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
         [_image_request(1), _image_request(2), "hello", _image_request(3)], [seeded, *others]
     )
     assert crowd[0].outputs[0].token_ids == alone
-    other_seed = dataclasses.replace(seeded, seed=8)
+    other_seed = msgspec.structs.replace(seeded, seed=8)
     assert llm.generate(_image_request(1), other_seed)[0].outputs[0].token_ids != alone
 
 
@@ -80,18 +81,20 @@ def test_stop_rules(llm):
     # a stop token id ends generation at its first occurrence (and is kept in token_ids)
     stop_id = full.token_ids[5]
     first = full.token_ids.index(stop_id)
-    out = llm.generate(_image_request(1), dataclasses.replace(greedy, stop_token_ids=(stop_id,)))
+    out = llm.generate(
+        _image_request(1), msgspec.structs.replace(greedy, stop_token_ids=(stop_id,))
+    )
     assert out[0].outputs[0].token_ids == full.token_ids[: first + 1]
     assert out[0].outputs[0].finish_reason == "stop"
     assert out[0].outputs[0].stop_reason == stop_id
     # min_tokens: the stop id cannot end it before min_tokens tokens exist
-    later = dataclasses.replace(greedy, stop_token_ids=(stop_id,), min_tokens=first + 2)
+    later = msgspec.structs.replace(greedy, stop_token_ids=(stop_id,), min_tokens=first + 2)
     assert len(llm.generate(_image_request(1), later)[0].outputs[0].token_ids) > first + 1
     # a stop string cuts the text before it and finishes the request
     text = full.text
     needle = text[len(text) // 2 : len(text) // 2 + 2]
     if needle.strip():
-        out = llm.generate(_image_request(1), dataclasses.replace(greedy, stop=(needle,)))
+        out = llm.generate(_image_request(1), msgspec.structs.replace(greedy, stop=(needle,)))
         assert out[0].outputs[0].text == text[: text.index(needle)]
         assert out[0].outputs[0].finish_reason == "stop"
 
@@ -105,7 +108,7 @@ def test_preemption_recomputes_to_the_same_answer(diverse_checkpoint):
     tight = LLM(model=str(diverse_checkpoint), block_size=4, num_gpu_blocks_override=40)
     got = [o.outputs[0].token_ids for o in tight.generate(requests, greedy)]
     assert got == expected
-    stats = tight.engine.scheduler.make_stats()
+    stats = tight.engine.core.scheduler.make_stats()
     assert stats.num_free_kv_blocks == 40
     assert any(r for r in [tight.engine.metrics.snapshot().counters["requests_finished"] == 6])
 
@@ -127,7 +130,7 @@ def test_a_refused_request_in_a_batch_leaves_nothing_behind(diverse_checkpoint):
     with pytest.raises(EncoderItemTooLargeError):
         llm.generate([_image_request(1), huge], SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished_requests()
-    stats = llm.engine.scheduler.make_stats()
-    assert stats.num_free_kv_blocks == llm.engine.scheduler.cache_config.num_blocks
+    stats = llm.engine.core.scheduler.make_stats()
+    assert stats.num_free_kv_blocks == llm.engine.core.scheduler.cache_config.num_blocks
     out = llm.generate(_image_request(1), SamplingParams(temperature=0, max_tokens=2))
     assert len(out[0].outputs[0].token_ids) == 2

@@ -7,10 +7,10 @@ may be refused when it is built or added (a typed error) or fail on its own (fin
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 
+import msgspec
 import pytest
 
 from mmserve import LLM, SamplingParams
@@ -77,7 +77,7 @@ def test_no_sampling_value_stops_the_engine_or_touches_a_batchmate(llm: LLM) -> 
     prompts = [engine.input_processor.process_generate_input(t) for t in ("a", "the fox", "?")]
     outcomes = {"refused": 0, "failed": 0, "answered": 0}
     for round_idx in range(NUM_ROUNDS):
-        engine.add_request("innocent", innocent_prompt, dataclasses.replace(innocent))
+        engine.add_request("innocent", innocent_prompt, msgspec.structs.replace(innocent))
         added = []
         for i in range(HOSTILE_PER_ROUND):
             params = _hostile(rng)

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -153,7 +154,7 @@ def test_a_step_that_raises_fails_its_requests_and_the_engine_goes_on(
 ) -> None:
     mates = _batchmates(llm)
     alone = _run_with(llm.engine, mates)
-    executor = FaultyExecutor(llm.engine.executor)
+    executor = FaultyExecutor(llm.engine.core.executor)
     engine = rewired(llm.engine, executor=executor)
     executor.crash_after(1)  # the second step: both requests are decoding
     with caplog.at_level(logging.ERROR):
@@ -199,7 +200,7 @@ def test_a_bug_outside_the_model_fails_the_unfinished_and_the_engine_goes_on(llm
 
 
 def test_a_failed_step_on_a_dead_device_declares_the_engine_dead(llm: LLM) -> None:
-    executor = FaultyExecutor(llm.engine.executor)
+    executor = FaultyExecutor(llm.engine.core.executor)
     engine = rewired(llm.engine, executor=executor)
     executor.crash_after(0)
     executor.is_device_dead = True
@@ -218,7 +219,7 @@ def test_an_item_whose_encoding_failed_does_not_fail_later_requests(
 ) -> None:
     prompt = _prompt(llm, "what is this?", image_seed=5)
     reference = _run_with(LLM(model=str(checkpoint)).engine, {"ref": (prompt, GREEDY)})
-    runner = llm.engine.executor.runner
+    runner = llm.engine.core.executor.runner
     embed = runner.model.embed_multimodal
     calls = []
 
@@ -254,7 +255,7 @@ def test_a_request_whose_model_output_is_nan_fails_alone_and_leaves_no_nan(llm: 
         feature, data=dataclasses.replace(feature.data, pixel_values=nan_pixels)
     )
     bad = dataclasses.replace(bad, mm_features=[feature])
-    params = dataclasses.replace(GREEDY, max_tokens=20)
+    params = msgspec.structs.replace(GREEDY, max_tokens=20)
     mates = {f"m{i}": (_prompt(llm, "hello " * (i + 1), image_seed=i), params) for i in range(3)}
     alone = _run_with(engine, mates)
     crowd = _run_with(engine, mates, {"bad": (bad, params)})

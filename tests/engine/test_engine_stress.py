@@ -63,20 +63,20 @@ def test_random_arrivals_aborts_and_tiny_budgets(qwen2_vl_dir):
             params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 6), ignore_eos=True)
             requests[rid] = (_random_request(rng, pictures), params)
             engine.add_request(rid, processor.process_generate_input(requests[rid][0]), params)
-        if rng.random() < 0.05 and engine.scheduler.requests:
-            victim = rng.choice(sorted(engine.scheduler.requests))
+        if rng.random() < 0.05 and engine.core.scheduler.requests:
+            victim = rng.choice(sorted(engine.core.scheduler.requests))
             engine.abort_requests([victim])
             aborted.add(victim)
         for out in engine.step():
             if out.finished:
                 assert out.outputs[0].finish_reason in ("length", "abort"), out.error
                 finished[out.request_id] = out.outputs[0].token_ids
-        engine.scheduler.check_integrity()
+        engine.core.scheduler.check_integrity()
         if step >= 250 and not engine.has_unfinished_requests():
             break
     assert not engine.has_unfinished_requests(), "requests left over: the scheduler is stuck"
     assert set(finished) | aborted == set(requests)
-    stats = engine.scheduler.make_stats()
+    stats = engine.core.scheduler.make_stats()
     assert stats.num_free_kv_blocks == 48
     assert stats.encoder_cache_used_slots == 0
     assert len(requests) > 40 and len(aborted) > 0

@@ -16,6 +16,7 @@ from mmserve.engine.core.process import CoreLoop
 from mmserve.errors import EngineDeadError, PromptTooLongError
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.mrope import decode_positions
+from mmserve.scheduling.request import RequestStatus
 from mmserve.wire import codec
 from mmserve.wire.convert import request_to_wire
 from mmserve.wire.engine_core import (
@@ -115,7 +116,7 @@ def test_the_core_loop_drops_malformed_messages_and_serves_on(qwen2_vl_dir: Path
     thread.start()
     try:
         to_core.send_multipart([b"not a wire message"])
-        to_core.send_multipart([b"\xb5\x01\x01", b"truncated"])
+        to_core.send_multipart([b"\xb5\x02\x01", b"truncated"])
         to_core.send_multipart(codec.encode(EngineDead("not for the core")))
         msg = request_to_wire("r1", prompt, SamplingParams(max_tokens=3), arrival_time_s=0.0)
         to_core.send_multipart(codec.encode(msg))
@@ -125,8 +126,8 @@ def test_the_core_loop_drops_malformed_messages_and_serves_on(qwen2_vl_dir: Path
             if from_core.poll(1000):
                 out = codec.decode(from_core.recv_multipart())
                 assert isinstance(out, EngineCoreOutputs)
-                finished = next((o for o in out.outputs if o.finish_reason), None)
-        assert finished is not None and finished.finish_reason == "length"
+                finished = next((o for o in out.outputs if o.finished), None)
+        assert finished is not None and finished.finish_status is RequestStatus.FINISHED_LENGTH
         to_core.send_multipart(codec.encode(EngineCoreShutdown()))
         thread.join(timeout=10)
         assert exit_code == [0]
@@ -143,7 +144,7 @@ def test_a_malformed_message_from_the_engine_is_a_clear_death(qwen2_vl_dir: Path
         ctx = zmq.Context()
         intruder = ctx.socket(zmq.PUSH)
         intruder.connect(f"ipc://{client._socket_dir}/outputs")
-        intruder.send_multipart([b"\xb5\x01\x10garbage"])
+        intruder.send_multipart([b"\xb5\x02\x10garbage"])
         intruder.close(linger=1000)
         ctx.term()
         with pytest.raises(EngineDeadError) as info:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 
 from mmserve import LLM, SamplingParams
@@ -45,7 +44,7 @@ def test_seeded_n_is_reproducible_differs_per_sample_and_equals_seed_plus_i(llm)
     assert _ids(llm.generate(prompt, SAMPLED)[0]) == _ids(first)
     assert len({tuple(t) for t in _ids(first)}) > 1, "the samples should differ"
     for i, tokens in enumerate(_ids(first)):
-        alone = dataclasses.replace(SAMPLED, n=1, seed=SAMPLED.seed + i)
+        alone = msgspec.structs.replace(SAMPLED, n=1, seed=SAMPLED.seed + i)
         assert _ids(llm.generate(prompt, alone)[0]) == [tokens]
 
 
@@ -61,13 +60,13 @@ def _peak_blocks(engine: LLMEngine, prompt, params: SamplingParams, request_id: 
     """Most distinct KV blocks held at once while the request runs."""
     processed = engine.input_processor.process_generate_input(prompt)
     engine.add_request(request_id, processed, params)
-    kv = engine.scheduler.kv_cache_manager
+    kv = engine.core.scheduler.kv_cache_manager
     peak = 0
     for _ in range(200):
         if not engine.has_unfinished_requests():
             return peak
         engine.step()
-        held = {b for rid in engine.scheduler.requests for b in kv.block_ids(rid)}
+        held = {b for rid in engine.core.scheduler.requests for b in kv.block_ids(rid)}
         peak = max(peak, len(held))
     raise AssertionError("the request did not finish")
 
@@ -76,19 +75,19 @@ def test_siblings_share_the_prompt_blocks_and_encode_the_image_once(diverse_chec
     text = chat(f"{IMG}" + "Describe every detail of this picture, please. " * 12)
     image = random_image(112, 112, seed=5)
     prompt = {"prompt": text, "multi_modal_data": {"image": [image]}}
-    params = dataclasses.replace(SAMPLED, max_tokens=4)
+    params = msgspec.structs.replace(SAMPLED, max_tokens=4)
     peaks = {}
     for n in (1, 3):
         # a fresh engine each time, so that nothing is cached from the other run
         with LLM(model=str(diverse_checkpoint_qwen2), max_num_batched_tokens=512) as fresh:
             engine = fresh.engine
-            p = dataclasses.replace(params, n=n)
+            p = msgspec.structs.replace(params, n=n)
             peaks[n] = _peak_blocks(engine, prompt, p, "req")
-            stats = engine.scheduler.make_stats()
+            stats = engine.core.scheduler.make_stats()
             encoded = engine.metrics.snapshot().counters["encoder_items_encoded"]
             assert encoded == 1, f"n={n}: the image was encoded {encoded} times"
             num_prompt = len(engine.input_processor.process_generate_input(prompt).prompt_token_ids)
-            block_size = engine.scheduler.cache_config.block_size
+            block_size = engine.core.scheduler.cache_config.block_size
             if n == 3:
                 # both later siblings hit every full prompt block of the first
                 assert stats.prefix_cache_hits >= 2 * (num_prompt // block_size) * block_size
@@ -100,11 +99,11 @@ def test_siblings_share_the_prompt_blocks_and_encode_the_image_once(diverse_chec
 def test_aborting_the_request_aborts_every_sample_and_frees_everything(llm) -> None:
     engine = llm.engine
     processed = engine.input_processor.process_generate_input(_request(*CASES["one_image"]))
-    long = dataclasses.replace(SAMPLED, max_tokens=50)
+    long = msgspec.structs.replace(SAMPLED, max_tokens=50)
     engine.add_request("gone", processed, long)
     for _ in range(3):
         engine.step()
-    assert len(engine.scheduler.requests) == 3
+    assert len(engine.core.scheduler.requests) == 3
     (final,) = engine.abort_requests(["gone"])
     assert final.finished and [c.finish_reason for c in final.outputs] == ["abort"] * 3
     assert_nothing_held(engine)
@@ -135,10 +134,10 @@ class FailOneExecutor:
 
 
 def test_a_failing_sample_fails_the_request_and_stops_its_siblings(llm) -> None:
-    engine = rewired(llm.engine, executor=FailOneExecutor(llm.engine.executor, "bad#1"))
+    engine = rewired(llm.engine, executor=FailOneExecutor(llm.engine.core.executor, "bad#1"))
     processed = engine.input_processor.process_generate_input(_request(*CASES["text_only"]))
-    engine.add_request("bad", processed, dataclasses.replace(SAMPLED, max_tokens=40))
-    engine.add_request("fine", processed, dataclasses.replace(SAMPLED, n=2))
+    engine.add_request("bad", processed, msgspec.structs.replace(SAMPLED, max_tokens=40))
+    engine.add_request("fine", processed, msgspec.structs.replace(SAMPLED, n=2))
     finals = run_all(engine)
     bad = finals["bad"]
     assert bad.error == "injected sampling failure" and bad.error_kind is FailureKind.REQUEST
@@ -151,7 +150,7 @@ def test_a_failing_sample_fails_the_request_and_stops_its_siblings(llm) -> None:
 
 def test_parallel_samples_cross_the_process_seam_unchanged(llm, diverse_checkpoint_qwen2):
     prompt = _request(*CASES["one_image"])
-    params = dataclasses.replace(SAMPLED, logprobs=2)
+    params = msgspec.structs.replace(SAMPLED, logprobs=2)
     local = llm.generate(prompt, params)[0]
     with LLM(model=str(diverse_checkpoint_qwen2), multiprocess=True) as remote_llm:
         remote = remote_llm.generate(prompt, params)[0]

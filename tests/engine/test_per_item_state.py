@@ -49,7 +49,7 @@ def test_new_pictures_leave_no_per_request_state_and_bounded_per_item_state() ->
             break
         engine.step()
     assert not engine.has_unfinished_requests()
-    scheduler, runner = engine.scheduler, engine.executor.runner
+    scheduler, runner = engine.core.scheduler, engine.core.executor.runner
     # per request: nothing left anywhere. NOTE: the runner hears of requests that finished in
     # the last step at the next one, so until then it keeps at most one batch of them.
     assert not scheduler.requests and len(runner.states) <= 4

@@ -36,11 +36,11 @@ def test_a_decoding_request_holds_no_pixels(diverse_checkpoint: Path) -> None:
     )
     while not engine.step():  # until the prefill is done and the first token is out
         pass
-    request = engine.scheduler.requests["r"]
-    state = engine.executor.runner.states["r"]
+    request = engine.core.scheduler.requests["r"]
+    state = engine.core.executor.runner.states["r"]
     assert [f.data for f in request.mm_features] == [None, None]
     assert [f.data for f in state.mm_features] == [None, None]
-    store = engine.scheduler.pixel_store
+    store = engine.core.scheduler.pixel_store
     assert request.mm_features[0].identifier in store
     run_all(engine)
     assert len(store) == 0 and store.used_bytes == 0  # gone with the request
@@ -56,7 +56,7 @@ def test_preempted_requests_encode_again_from_the_store_to_the_same_answer(
     tight = LLM(model=str(diverse_checkpoint), **TIGHT, **SMALL_ENCODER_CACHE)
     got = [o.outputs[0].token_ids for o in tight.generate(requests, GREEDY)]
     assert got == expected
-    store = tight.engine.scheduler.pixel_store
+    store = tight.engine.core.scheduler.pixel_store
     assert store.num_restored > 0  # the path under test ran
     assert len(store) == 0
     assert_nothing_held(tight.engine)

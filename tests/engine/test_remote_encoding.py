@@ -23,11 +23,8 @@ from mmserve.engine.frontend.llm_engine import LLMEngine
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.executor import InProcessExecutor
 from mmserve.execution.model_runner import ModelRunner
-from mmserve.execution.request_state import payload_from_wire
 from mmserve.multimodal import ProcessedImage, ProcessedPrompt, RemoteItem
 from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from mmserve.scheduling.scheduler import Scheduler
-from mmserve.wire import WireModelRunnerOutput, WireSchedulerOutput, convert, decode, encode
 from tests.support.factory import random_image
 from tests.support.fake_encoder_source import FakeEncoderSource
 from tests.support.faults import FaultyExecutor, assert_nothing_held, rewired, run_all
@@ -74,44 +71,15 @@ class CountingExecutor:
         self.executor.shutdown()
 
 
-class WireLoopbackExecutor(CountingExecutor):
-    """Every step and its answer through the wire codec, as to an executor in another process:
-    the runner only ever sees decoded steps (remote items included)."""
-
-    def __init__(self, executor: InProcessExecutor, scheduler: Scheduler) -> None:
-        super().__init__(executor)
-        self.scheduler = scheduler
-
-    def execute(
-        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
-    ) -> ModelRunnerOutput:
-        requests = self.scheduler.requests
-        msg = convert.scheduler_output_to_wire(
-            scheduler_output, lambda rid: requests[rid].mm_features, grammar_output
-        )
-        decoded = decode([bytes(f) for f in encode(msg)])
-        assert isinstance(decoded, WireSchedulerOutput)
-        step = convert.scheduler_output_from_wire(decoded, payload_from_wire)
-        self.num_steps += 1
-        out = self.executor.runner.execute(
-            step.scheduler_output, step.grammar_output, encoder_inputs=step.encoder_inputs
-        )
-        answer = decode([bytes(f) for f in encode(convert.runner_output_to_wire(out))])
-        assert isinstance(answer, WireModelRunnerOutput)
-        return convert.runner_output_from_wire(answer)
-
-
 @pytest.fixture(scope="module")
 def llm(diverse_checkpoint: Path) -> LLM:
     return LLM(model=str(diverse_checkpoint), **TIGHT)
 
 
-def _remote_engine(
-    llm: LLM, *, through_wire: bool = False
-) -> tuple[LLMEngine, FakeEncoderSource, CountingExecutor]:
+def _remote_engine(llm: LLM) -> tuple[LLMEngine, FakeEncoderSource, CountingExecutor]:
     """The LLM's engine rewired onto a runner (same model, KV and encoder cache) that sends
     remote items to a fake source running the model's vision tower."""
-    local = llm.engine.executor
+    local = llm.engine.core.executor
     assert isinstance(local, InProcessExecutor)
     runner = local.runner
     dtype = next(runner.model.parameters()).dtype
@@ -133,8 +101,6 @@ def _remote_engine(
         encoder_source=source,
     )
     executor = CountingExecutor(InProcessExecutor(remote_runner))
-    if through_wire:
-        executor = WireLoopbackExecutor(executor.executor, llm.engine.scheduler)
     return rewired(llm.engine, executor=executor), source, executor
 
 
@@ -177,7 +143,7 @@ def _tokens(finals: dict[str, Any]) -> dict[str, list[int]]:
 
 def _assert_free(engine: LLMEngine, source: FakeEncoderSource) -> None:
     assert_nothing_held(engine)
-    stats = engine.scheduler.make_stats()
+    stats = engine.core.scheduler.make_stats()
     assert stats.encoder_cache_used_bytes == 0
     assert stats.encoder_inflight_items == stats.encoder_inflight_bytes == 0
     assert source.num_pending() == 0 or source.answers_after_cancel
@@ -205,16 +171,6 @@ def test_greedy_outputs_match_the_local_path(llm: LLM) -> None:
     assert source.is_shut_down
 
 
-def test_remote_items_through_the_executor_wire_give_the_same_answer(llm: LLM) -> None:
-    prompts = {"two": _prompt(llm, [12, 13]), "one": _prompt(llm, [14])}
-    expected = _tokens(_greedy(llm.engine, prompts))
-    engine, source, _ = _remote_engine(llm, through_wire=True)
-    remote = {rid: _as_remote(p, source) for rid, p in prompts.items()}
-    source.fallback = {remote["one"].mm_features[0].identifier}
-    assert _tokens(_greedy(engine, remote)) == expected
-    _assert_free(engine, source)
-
-
 def test_text_runs_before_a_held_item_and_the_core_waits_without_spinning(llm: LLM) -> None:
     engine, source, executor = _remote_engine(llm)
     prompt = _as_remote(_prompt(llm, [5]), source)
@@ -225,7 +181,7 @@ def test_text_runs_before_a_held_item_and_the_core_waits_without_spinning(llm: L
     finals: dict[str, Any] = {}
     while "text" not in finals:  # the text request decodes to the end meanwhile
         finals.update({o.request_id: o for o in engine.step() if o.finished})
-    assert engine.scheduler.requests["img"].num_computed_tokens == offset
+    assert engine.core.scheduler.requests["img"].num_computed_tokens == offset
     steps_before = executor.num_steps
     threading.Timer(0.3, source.release, [list(source.held)]).start()
     deadline = time.monotonic() + 30

@@ -9,7 +9,7 @@ import pytest
 
 from mmserve import LLM, SamplingParams
 from mmserve.config.engine import EngineConfig
-from tests.config_args import args_of
+from tests.support.config_args import args_of
 from tests.support.factory import random_image, write_tiny_checkpoint
 from tests.support.parity_cases import DIVERSE
 

@@ -105,8 +105,8 @@ def test_an_image_video_image_step_makes_two_vision_calls_and_matches_transforme
     with LLM(model=str(diverse_checkpoint)) as llm:
         assert generate(llm, [case.prompt]) == [expected]
         snap = llm.engine.metrics.snapshot()
-        manager = llm.engine.scheduler.encoder_cache_manager
-        runner = llm.engine.executor.runner
+        manager = llm.engine.core.scheduler.encoder_cache_manager
+        runner = llm.engine.core.executor.runner
         # the byte ledger counts exactly what the runner's cache holds
         assert manager.num_used_bytes == runner.encoder_cache.num_bytes > 0
     assert snap.counters["encoder_forward_calls"] == 2  # one per modality, not three

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import socket
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import pytest
 from mmserve.config.allowlist import parse_allowed_host
 from mmserve.config.media import MediaConfig
 from mmserve.errors import MediaError, MediaFetchBusyError
-from mmserve.processing.http_fetch import AsyncFetcher, FetchPolicy
+from mmserve.processing.http_fetch import AsyncFetcher
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.media import MediaLoader
 from tests.support.factory import png_bytes
@@ -121,9 +122,9 @@ def test_a_hanging_dns_lookup_is_cut_at_the_deadline_and_holds_no_cpu_thread() -
         return socket.getaddrinfo("127.0.0.1", port, **kwargs)
 
     allowlist = (parse_allowed_host("media.example"),)
-    policy = FetchPolicy(allowlist=allowlist, timeout_s=0.3)
-    fetcher = AsyncFetcher(policy, 4, resolver=hanging_resolver)
     loader = MediaLoader()
+    policy = dataclasses.replace(loader.fetch_policy, allowlist=allowlist, timeout_s=0.3)
+    fetcher = AsyncFetcher(policy, 4, resolver=hanging_resolver)
 
     async def main() -> tuple[BaseException | None, float]:
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))

@@ -7,7 +7,7 @@ import pytest
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import EncoderItemTooLargeError, PromptTooLongError
 from mmserve.scheduling import RequestStatus, Scheduler
-from tests.support.fake_runner import FakeRunner, make_request, make_scheduler, run_step
+from tests.support.fake_runner import FakeRunner, admit, make_request, make_scheduler, run_step
 
 
 def _setup(**scheduler_kwargs) -> tuple[Scheduler, FakeRunner]:
@@ -149,7 +149,7 @@ def test_disable_chunked_mm_input_refuses_configs_and_items_that_can_never_fit_a
         max_num_batched_tokens=64, disable_chunked_mm_input=True, encoder_patch_budget=1000
     )
     with pytest.raises(EncoderItemTooLargeError, match="disable-chunked-mm-input"):
-        scheduler.add_request(_img_req("a", "img-x", 0, 65))
+        admit(scheduler, _img_req("a", "img-x", 0, 65))
     assert not scheduler.has_unfinished_requests()
 
 
@@ -158,13 +158,13 @@ def test_item_larger_than_the_encoder_cache_is_refused_not_left_waiting():
         max_num_batched_tokens=2048, max_tokens_per_mm_item=1369, encoder_patch_budget=10**6
     )
     with pytest.raises(EncoderItemTooLargeError) as refused:
-        scheduler.add_request(_img_req("a", "img-4k", 0, 2049))
+        admit(scheduler, _img_req("a", "img-4k", 0, 2049))
     message = str(refused.value)
     assert "image 1 of the prompt" in message and "--encoder-cache-bytes" in message
     assert f"{2049 * 3584 * 2} bytes" in message and f"holds {2048 * 3584 * 2} bytes" in message
     assert refused.value.param == "messages"
     with pytest.raises(PromptTooLongError, match="max_model_len"):
-        scheduler.add_request(make_request("b", 4097))
+        admit(scheduler, make_request("b", 4097))
     assert scheduler.get_num_unfinished_requests() == 0
 
 
@@ -175,8 +175,9 @@ def test_item_over_the_patch_budget_is_refused_naming_the_flag_and_delayed_when_
     )
     assert scheduler.scheduler_config.effective_encoder_patch_budget == 1000
     with pytest.raises(EncoderItemTooLargeError) as refused:
-        scheduler.add_request(
-            make_request("big", 300, [("img-a", 0, 10), ("img-b", 20, 251)], max_tokens=1)
+        admit(
+            scheduler,
+            make_request("big", 300, [("img-a", 0, 10), ("img-b", 20, 251)], max_tokens=1),
         )
     message = str(refused.value)
     assert "image 2 of the prompt is 1004 input patches" in message

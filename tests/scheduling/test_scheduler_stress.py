@@ -13,7 +13,7 @@ from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import InvalidRequestError
 from mmserve.scheduling import Request
 from mmserve.scheduling.request import RequestStatus
-from tests.support.fake_runner import FakeRunner, make_request, make_scheduler, run_step
+from tests.support.fake_runner import FakeRunner, admit, make_request, make_scheduler, run_step
 
 EOS = 2
 NUM_ARRIVAL_STEPS = 400
@@ -89,7 +89,7 @@ def test_random_workload_finishes_within_budgets_and_returns_every_resource(name
         for _ in range(rng.choice([0, 0, 0, 1, 1, 2]) if arriving else 0):
             request = _random_request(rng, f"r{len(added) + refused}", c["item_cap"], sizes)
             try:
-                scheduler.add_request(request)
+                admit(scheduler, request)  # the front end admits, then adds
                 added.add(request.request_id)
             except InvalidRequestError:
                 refused += 1

@@ -160,7 +160,7 @@ def test_preemption_keeps_the_matcher_in_step_with_the_tokens(tmp_path):
             if out.finished:
                 finals[out.request_id] = out
         num_preempted = max(
-            [num_preempted, *(r.num_preemptions for r in engine.scheduler.requests.values())]
+            [num_preempted, *(r.num_preemptions for r in engine.core.scheduler.requests.values())]
         )
     assert num_preempted > 0, "the test did not preempt anything"
     got = [finals[str(i)].outputs[0].token_ids for i in range(len(prompts))]

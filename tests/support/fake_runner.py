@@ -17,6 +17,7 @@ from mmserve.scheduling import (
     Scheduler,
     SchedulerOutput,
 )
+from mmserve.scheduling.admission import validate_request
 from mmserve.scheduling.outputs import GrammarOutput
 
 IMAGE_PAD_ID = 151655
@@ -32,6 +33,18 @@ def make_scheduler(
     return Scheduler(
         scheduler_config, cache_config, KVCacheManager(cache_config), encoder_cache, **kwargs
     )
+
+
+def admit(scheduler: Scheduler, request: Request) -> None:
+    """What the front end does before a request reaches a scheduler: admission, then add."""
+    validate_request(
+        request.num_prompt_tokens,
+        request.max_tokens,
+        request.mm_features,
+        scheduler.scheduler_config,
+        scheduler.cache_config,
+    )
+    scheduler.add_request(request)
 
 
 def image(identifier: str, offset: int, length: int) -> MultiModalFeature:

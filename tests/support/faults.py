@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
+
+import msgspec
 
 from mmserve.engine.core.engine_core import EngineCore
 from mmserve.engine.frontend.llm_engine import LLMEngine
@@ -88,9 +89,9 @@ def run_all(engine: LLMEngine, max_steps: int = 500) -> dict[str, RequestOutput]
 
 def assert_nothing_held(engine: LLMEngine) -> None:
     """Every KV block and encoder slot is free and no request is tracked anywhere."""
-    engine.scheduler.check_integrity()
-    stats = engine.scheduler.make_stats()
-    assert stats.num_free_kv_blocks == engine.scheduler.cache_config.num_blocks
+    engine.core.scheduler.check_integrity()
+    stats = engine.core.scheduler.make_stats()
+    assert stats.num_free_kv_blocks == engine.core.scheduler.cache_config.num_blocks
     assert stats.encoder_cache_used_slots == 0
     assert not engine.has_unfinished_requests()
     assert not engine.output_processor.request_ids
@@ -99,7 +100,7 @@ def assert_nothing_held(engine: LLMEngine) -> None:
 def bypassing_validation(params: SamplingParams, **fields: Any) -> SamplingParams:
     """A copy of `params` with `fields` set as given, past `__post_init__`'s checks: what a
     value the edge failed to refuse looks like once it reaches the engine."""
-    copy = dataclasses.replace(params)
+    copy = msgspec.structs.replace(params)
     for name, value in fields.items():
-        object.__setattr__(copy, name, value)
+        msgspec.structs.force_setattr(copy, name, value)
     return copy

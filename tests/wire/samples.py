@@ -6,30 +6,24 @@ import msgspec
 import numpy as np
 
 from mmserve.config.scheduler import SchedulerConfig
+from mmserve.errors import FailureKind, RequestFailure
+from mmserve.metrics import SchedulerStats
+from mmserve.sampling_params import SamplingParams
+from mmserve.scheduling.outputs import Logprobs, RequestUpdate
+from mmserve.scheduling.request import RequestStatus
+from mmserve.structured_output.params import StructuredOutputParams
 from mmserve.wire import (
     MESSAGE_TAGS,
     EngineCoreAbort,
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
     EngineCoreShutdown,
     EngineDead,
-    EngineStats,
     Message,
-    WireCachedRequestData,
     WireEncoderInput,
-    WireGrammarBitmask,
-    WireLogprobs,
     WireMMFeature,
-    WireModelRunnerOutput,
-    WireNewRequestData,
     WireRemoteItem,
-    WireRequestFailure,
-    WireRunnerPayload,
-    WireSamplingParams,
-    WireSchedulerOutput,
-    WireStructuredOutputs,
 )
 
 PATCH_DIM = 1176  # C * T * P * P of Qwen2-VL: 3 * 2 * 14 * 14
@@ -67,17 +61,17 @@ def engine_core_request(num_images: int = 2, *, with_pixels: bool = True) -> Eng
         prompt_token_ids=[(17 * i) % 1000 for i in range(num_tokens)],
         mm_features=features,
         encoder_inputs=[encoder_input(f, i) for i, f in enumerate(features)] if with_pixels else [],
-        sampling_params=WireSamplingParams(
+        sampling_params=SamplingParams(
             temperature=0.7,
             top_p=0.9,
             top_k=20,
-            seed=2**63 + 5,
+            seed=-(2**63) + 5,
             max_tokens=None,
             min_tokens=2,
             stop=("\n\n", "END"),
             stop_token_ids=(151645,),
             include_stop_str_in_output=True,
-            structured_outputs=WireStructuredOutputs(
+            structured_outputs=StructuredOutputParams(
                 "json_schema", '{"type": "object", "properties": {"ok": {"type": "boolean"}}}'
             ),
             logprobs=5,
@@ -108,7 +102,7 @@ def video_and_image_request() -> EngineCoreRequest:
         [(13 * i) % 1000 for i in range(num_tokens)],
         [img, vid],
         inputs,
-        WireSamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0),
         positions(num_tokens, delta=-9),
         -9,
         None,
@@ -138,7 +132,7 @@ def remote_items_request() -> EngineCoreRequest:
         [(11 * i) % 1000 for i in range(num_tokens)],
         features,
         [],
-        WireSamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0),
         positions(num_tokens),
         0,
         None,
@@ -148,43 +142,7 @@ def remote_items_request() -> EngineCoreRequest:
     )
 
 
-def scheduler_output() -> WireSchedulerOutput:
-    """A typical mixed step: one new image request and sixteen decodes."""
-    f = feature(9, offset=4, grid_thw=(1, 32, 32))
-    num_prompt = 4 + f.length + 28
-    new = WireNewRequestData(
-        request_id="new-0",
-        token_ids=list(range(num_prompt)),
-        mm_features=[f],
-        block_ids=list(range(100, 100 + num_prompt // 16 + 1)),
-        num_computed_tokens=0,
-        payload=WireRunnerPayload(
-            WireSamplingParams(temperature=0.0), positions(num_prompt), 0, (151645,)
-        ),
-    )
-    cached = [
-        WireCachedRequestData(f"dec-{i}", [i] if i % 4 == 0 else [], 300 + i) for i in range(16)
-    ]
-    num_scheduled = {"new-0": num_prompt, **{c.request_id: 1 for c in cached}}
-    return WireSchedulerOutput(
-        scheduled_new_reqs=[new],
-        scheduled_cached_reqs=cached,
-        num_scheduled_tokens=num_scheduled,
-        total_num_scheduled_tokens=sum(num_scheduled.values()),
-        scheduled_encoder_inputs={"new-0": [0]},
-        encoder_inputs=[encoder_input(f, seed=9)],
-        free_encoder_identifiers=[identifier(1)],
-        finished_req_ids=frozenset({"done-0", "done-1"}),
-        preempted_req_ids=frozenset({"pre-0"}),
-        # two structured decodes: [2, ceil(151_936 / 32)] words, one all ones, one sparse
-        grammar_bitmask=WireGrammarBitmask(
-            ["dec-3", "dec-7"],
-            np.stack([np.full(4748, -1, np.int32), np.arange(4748, dtype=np.int32) % 5 - 2]),
-        ),
-    )
-
-
-def engine_stats(**overrides) -> EngineStats:
+def engine_stats(**overrides) -> SchedulerStats:
     fields = dict(
         num_running=16,
         num_waiting=3,
@@ -203,30 +161,31 @@ def engine_stats(**overrides) -> EngineStats:
             "encoder_forward_calls": {"image": 9, "video": 3},
         },
     )
-    return EngineStats(**{**fields, **overrides})
+    return SchedulerStats(**{**fields, **overrides})
 
 
-def logprobs(num_tokens: int, num_top: int) -> WireLogprobs:
+def logprobs(num_tokens: int, num_top: int) -> Logprobs:
     rng = np.random.default_rng(num_tokens * 31 + num_top)
     ids = rng.integers(0, 151_000, (num_tokens, 1 + num_top)).astype(np.int32)
     values = -rng.random((num_tokens, 1 + num_top)).astype(np.float32)
-    return WireLogprobs(ids, values, np.arange(1, num_tokens + 1, dtype=np.int32))
+    return Logprobs(ids, values, np.arange(1, num_tokens + 1, dtype=np.int32))
 
 
 def all_messages() -> list[tuple[str, Message]]:
     """(name, message) covering every message type, each full and empty where it can be."""
-    failure = WireRequestFailure("4 embeddings for 5 placeholders", "request", "messages")
+    failure = RequestFailure("4 embeddings for 5 placeholders", FailureKind.REQUEST, "messages")
+    stopped, length = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
+    error = RequestStatus.FINISHED_ERROR
     outputs = [
-        EngineCoreOutput("r0", [5, 6], num_cached_tokens=32, first_scheduled_time_s=12345.9),
-        EngineCoreOutput("r1", [7], "stop", stop_reason=151645),
-        EngineCoreOutput("r2", [], "length"),
-        EngineCoreOutput("r3", [], "abort"),
-        EngineCoreOutput("r4", [], "error", error=failure),
-        EngineCoreOutput("r5", [], "error", error=WireRequestFailure("boom", "internal")),
-        EngineCoreOutput("r6#0", [8, 9], logprobs=logprobs(2, 5)),
-        EngineCoreOutput("r6#1", [10], "length", logprobs=logprobs(1, 0)),
+        RequestUpdate("r0", [5, 6], num_cached_tokens=32, first_scheduled_time_s=12345.9),
+        RequestUpdate("r1", [7], stopped, stop_reason=151645),
+        RequestUpdate("r2", [], length),
+        RequestUpdate("r3", [], RequestStatus.FINISHED_ABORTED),
+        RequestUpdate("r4", [], error, error=failure),
+        RequestUpdate("r5", [], error, error=RequestFailure("boom", FailureKind.INTERNAL)),
+        RequestUpdate("r6#0", [8, 9], logprobs=logprobs(2, 5)),
+        RequestUpdate("r6#1", [10], length, logprobs=logprobs(1, 0)),
     ]
-    empty_step = WireSchedulerOutput([], [], {}, 0, {}, [], [], frozenset(), frozenset())
     messages: list[tuple[str, Message]] = [
         ("request_two_images", engine_core_request(2)),
         ("request_text_only", engine_core_request(0)),
@@ -235,22 +194,24 @@ def all_messages() -> list[tuple[str, Message]]:
         ("request_remote_items", remote_items_request()),
         (
             "request_minimal",
-            EngineCoreRequest("r", [], [], [], WireSamplingParams(), None, 0, None, None, 0.0),
+            EngineCoreRequest("r", [], [], [], SamplingParams(), None, 0, None, None, 0.0),
         ),
         (
             "request_empty_arrays",
-            EngineCoreRequest("r", [], [], [], WireSamplingParams(), positions(0), 0, (), "", 0.0),
+            EngineCoreRequest("r", [], [], [], SamplingParams(), positions(0), 0, (), "", 0.0),
         ),
         ("abort", EngineCoreAbort(["a", "b"])),
         ("abort_none", EngineCoreAbort([])),
         ("shutdown", EngineCoreShutdown()),
         ("outputs", EngineCoreOutputs(outputs, engine_stats())),
         ("outputs_none", EngineCoreOutputs([])),
-        ("stats", engine_stats()),
         (
-            "stats_zero",
-            engine_stats(
-                counters={}, gauges={}, modality_counters={}, num_running=0, num_waiting=0
+            "outputs_stats_zero",
+            EngineCoreOutputs(
+                [],
+                engine_stats(
+                    counters={}, gauges={}, modality_counters={}, num_running=0, num_waiting=0
+                ),
             ),
         ),
         ("dead", EngineDead("the engine core exited with signal 9")),
@@ -268,17 +229,6 @@ def all_messages() -> list[tuple[str, Message]]:
                 },
                 SchedulerConfig(max_model_len=256, encoder_embed_bytes=3072),
             ),
-        ),
-        ("scheduler_output", scheduler_output()),
-        ("scheduler_output_empty", empty_step),
-        (
-            "runner_output",
-            WireModelRunnerOutput({"a": [1], "b": [2, 3]}, {"c": failure}),
-        ),
-        ("runner_output_empty", WireModelRunnerOutput({})),
-        (
-            "runner_output_logprobs",
-            WireModelRunnerOutput({"a": [1], "b": [2]}, {}, {"a": logprobs(1, 20)}),
         ),
     ]
     assert {type(m) for _, m in messages} == set(MESSAGE_TAGS), "a message type has no sample"

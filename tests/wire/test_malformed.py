@@ -10,17 +10,25 @@ import msgspec
 import numpy as np
 import pytest
 
+from mmserve.errors import FailureKind, RequestFailure
+from mmserve.sampling_params import SamplingParams
+from mmserve.scheduling.outputs import RequestUpdate
+from mmserve.scheduling.request import RequestStatus
 from mmserve.wire import (
     ALLOWED_DTYPES,
-    EngineCoreOutput,
+    EngineCoreOutputs,
     EngineCoreRequest,
     WireError,
-    WireSamplingParams,
     decode,
     encode,
 )
 from mmserve.wire.codec import HEADER_BYTES, MAGIC, VERSION
-from tests.wire.samples import all_messages, engine_core_request, engine_stats, scheduler_output
+from tests.wire.samples import (
+    all_messages,
+    engine_core_request,
+    engine_stats,
+    remote_items_request,
+)
 
 MESSAGES = all_messages()
 IDS = [name for name, _ in MESSAGES]
@@ -47,7 +55,7 @@ def _decodes_or_wire_error(frames) -> None:
 def _array_ref_paths(node, path=()) -> list[tuple]:
     """Paths of every [dtype, shape, frame_idx] list in the untyped body, in encoding order."""
     if isinstance(node, list):
-        if len(node) == 3 and node[0] in ALLOWED_DTYPES and isinstance(node[1], list):
+        if len(node) == 3 and isinstance(node[0], str) and node[0] in ALLOWED_DTYPES:
             return [path]
         return [p for i, child in enumerate(node) for p in _array_ref_paths(child, (*path, i))]
     if isinstance(node, dict):
@@ -183,7 +191,7 @@ FORGED_REFS = [
 
 @pytest.mark.parametrize(("label", "forge", "match"), FORGED_REFS, ids=[f[0] for f in FORGED_REFS])
 def test_forged_array_reference_is_an_error(label, forge, match):
-    for msg in (engine_core_request(2), scheduler_output()):
+    for msg in (engine_core_request(2), remote_items_request()):
         frames = _frames(msg)
         paths = _array_ref_paths(_tree(frames))
         assert paths, "the sample carries arrays"
@@ -258,7 +266,7 @@ def test_forged_field_types_are_named_in_the_error():
 
 def test_fuzzing_is_fast():
     """Decoding garbage costs about what decoding a message costs: no slow failure path."""
-    frames = _frames(scheduler_output())
+    frames = _frames(engine_core_request(2))
     start = time.perf_counter()
     for i in range(2_000):
         cut = [frames[0][: len(frames[0]) * i // 2_000], *frames[1:]]
@@ -293,32 +301,32 @@ SEMANTIC = [
     ("positions shape", engine_core_request, _set((5, 1), [2, 42]), r"int64 \(2, 42\), expected"),
     ("positions dtype", engine_core_request, _set((5, 0), "<f8"), r"float64 \(3, 28\), expected"),
     ("token id too large", engine_core_request, _set((1, 0), 2**31), "<= 2147483647"),
+    # RequestUpdate fields: 2 finish_status, 4 error (its 1: kind), 6 first_scheduled_time_s
     ("finish reason unknown", lambda: _outputs(), _set((0, 0, 2), "done"), "Invalid enum value"),
+    ("finish while running", lambda: _outputs(), _set((0, 0, 2), "running"), "not a finished"),
     ("error without reason", lambda: _outputs(), _set((0, 0, 2), None), "an error comes exactly"),
     ("failure kind unknown", lambda: _outputs(), _set((0, 0, 4, 1), "user"), "Invalid enum value"),
     ("scheduled before 0", lambda: _outputs(), _set((0, 0, 6), -1.0), "finite and >= 0"),
     ("scheduled at NaN", lambda: _outputs(), _set((0, 0, 6), float("nan")), "finite and >= 0"),
     ("scheduled at inf", lambda: _outputs(), _set((0, 0, 6), float("inf")), "finite and >= 0"),
-    ("unknown counter", engine_stats, lambda t: t[10].__setitem__("made_up", 1), "unknown metrics"),
-    ("negative gauge count", engine_stats, _set((0,), -1), ">= 0"),
-    ("total tokens", scheduler_output, _set((3,), 1), "sums to"),
-    ("computed past tokens", scheduler_output, _set((0, 0, 4), 10_000), "computed tokens"),
+    # SchedulerStats (EngineCoreOutputs field 1): 0 num_running, 13 counters
+    ("unknown counter", lambda: _stats(), lambda t: t[1][13].__setitem__("made_up", 1), "unknown"),
+    ("negative gauge count", lambda: _stats(), _set((1, 0), -1), ">= 0"),
+    # SamplingParams (EngineCoreRequest field 4) runs its own checks on arrival
+    ("sampling top_p 0", engine_core_request, _set((4, 2), 0.0), "top_p must be in"),
+    ("sampling n 0", engine_core_request, _set((4, 0), 0), "n must be in"),
 ]
 
 
-def _outputs():
-    from mmserve.wire import EngineCoreOutputs, WireRequestFailure
+def _stats():
+    return EngineCoreOutputs([], engine_stats())
 
+
+def _outputs():
+    failure = RequestFailure("x", FailureKind.REQUEST)
+    error = RequestStatus.FINISHED_ERROR
     return EngineCoreOutputs(
-        [
-            EngineCoreOutput(
-                "r",
-                [],
-                "error",
-                error=WireRequestFailure("x", "request"),
-                first_scheduled_time_s=1.5,
-            )
-        ]
+        [RequestUpdate("r", [], error, error=failure, first_scheduled_time_s=1.5)]
     )
 
 
@@ -339,15 +347,16 @@ def test_constructing_a_message_that_breaks_its_rules_fails_at_the_sender():
             [1, 2],
             [],
             [],
-            WireSamplingParams(),
+            SamplingParams(),
             np.zeros((3, 5), np.int64),
             0,
             None,
             None,
             0.0,
         )
-    with pytest.raises(WireError, match="an error comes exactly"):
-        EngineCoreOutput("r", [1], "error")
-    with pytest.raises(WireError, match="first_scheduled_time_s"):
-        EngineCoreOutput("r", [1], first_scheduled_time_s=float("nan"))
+    # the values inside an envelope check themselves too (a ValueError: they know no wire)
+    with pytest.raises(ValueError, match="an error comes exactly"):
+        RequestUpdate("r", [1], RequestStatus.FINISHED_ERROR)
+    with pytest.raises(ValueError, match="first_scheduled_time_s"):
+        RequestUpdate("r", [1], first_scheduled_time_s=float("nan"))
     assert msg.mm_features

@@ -6,12 +6,12 @@ import msgspec
 import numpy as np
 import pytest
 
+from mmserve.sampling_params import SamplingParams
 from mmserve.wire import (
     MESSAGE_TAGS,
     EngineCoreRequest,
     WireEncoderInput,
     WireError,
-    WireSamplingParams,
     decode,
     encode,
 )
@@ -71,7 +71,7 @@ def test_a_strided_or_big_endian_array_travels_as_a_contiguous_little_endian_cop
     for arr in (wide, swapped):
         item = WireEncoderInput(f.identifier, "image", f.grid_thw, arr)
         msg = EngineCoreRequest(
-            "r", [0] * f.length, [f], [item], WireSamplingParams(), None, 0, None, None, 0.0
+            "r", [0] * f.length, [f], [item], SamplingParams(), None, 0, None, None, 0.0
         )
         out = decode(encode(msg)).encoder_inputs[0].pixel_values
         assert out.dtype == np.dtype("<f8")
@@ -83,7 +83,7 @@ def test_pixel_dtypes_round_trip(dtype):
     f = feature(0, offset=0)
     item = WireEncoderInput(f.identifier, "image", f.grid_thw, pixels(f.grid_thw, 1, dtype))
     msg = EngineCoreRequest(
-        "r", [0] * f.length, [f], [item], WireSamplingParams(), None, 0, None, None, 0.0
+        "r", [0] * f.length, [f], [item], SamplingParams(), None, 0, None, None, 0.0
     )
     assert_same(decode(encode(msg)), msg)
 
@@ -100,7 +100,7 @@ def test_numpy_scalars_among_plain_ints_travel_as_ints():
 
 def test_encode_refuses_what_is_not_a_message():
     with pytest.raises(WireError, match="not a wire message"):
-        encode(WireSamplingParams())  # a part, not a message
+        encode(SamplingParams())  # a part, not a message
     with pytest.raises(WireError, match="not a wire message"):
         encode({"request_id": "r"})
 
@@ -117,11 +117,11 @@ def test_encode_refuses_arrays_and_values_that_are_not_plain_data():
     msgspec.structs.force_setattr(msg, "prompt_token_ids", [1, 2, object()])
     with pytest.raises(WireError, match="object values cannot travel"):
         encode(msg)
-    big_seed = EngineCoreRequest(
-        "r", [], [], [], WireSamplingParams(seed=2**64), None, 0, None, None, 0.0
-    )
+    big_seed = SamplingParams()
+    msgspec.structs.force_setattr(big_seed, "seed", 2**64)  # past its own check
+    msg = EngineCoreRequest("r", [], [], [], big_seed, None, 0, None, None, 0.0)
     with pytest.raises(WireError, match="cannot encode EngineCoreRequest"):
-        encode(big_seed)
+        encode(msg)
 
 
 def test_arrays_of_more_than_eight_dims_do_not_travel():

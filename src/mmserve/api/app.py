@@ -38,6 +38,7 @@ from mmserve.api.prometheus import build_registry, render
 from mmserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mmserve.api.status import report_status
 from mmserve.api.unsupported import refuse_unsupported_fields
+from mmserve.config.server import ServerConfig
 from mmserve.engine.frontend.outputs import OutputKind
 from mmserve.engine.frontend.protocol import EngineClient
 from mmserve.errors import EngineDeadError, InvalidRequestError
@@ -62,7 +63,7 @@ def create_app(
     api_keys: Sequence[str] | None,
     served_model_name: str | Sequence[str],
     max_request_body_bytes: int,
-    http_body_timeout_s: float = 60.0,
+    http_body_timeout_s: float = ServerConfig.http_body_timeout,  # the flag's default
     status_interval_s: float | None = 5.0,
     shutdown_timeout_s: float = 20.0,
 ) -> FastAPI:

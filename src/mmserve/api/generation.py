@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -62,7 +62,7 @@ def sampling_params_for(
         )
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(room, default_max_tokens)
-    return dataclasses.replace(requested, max_tokens=max_tokens)
+    return msgspec.structs.replace(requested, max_tokens=max_tokens)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

@@ -111,6 +111,14 @@ class ParallelConfig:
         aliases=("-pp",),
         help="Pipeline stages; {default} (larger values are refused at start-up).",
     )
+    data_parallel_size: int = flag(
+        1,
+        type=int,
+        group=DEVICE,
+        aliases=("-dp",),
+        help="Engine replicas, one per device; mmserve runs one ({default}), larger values are "
+        "refused at start-up.",
+    )
     # The scheduler and the model in an engine process of their own (issue #14). None: the
     # entry point's default (the server: yes; the offline LLM: no).
     multiprocess: bool | None = flag(
@@ -122,7 +130,7 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             flag_name = "--" + name.replace("_", "-")
             if not _is_positive_int(value):

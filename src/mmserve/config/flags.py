@@ -24,7 +24,7 @@ class FlagSpec:
     aliases: tuple[str, ...] = ()
     required: bool = False
     topic: str = ""  # a subset another command shares (encode takes the media "url"/"decode")
-    unit: str = ""  # "bytes": the help shows the default as KiB/MiB/GiB
+    unit: str = ""  # "bytes": the help shows the default as KiB/MiB/GiB; "count": Ki/Mi/Gi
 
 
 def flag(
@@ -63,10 +63,10 @@ def field_default(field: dataclasses.Field) -> Any:
 
 
 def show_default(value: Any, unit: str) -> str:
-    if unit == "bytes" and isinstance(value, int) and value >= 1024:
-        for size, suffix in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+    if unit in ("bytes", "count") and isinstance(value, int) and value >= 1024:
+        for size, prefix in ((1 << 30, "Gi"), (1 << 20, "Mi"), (1 << 10, "Ki")):
             if value % size == 0:
-                return f"{value // size} {suffix}"
+                return f"{value // size} {prefix}{'B' if unit == 'bytes' else ''}"
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return str(value)

@@ -207,6 +207,7 @@ class MediaConfig:
         group=MEDIA,
         topic=VIDEO,
         metavar="PIXELS",
+        unit="count",
         help="Most pixels decoded from one video, all walked frames together (decoder work). "
         "Default {default} (~4000 1080p frames).",
     )

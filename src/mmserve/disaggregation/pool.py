@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from mmserve.config.pool import DEFAULT_ENCODER_FALLBACK, DEFAULT_ENCODER_TIMEOUT_S
 from mmserve.disaggregation.discovery import (
     EncoderEndpoint,
     ModelIdentity,
@@ -53,8 +54,8 @@ class PoolConfig:
 
     encoder_urls: tuple[str, ...]
     identity: ModelIdentity
-    fallback: str = "local"
-    timeout_s: float = 30.0  # one attempt on one encoder
+    fallback: str = DEFAULT_ENCODER_FALLBACK
+    timeout_s: float = DEFAULT_ENCODER_TIMEOUT_S  # one attempt on one encoder
     secret: bytes | None = None
     discovery_timeout_s: float = 30.0
     ping_interval_s: float = 0.5

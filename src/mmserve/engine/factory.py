@@ -38,7 +38,7 @@ def build_engine(
     metrics = EngineMetrics(max_model_len=shape.max_model_len)
     core: CoreLike
     if config.parallel.multiprocess:
-        core, resolved = CoreClient.start(config, shape, metrics)
+        core, resolved = CoreClient.start(config, metrics)
     else:
         # The model runs in this process: only here does the API side import the core (torch).
         from mmserve.engine.core.build import build_core

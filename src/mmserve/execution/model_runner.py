@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -79,22 +79,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self,
-        so: SchedulerOutput,
-        grammar_output: GrammarOutput | None = None,
-        *,
-        encoder_inputs: Mapping[str, ProcessedImage] | None = None,
+        self, so: SchedulerOutput, grammar_output: GrammarOutput | None = None
     ) -> ModelRunnerOutput:
         """`grammar_output` masks what the structured requests may sample (the engine core
-        computes it after scheduling). `encoder_inputs` (by identifier) gives the pixels of
-        items whose features hold none: a step decoded from the wire sends them only on the
-        step that encodes them."""
+        computes it after scheduling)."""
         self._update_states(so)
         not_sent = self.remote.submit(so.remote_encoder_inputs)
         collected = self.remote.collect()
         results = RemoteResults(collected.arrived, {**collected.failed, **not_sent})
         errors: dict[str, RequestFailure] = {}
-        self._encode(so, errors, encoder_inputs or {})
+        self._encode(so, errors)
         if so.total_num_scheduled_tokens == 0:
             return _output({}, errors, {}, results)
         self.buffers.wait_until_sent()
@@ -241,15 +235,10 @@ class ModelRunner:
 
     # -------------------------------------------------------------------------- encoder
 
-    def _encode(
-        self,
-        so: SchedulerOutput,
-        errors: dict[str, RequestFailure],
-        encoder_inputs: Mapping[str, ProcessedImage],
-    ) -> None:
+    def _encode(self, so: SchedulerOutput, errors: dict[str, RequestFailure]) -> None:
         """Run every scheduled item through the vision tower in as few calls as possible."""
         features = [
-            (request_id, _with_pixels(self.states[request_id].mm_features[i], encoder_inputs))
+            (request_id, self.states[request_id].mm_features[i])
             for request_id, item_idxs in so.scheduled_encoder_inputs.items()
             for i in item_idxs
         ]
@@ -355,17 +344,6 @@ class ModelRunner:
                 f"encoding multimodal item failed: {type(exc).__name__}", FailureKind.INTERNAL
             ) from exc
         return self.encoder_cache.get(feature.identifier)
-
-
-def _with_pixels(
-    feature: MultiModalFeature, encoder_inputs: Mapping[str, ProcessedImage]
-) -> MultiModalFeature:
-    """The feature with its pixels for this step only: the state keeps none it was not sent
-    with, so pixels are not held for the whole decode."""
-    data = encoder_inputs.get(feature.identifier)
-    if feature.data is not None or data is None:
-        return feature
-    return dataclasses.replace(feature, data=data)
 
 
 def _without_remote(feature: MultiModalFeature) -> MultiModalFeature:

@@ -8,8 +8,6 @@ import numpy as np
 
 from mmserve.multimodal import MultiModalFeature
 from mmserve.sampling_params import SamplingParams
-from mmserve.wire.convert import sampling_params_from_wire
-from mmserve.wire.executor import WireRunnerPayload
 
 
 @dataclass(frozen=True)
@@ -28,13 +26,6 @@ class RunnerPayload:
     @property
     def num_prompt_tokens(self) -> int:
         return int(self.mrope_positions.shape[1])
-
-
-def payload_from_wire(w: WireRunnerPayload) -> RunnerPayload:
-    """The payload an executor in another process builds (`make_payload` of
-    `wire.convert.scheduler_output_from_wire`)."""
-    params = sampling_params_from_wire(w.sampling_params)
-    return RunnerPayload(params, w.mrope_positions, w.mrope_position_delta, tuple(w.eos_token_ids))
 
 
 @dataclass(slots=True)

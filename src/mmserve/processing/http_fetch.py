@@ -35,12 +35,13 @@ Resolver = Callable[..., Sequence[tuple]]
 
 @dataclass(frozen=True)
 class FetchPolicy:
-    """What one fetch may do: where (allowlist), how long (all hops together), how many bytes."""
+    """What one fetch may do: where (allowlist), how long (all hops together), how many bytes.
+    Built from a MediaConfig (`MediaLoader.fetch_policy`), which owns the defaults."""
 
-    allowlist: tuple[AllowedHost, ...] = ()
-    timeout_s: float = 5.0
-    max_bytes: int = 20 * 1024 * 1024
-    max_redirects: int = 3
+    allowlist: tuple[AllowedHost, ...]
+    timeout_s: float
+    max_bytes: int
+    max_redirects: int
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.max_bytes <= 0 or self.max_redirects < 0:

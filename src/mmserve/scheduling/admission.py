@@ -1,18 +1,37 @@
-"""Admission checks: refuse, at add time, a request the scheduler could never run to the end."""
+"""Admission checks: refuse, before a request is queued, one the scheduler could never run.
+
+They run once per request, in the front end (`engine.llm_engine.LLMEngine.add_request`, in the
+API process when the core runs in its own): the engine core trusts what it is sent and builds
+its one scheduler `Request` from it.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import EncoderItemTooLargeError, InvalidRequestError, PromptTooLongError
 from mmserve.multimodal import MultiModalFeature
-from mmserve.scheduling.request import Request
+
+
+def bounded_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The most tokens a request may generate: its `max_tokens` (None: no limit of its own)
+    within what the prompt leaves of the model length, and at least 1 (a prompt that leaves
+    nothing is refused by `validate_request`)."""
+    room = max_model_len - num_prompt_tokens
+    return max(room if max_tokens is None else min(room, max_tokens), 1)
 
 
 def validate_request(
-    request: Request, scheduler_config: SchedulerConfig, cache_config: CacheConfig
+    num_prompt_tokens: int,
+    max_tokens: int,
+    mm_features: Sequence[MultiModalFeature],
+    scheduler_config: SchedulerConfig,
+    cache_config: CacheConfig,
 ) -> None:
-    """Raise a typed error (a 4xx for the API) naming the limit and the fix; return if OK."""
-    num_prompt = request.num_prompt_tokens
+    """Raise a typed error (a 4xx for the API) naming the limit and the fix; return if OK.
+    `max_tokens` is the bounded one (`bounded_max_tokens`)."""
+    num_prompt = num_prompt_tokens
     max_model_len = scheduler_config.max_model_len
     if num_prompt == 0:
         raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
@@ -23,24 +42,26 @@ def validate_request(
             f"videos (lower max_pixels, fps or max_frames), or raise --max-model-len",
             param="messages",
         )
-    if request.max_tokens < 1:
+    if max_tokens < 1:
         raise InvalidRequestError(
-            f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens"
+            f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens"
         )
-    _validate_items(request, scheduler_config)
-    _validate_kv_capacity(request, scheduler_config, cache_config)
+    _validate_items(num_prompt, mm_features, scheduler_config)
+    _validate_kv_capacity(num_prompt, max_tokens, scheduler_config, cache_config)
 
 
-def _validate_items(request: Request, config: SchedulerConfig) -> None:
+def _validate_items(
+    num_prompt: int, mm_features: Sequence[MultiModalFeature], config: SchedulerConfig
+) -> None:
     prev_end = 0
     ordinals: dict[str, int] = {}
-    for feature in request.mm_features:
+    for feature in mm_features:
         offset, length = feature.placeholder.offset, feature.placeholder.length
-        if length <= 0 or offset < prev_end or offset + length > request.num_prompt_tokens:
+        if length <= 0 or offset < prev_end or offset + length > num_prompt:
             raise InvalidRequestError(
                 f"multimodal item {feature.identifier[:16]}… has placeholder range "
                 f"[{offset}, {offset + length}) that is empty, overlaps the previous item or "
-                f"lies outside the {request.num_prompt_tokens}-token prompt",
+                f"lies outside the {num_prompt}-token prompt",
                 param="messages",
             )
         prev_end = offset + length
@@ -79,20 +100,19 @@ def _check_item_fits(feature: MultiModalFeature, name: str, config: SchedulerCon
 
 
 def _validate_kv_capacity(
-    request: Request, scheduler_config: SchedulerConfig, cache_config: CacheConfig
+    num_prompt: int, max_tokens: int, scheduler_config: SchedulerConfig, cache_config: CacheConfig
 ) -> None:
     """Even alone in the engine, the request must fit in the KV pool up to its last token."""
     block_size = cache_config.block_size
     capacity_tokens = cache_config.num_blocks * block_size
-    if request.num_prompt_tokens > capacity_tokens:
+    if num_prompt > capacity_tokens:
         raise PromptTooLongError(
-            f"the prompt is {request.num_prompt_tokens} tokens but the KV cache holds "
+            f"the prompt is {num_prompt} tokens but the KV cache holds "
             f"{capacity_tokens}; shorten the prompt or give the engine more KV memory",
             param="messages",
         )
     # KV is written for every token but the last sampled one (and a full-length prompt).
-    num_prompt = request.num_prompt_tokens
-    last_len = min(num_prompt + request.max_tokens, scheduler_config.max_model_len) - 1
+    last_len = min(num_prompt + max_tokens, scheduler_config.max_model_len) - 1
     if max(num_prompt, last_len) > capacity_tokens:
         raise InvalidRequestError(
             f"prompt + max_tokens needs KV for {last_len} tokens but the KV cache holds "

@@ -1,18 +1,33 @@
-"""Messages across the scheduler boundary: the step sent to the runner, its answer, and stats."""
+"""Messages across the scheduler boundary: the step sent to the runner, its answer, and what
+one step did to one request (`RequestUpdate`, which also crosses to the API process)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Annotated
 
+import msgspec
 import numpy as np
 
 from mmserve.errors import RequestFailure
+from mmserve.metrics import SchedulerStats
 from mmserve.multimodal import MultiModalFeature
 from mmserve.scheduling.request import RequestStatus
 
-if TYPE_CHECKING:
-    import numpy as np
+# A vocabulary index: bounded (on decode) so that no id overflows the tensors it indexes.
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+
+__all__ = [
+    "CachedRequestData",
+    "GrammarOutput",
+    "Logprobs",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "RequestUpdate",
+    "SchedulerOutput",
+    "SchedulerStats",  # defined beside the metric names it carries (mmserve.metrics)
+]
 
 
 @dataclass(frozen=True)
@@ -93,17 +108,34 @@ class SchedulerOutput:
     remote_encoder_inputs: dict[str, list[MultiModalFeature]] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Logprobs:
+class Logprobs(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """Log-probabilities of a request's sampled tokens, one row per token (vLLM's layout).
 
     Column 0 is the sampled token, columns 1..K the K most likely tokens in rank order; the
     values are the log-softmax of the model's raw logits (before penalties or temperature).
+    The arrays travel as raw frames (`wire.codec`); their shapes and dtypes are checked here.
     """
 
     token_ids: np.ndarray  # [num_tokens, 1 + K] int32
     logprobs: np.ndarray  # [num_tokens, 1 + K] float32
     ranks: np.ndarray  # [num_tokens] int32: the sampled token's rank (1 = most likely)
+
+    def __post_init__(self) -> None:
+        ids, values, ranks = self.token_ids, self.logprobs, self.ranks
+        if ids.dtype != np.int32 or values.dtype != np.float32 or ranks.dtype != np.int32:
+            raise ValueError(
+                f"logprobs: dtypes {ids.dtype}, {values.dtype}, {ranks.dtype}; expected "
+                "int32 token_ids, float32 logprobs, int32 ranks"
+            )
+        if ids.ndim != 2 or ids.shape[1] < 1 or values.shape != ids.shape:
+            raise ValueError(
+                f"logprobs: token_ids {ids.shape} and logprobs {values.shape} must be the same "
+                "[num_tokens, 1 + K]"
+            )
+        if ranks.shape != (ids.shape[0],):
+            raise ValueError(f"logprobs: ranks {ranks.shape}, expected ({ids.shape[0]},)")
+        if ids.size and (int(ids.min()) < 0 or int(ranks.min()) < 1):
+            raise ValueError("logprobs: token ids must be >= 0 and ranks >= 1")
 
     @property
     def num_tokens(self) -> int:
@@ -136,40 +168,48 @@ class ModelRunnerOutput:
     encoder_failed: dict[str, RequestFailure] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class RequestUpdate:
-    """What one step did to one request, for the engine's output processor."""
+class RequestUpdate(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """What one step did to one request, for the engine's output processor (in this process,
+    or in the API process: `wire.engine_core.EngineCoreOutputs` carries it as it is).
+
+    `new_token_ids` is a delta, never the whole output. `finish_status` None: still running;
+    `error` comes exactly with FINISHED_ERROR.
+    """
 
     request_id: str
-    new_token_ids: list[int]
+    new_token_ids: list[TokenId]
     finish_status: RequestStatus | None = None
-    stop_reason: int | None = None
+    stop_reason: TokenId | None = None  # the stop token id that ended it, if one did
     error: RequestFailure | None = None
-    num_cached_tokens: int = 0  # the prefix-cache hit of its first schedule, in tokens
-    # When the core first scheduled it (`time.monotonic()`): on the request's first update
-    # only, None on every other (a preemption does not move it).
+    num_cached_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0  # first schedule's prefix hit
+    # When the core first scheduled it (`time.monotonic()`, one clock for both processes on
+    # one host): on the request's first update only, None on every other (a preemption does
+    # not move it).
     first_scheduled_time_s: float | None = None
     logprobs: Logprobs | None = None  # one row per new token, when the request asked
+
+    def __post_init__(self) -> None:
+        owner = f"update of request {self.request_id}"
+        status = self.finish_status
+        if status is not None and not status.is_finished:
+            raise ValueError(f"{owner}: finish_status {status.value!r} is not a finished one")
+        if (self.error is None) != (status is not RequestStatus.FINISHED_ERROR):
+            raise ValueError(
+                f"{owner}: finish_status {status} with error {self.error!r}; an error comes "
+                "exactly with FINISHED_ERROR"
+            )
+        t = self.first_scheduled_time_s
+        if t is not None and not (math.isfinite(t) and t >= 0.0):
+            raise ValueError(
+                f"{owner}: first_scheduled_time_s {t!r}; a time.monotonic() value is finite "
+                "and >= 0"
+            )
+        if self.logprobs is not None and self.logprobs.num_tokens != len(self.new_token_ids):
+            raise ValueError(
+                f"{owner}: logprobs for {self.logprobs.num_tokens} tokens but "
+                f"{len(self.new_token_ids)} new tokens"
+            )
 
     @property
     def finished(self) -> bool:
         return self.finish_status is not None
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """Gauges (now) and counters (since start) for metrics. Prefix counters are in tokens."""
-
-    num_running: int
-    num_waiting: int
-    num_free_kv_blocks: int
-    encoder_cache_used_slots: int  # referenced by unfinished requests
-    encoder_cache_used_bytes: int
-    encoder_cache_resident_slots: int  # referenced + freeable entries still resident
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    encoder_cache_queries: int
-    encoder_cache_hits: int
-    encoder_inflight_items: int = 0  # remote items sent to the encoder source, not arrived
-    encoder_inflight_bytes: int = 0  # ... and the cache bytes reserved for them
-    encoder_pool_bytes: int = 0  # cache bytes of arrived remote embeddings (referenced or not)

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable
 
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import RequestFailure
-from mmserve.scheduling.admission import validate_request
 from mmserve.scheduling.encoder_cache_manager import EncoderCacheManager
 from mmserve.scheduling.encoder_planner import (
     EncoderPlan,
@@ -70,10 +69,9 @@ class Scheduler:
     # ----------------------------------------------------------------- requests in and out
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; refuses (typed 4xx errors) one that could never be scheduled."""
+        """Queue a request the front end admitted (`scheduling.admission`: it can run)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
-        validate_request(request, self.scheduler_config, self.cache_config)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from mmserve.errors import InvalidRequestError
 
@@ -15,9 +16,11 @@ MAX_CHOICES = 1024
 PARAM = "structured_outputs"
 
 
-@dataclass(frozen=True)
-class StructuredOutputParams:
-    """One grammar for the output (vLLM's `structured_outputs`).
+class StructuredOutputParams(
+    msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True
+):
+    """One grammar for the output (vLLM's `structured_outputs`); the same value in-process and
+    on the wire, checked again when decoded.
 
     `kind` is json_schema (spec: the schema as JSON text), json_object (no spec: any JSON
     object), regex (the pattern), choice (a JSON list of the allowed strings) or grammar (Lark,

@@ -28,12 +28,10 @@ from mmserve.wire.engine_core import (
     EngineCoreRequest,
     EngineCoreShutdown,
     EngineDead,
-    EngineStats,
 )
-from mmserve.wire.executor import WireModelRunnerOutput, WireSchedulerOutput
 
 MAGIC = 0xB5  # any other first byte is not ours
-VERSION = 1
+VERSION = 2  # 2: the value types travel as themselves (no wire twins)
 HEADER_BYTES = 3
 MAX_NDIM = 8
 
@@ -42,26 +40,21 @@ Message = (
     | EngineCoreAbort
     | EngineCoreShutdown
     | EngineCoreOutputs
-    | EngineStats
     | EngineDead
     | EngineCoreReady
-    | WireSchedulerOutput
-    | WireModelRunnerOutput
 )
 Frame = bytes | bytearray | memoryview
 
-# Tags group by direction: 1.. API -> engine core, 16.. engine core -> API, 32.. executor.
+# Tags group by direction: 1.. API -> engine core, 16.. engine core -> API (17 was the stats
+# of an older version: they ride in EngineCoreOutputs).
 MESSAGE_TAGS: MappingProxyType[type, int] = MappingProxyType(
     {
         EngineCoreRequest: 1,
         EngineCoreAbort: 2,
         EngineCoreShutdown: 3,
         EngineCoreOutputs: 16,
-        EngineStats: 17,
         EngineDead: 18,
         EngineCoreReady: 19,
-        WireSchedulerOutput: 32,
-        WireModelRunnerOutput: 33,
     }
 )
 _TYPES_BY_TAG = MappingProxyType({tag: t for t, tag in MESSAGE_TAGS.items()})

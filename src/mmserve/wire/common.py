@@ -1,4 +1,4 @@
-"""What every wire message shares: the error, the base struct, field types and shared parts."""
+"""What the envelopes share: the error, the base struct, field types and the item parts."""
 
 from __future__ import annotations
 
@@ -33,8 +33,6 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1)]
 Identifier = Annotated[str, msgspec.Meta(min_length=1)]
 GridTHW = tuple[PosInt, PosInt, PosInt]
-FailureKind = Literal["request", "internal", "unavailable"]
-FinishReason = Literal["stop", "length", "abort", "error"]
 
 _PIXEL_KINDS = "f"  # encoder inputs are floating point (float16/32/64)
 
@@ -135,77 +133,6 @@ class WireRemoteItem(WireStruct):
                 )
         if self.min_pixels > self.max_pixels:
             raise WireError(f"{owner}: min_pixels {self.min_pixels} > max_pixels {self.max_pixels}")
-
-
-class WireStructuredOutputs(WireStruct):
-    """`StructuredOutputParams`: the grammar's kind and its text (compiled on each side)."""
-
-    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
-    spec: str = ""
-
-
-class WireSamplingParams(WireStruct):
-    """`SamplingParams` as plain fields: a seed travels, a random generator never does."""
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[TokenId, ...] = ()
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    structured_outputs: WireStructuredOutputs | None = None
-    logprobs: NonNegInt | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[TokenId, float] | None = None
-
-
-class WireLogprobs(WireStruct):
-    """`scheduling.outputs.Logprobs` as arrays: one row per token, column 0 the sampled one.
-
-    token_ids int32 [num_tokens, 1 + K], logprobs float32 [num_tokens, 1 + K], ranks int32
-    [num_tokens].
-    """
-
-    token_ids: np.ndarray
-    logprobs: np.ndarray
-    ranks: np.ndarray
-
-    def __post_init__(self) -> None:
-        ids, values, ranks = self.token_ids, self.logprobs, self.ranks
-        if ids.dtype != np.int32 or values.dtype != np.float32 or ranks.dtype != np.int32:
-            raise WireError(
-                f"logprobs: dtypes {ids.dtype}, {values.dtype}, {ranks.dtype}; expected "
-                "int32 token_ids, float32 logprobs, int32 ranks"
-            )
-        if ids.ndim != 2 or ids.shape[1] < 1 or values.shape != ids.shape:
-            raise WireError(
-                f"logprobs: token_ids {ids.shape} and logprobs {values.shape} must be the same "
-                "[num_tokens, 1 + K]"
-            )
-        if ranks.shape != (ids.shape[0],):
-            raise WireError(f"logprobs: ranks {ranks.shape}, expected ({ids.shape[0]},)")
-        if ids.size and (int(ids.min()) < 0 or int(ranks.min()) < 1):
-            raise WireError("logprobs: token ids must be >= 0 and ranks >= 1")
-
-
-class WireRequestFailure(WireStruct):
-    """Why the engine ended one request with an error, and whose fault it is.
-
-    kind "request": the request's own content or parameters (answered 4xx, `param` names the
-    field where one exists); "internal": the server failed (answered 500).
-    """
-
-    message: str
-    kind: FailureKind
-    param: str | None = None
 
 
 def check_positions(positions: np.ndarray, num_tokens: int, owner: str) -> None:

@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from mmserve.config.scheduler import SchedulerConfig
-from mmserve.metrics import COUNTER_NAMES, GAUGE_NAMES, LABELLED_COUNTERS, MODALITY_COUNTERS
+from mmserve.metrics import SchedulerStats
+from mmserve.sampling_params import SamplingParams
+from mmserve.scheduling.outputs import RequestUpdate
 from mmserve.wire.common import (
-    FinishReason,
-    NonNegFloat,
-    NonNegInt,
     RequestId,
     TokenId,
     WireEncoderInput,
     WireError,
-    WireLogprobs,
     WireMMFeature,
     WireRemoteItem,
-    WireRequestFailure,
-    WireSamplingParams,
     WireStruct,
     check_features,
     check_positions,
@@ -44,7 +38,7 @@ class EngineCoreRequest(WireStruct):
     prompt_token_ids: list[TokenId]
     mm_features: list[WireMMFeature]
     encoder_inputs: list[WireEncoderInput]
-    sampling_params: WireSamplingParams
+    sampling_params: SamplingParams
     mrope_positions: np.ndarray | None  # [3, num_prompt_tokens] int64
     mrope_position_delta: int
     eos_token_ids: tuple[TokenId, ...] | None
@@ -88,89 +82,12 @@ class EngineCoreShutdown(WireStruct):
 # ----------------------------------------------------------------------- engine core -> API
 
 
-class EngineCoreOutput(WireStruct):
-    """What one step did to one request. `new_token_ids` is a delta, never the whole output
-    (and `logprobs`, when the request asked for them, has one row per new token).
-
-    `finish_reason` None: still running. `stop_reason` is the stop token id that ended it, if
-    one did. `num_cached_tokens` is the prefix-cache hit of the request's first schedule (the
-    value of usage.prompt_tokens_details.cached_tokens), repeated on every output.
-    `first_scheduled_time_s` is when the core first scheduled the request (`time.monotonic()`,
-    the API process's clock too: one host), on the request's first output only (queue time).
-    """
-
-    request_id: RequestId
-    new_token_ids: list[TokenId]
-    finish_reason: FinishReason | None = None
-    stop_reason: TokenId | None = None
-    error: WireRequestFailure | None = None
-    num_cached_tokens: NonNegInt = 0
-    first_scheduled_time_s: float | None = None
-    logprobs: WireLogprobs | None = None  # one row per new token, when the request asked
-
-    def __post_init__(self) -> None:
-        t = self.first_scheduled_time_s
-        if t is not None and not (math.isfinite(t) and t >= 0.0):
-            raise WireError(
-                f"output of request {self.request_id}: first_scheduled_time_s {t!r}; "
-                "a time.monotonic() value is finite and >= 0"
-            )
-        if (self.error is None) != (self.finish_reason != "error"):
-            raise WireError(
-                f"output of request {self.request_id}: finish_reason {self.finish_reason!r} "
-                f"with error {self.error!r}; an error comes exactly with finish_reason 'error'"
-            )
-        if self.logprobs is not None and self.logprobs.ranks.shape[0] != len(self.new_token_ids):
-            raise WireError(
-                f"output of request {self.request_id}: logprobs for "
-                f"{self.logprobs.ranks.shape[0]} tokens but {len(self.new_token_ids)} new tokens"
-            )
-
-
-class EngineStats(WireStruct):
-    """The engine process's gauges (now) and counters (since start); prefix counters in tokens.
-
-    The first ten fields and the last two mirror `SchedulerStats`; `counters` and `gauges`
-    carry the other engine-side metrics by their `mmserve.metrics` names (e.g.
-    encoder_items_encoded, kv_blocks_total); `modality_counters` the per-modality counts of
-    MODALITY_COUNTERS (name -> modality -> count).
-    """
-
-    num_running: NonNegInt
-    num_waiting: NonNegInt
-    num_free_kv_blocks: NonNegInt
-    encoder_cache_used_slots: NonNegInt
-    encoder_cache_used_bytes: NonNegInt
-    encoder_cache_resident_slots: NonNegInt
-    prefix_cache_queries: NonNegInt
-    prefix_cache_hits: NonNegInt
-    encoder_cache_queries: NonNegInt
-    encoder_cache_hits: NonNegInt
-    counters: dict[str, NonNegInt] = {}
-    gauges: dict[str, float] = {}
-    modality_counters: dict[str, dict[str, NonNegInt]] = {}
-    # LABELLED_COUNTERS name -> label value -> count (fractional for a seconds sum)
-    labelled_counters: dict[str, dict[str, NonNegFloat]] = {}
-    encoder_inflight_items: NonNegInt = 0
-    encoder_inflight_bytes: NonNegInt = 0
-    encoder_pool_bytes: NonNegInt = 0
-
-    def __post_init__(self) -> None:
-        unknown = (
-            sorted(set(self.counters) - set(COUNTER_NAMES))
-            + sorted(set(self.gauges) - set(GAUGE_NAMES))
-            + sorted(set(self.modality_counters) - set(MODALITY_COUNTERS))
-            + sorted(set(self.labelled_counters) - set(LABELLED_COUNTERS))
-        )
-        if unknown:
-            raise WireError(f"engine stats name unknown metrics {unknown}; see mmserve.metrics")
-
-
 class EngineCoreOutputs(WireStruct):
-    """One step's outputs, in scheduling order; the step's stats ride along when they changed."""
+    """One step's updates, in scheduling order (`RequestUpdate`: each a delta; logprobs, when
+    asked for, one row per new token); the core's stats ride along when they changed."""
 
-    outputs: list[EngineCoreOutput]
-    stats: EngineStats | None = None
+    outputs: list[RequestUpdate]
+    stats: SchedulerStats | None = None
 
 
 class EngineCoreReady(WireStruct):

@@ -89,7 +89,7 @@ def test_what_the_capture_took_is_logged_beside_the_reserve_and_warned_past_it(c
 
 
 def test_the_sizes_flag_reaches_engine_args_and_is_checked() -> None:
-    from tests.config_args import args_of
+    from tests.support.config_args import args_of
 
     assert args_of("--cuda-graph-sizes", "1", "8").cuda_graph_sizes == (1, 8)
     # the engine process gets its EngineConfig as JSON

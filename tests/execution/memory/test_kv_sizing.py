@@ -257,7 +257,7 @@ def test_profiled_budget_logs_each_figure(qwen2_vl_dir: Path, caplog) -> None:
 
 
 def test_kv_cache_memory_is_vllms_other_name_for_the_bytes_flag() -> None:
-    from tests.config_args import args_of
+    from tests.support.config_args import args_of
 
     assert args_of("--kv-cache-memory", "4096").kv_cache_memory_bytes == 4096
     assert args_of("--kv-cache-memory-bytes", "8192").kv_cache_memory_bytes == 8192

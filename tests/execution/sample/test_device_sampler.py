@@ -148,15 +148,15 @@ class _Unconvertible(float):
 
 
 def test_a_row_whose_draw_raises_fails_alone() -> None:
-    import dataclasses
+    import msgspec
 
     from mmserve.errors import FailureKind, RequestFailure
 
     torch.manual_seed(2)
     logits = torch.randn(3, 32)
     good = [SamplingParams(temperature=0.9, seed=1), SamplingParams(temperature=0.5, seed=2)]
-    bad = dataclasses.replace(SamplingParams(temperature=1.0, seed=3))
-    object.__setattr__(bad, "temperature", _Unconvertible(1.0))
+    bad = msgspec.structs.replace(SamplingParams(temperature=1.0, seed=3))
+    msgspec.structs.force_setattr(bad, "temperature", _Unconvertible(1.0))
     alone = sample(logits[[0, 2]].clone(), [_row(p) for p in good], make_device_generator(0, "cpu"))
     mixed = sample(
         logits.clone(), [_row(good[0]), _row(bad), _row(good[1])], make_device_generator(0, "cpu")

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 import torch
 
@@ -95,9 +94,9 @@ def test_a_seeded_draw_depends_on_seed_and_position_only():
 
 def _bypassing(params: SamplingParams, **fields) -> SamplingParams:
     """`params` with values __post_init__ would refuse, as if they slipped past the edge."""
-    copy = dataclasses.replace(params)
+    copy = msgspec.structs.replace(params)
     for name, value in fields.items():
-        object.__setattr__(copy, name, value)
+        msgspec.structs.force_setattr(copy, name, value)
     return copy
 
 

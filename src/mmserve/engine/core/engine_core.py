@@ -6,17 +6,21 @@ front end (`LLMEngine` over an `OutputProcessor`), which may live in another pro
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
+import msgspec
+
+from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError, RequestFailure
+from mmserve.execution.executor import Executor
 from mmserve.execution.request_state import RunnerPayload
 from mmserve.metrics import EngineMetrics, record_scheduler_stats
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.mrope import decode_positions
-from mmserve.sampling_params import SamplingParams, check_seed
+from mmserve.sampling_params import SamplingParams
+from mmserve.scheduling.admission import bounded_max_tokens
 from mmserve.scheduling.outputs import (
     GrammarOutput,
     ModelRunnerOutput,
@@ -26,9 +30,6 @@ from mmserve.scheduling.outputs import (
 from mmserve.scheduling.request import Request, RequestStatus
 from mmserve.scheduling.scheduler import Scheduler
 from mmserve.structured_output.manager import StructuredOutputManager
-
-if TYPE_CHECKING:  # the protocol only: `make_request` serves the torch-free client too
-    from mmserve.execution.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -45,32 +46,25 @@ def make_request(
     max_model_len: int,
     eos_token_ids: tuple[int, ...],
     cache_salt: str | None = None,
-    with_payload: bool = True,
 ) -> Request:
-    """The scheduler's request for a processed prompt; `with_payload=False` builds one only to
-    run the admission checks on (nothing for a runner)."""
-    if params.seed is not None:
-        check_seed(params.seed)  # past SamplingParams (a caller that bypassed it)
+    """The one scheduler request of an admitted prompt (`scheduling.admission`), with what the
+    runner needs as its payload."""
     num_prompt = len(prompt.prompt_token_ids)
-    max_tokens = max_model_len - num_prompt
-    if params.max_tokens is not None:
-        max_tokens = min(max_tokens, params.max_tokens)
-    payload = None
-    if with_payload:
-        positions, delta = prompt.mrope_positions, prompt.mrope_position_delta
-        if positions is None:  # a text-only prompt built without the processor
-            positions, delta = decode_positions(0, num_prompt, 0), 0
-        payload = RunnerPayload(
-            sampling_params=params,
-            mrope_positions=positions,
-            mrope_position_delta=delta,
-            eos_token_ids=eos_token_ids,
-        )
+    max_tokens = bounded_max_tokens(num_prompt, params.max_tokens, max_model_len)
+    positions, delta = prompt.mrope_positions, prompt.mrope_position_delta
+    if positions is None:  # a text-only prompt built without the processor
+        positions, delta = decode_positions(0, num_prompt, 0), 0
+    payload = RunnerPayload(
+        sampling_params=params,
+        mrope_positions=positions,
+        mrope_position_delta=delta,
+        eos_token_ids=eos_token_ids,
+    )
     return Request(
         request_id=request_id,
         prompt_token_ids=list(prompt.prompt_token_ids),
         mm_features=list(prompt.mm_features),
-        max_tokens=max(max_tokens, 1),
+        max_tokens=max_tokens,
         min_tokens=params.min_tokens,
         ignore_eos=params.ignore_eos,
         stop_token_ids=params.stop_token_ids,
@@ -115,7 +109,8 @@ class EngineCore:
         *,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a processed prompt; raises a typed 4xx error if it can never run."""
+        """Queue a prompt the front end admitted (`LLMEngine.add_request`); raises a typed 4xx
+        error only for a grammar this engine cannot take."""
         self._raise_if_dead()
         matcher = None
         if params.structured_outputs is not None:
@@ -136,6 +131,14 @@ class EngineCore:
         if matcher is not None:
             assert self.structured_output is not None
             self.structured_output.register(request_id, matcher)
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.scheduler.scheduler_config
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self.scheduler.cache_config
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish from outside a step (abort, stop string); unknown ids are ignored."""
@@ -199,7 +202,7 @@ class EngineCore:
         status = RequestStatus.FINISHED_STOPPED
         self.scheduler.finish_requests(stop, status)
         return [
-            dataclasses.replace(u, finish_status=status) if u.request_id in stop else u
+            msgspec.structs.replace(u, finish_status=status) if u.request_id in stop else u
             for u in updates
         ]
 

@@ -31,12 +31,12 @@ from mmserve.engine.core.build import build_core
 from mmserve.engine.core.engine_core import EngineCore
 from mmserve.engine.shape import resolve_shape
 from mmserve.errors import EngineDeadError, FailureKind, MMServeError, RequestFailure
-from mmserve.metrics import CORE_COUNTERS, CORE_GAUGES, EngineMetrics
+from mmserve.metrics import CORE_COUNTERS, CORE_GAUGES, EngineMetrics, SchedulerStats
 from mmserve.scheduling.outputs import RequestUpdate
 from mmserve.scheduling.request import RequestStatus
 from mmserve.wire import codec
 from mmserve.wire.common import WireError
-from mmserve.wire.convert import request_from_wire, stats_to_wire, update_to_wire
+from mmserve.wire.convert import request_from_wire
 from mmserve.wire.engine_core import (
     EngineCoreAbort,
     EngineCoreOutputs,
@@ -44,7 +44,6 @@ from mmserve.wire.engine_core import (
     EngineCoreRequest,
     EngineCoreShutdown,
     EngineDead,
-    EngineStats,
 )
 
 logger = logging.getLogger("mmserve.engine_core")
@@ -67,7 +66,7 @@ class CoreLoop:
         self.inbox = inbox
         self.outbox = outbox
         self.parent_alive = parent_alive
-        self._last_stats: EngineStats | None = None
+        self._last_stats: SchedulerStats | None = None
 
     def run(self) -> int:
         core = self.core
@@ -91,12 +90,12 @@ class CoreLoop:
             except EngineDeadError as exc:
                 self._send(EngineDead(exc.reason))
                 return 1
-            self._send(EngineCoreOutputs([update_to_wire(u) for u in updates], self._stats()))
+            self._send(EngineCoreOutputs(updates, self._stats()))
 
-    def _drain(self) -> tuple[list, bool]:
+    def _drain(self) -> tuple[list[RequestUpdate], bool]:
         """Apply every waiting message; returns the outputs of requests refused at once, and
         False once a shutdown was asked for."""
-        failed = []
+        failed: list[RequestUpdate] = []
         while True:
             try:
                 frames = self.inbox.recv_multipart(flags=zmq.NOBLOCK, copy=False)
@@ -111,7 +110,7 @@ class CoreLoop:
             if isinstance(msg, EngineCoreRequest):
                 out = self._add(msg)
                 if out is not None:
-                    failed.append(update_to_wire(out))
+                    failed.append(out)
             elif isinstance(msg, EngineCoreAbort):
                 self.core.finish_requests(msg.request_ids, RequestStatus.FINISHED_ABORTED)
             elif isinstance(msg, EngineCoreShutdown):
@@ -120,8 +119,8 @@ class CoreLoop:
                 logger.error("dropped a %s: not a message for the engine core", type(msg).__name__)
 
     def _add(self, msg: EngineCoreRequest) -> RequestUpdate | None:
-        """Add the request; a refusal is its final update (the API checked admission already,
-        so this is the rare case of a limit it could not see)."""
+        """Add the request the API process admitted; a refusal (a grammar this engine cannot
+        compile, a bug) is its final update."""
         try:
             add = request_from_wire(msg)
             self.core.add_request(add.request_id, add.prompt, add.params, cache_salt=add.cache_salt)
@@ -136,15 +135,15 @@ class CoreLoop:
             return None
         return RequestUpdate(msg.request_id, [], RequestStatus.FINISHED_ERROR, error=failure)
 
-    def _stats(self) -> EngineStats | None:
+    def _stats(self) -> SchedulerStats | None:
         """The core's stats when they changed since the last ones sent, else None."""
         snap = self.core.metrics.snapshot()
-        stats = stats_to_wire(
+        stats = msgspec.structs.replace(
             self.core.scheduler.make_stats(),
-            {name: snap.counters[name] for name in CORE_COUNTERS},
-            {name: snap.gauges[name] for name in CORE_GAUGES},
-            snap.modality_counters,
-            snap.labelled_counters,
+            counters={name: snap.counters[name] for name in CORE_COUNTERS},
+            gauges={name: snap.gauges[name] for name in CORE_GAUGES},
+            modality_counters={k: dict(v) for k, v in snap.modality_counters.items()},
+            labelled_counters={k: dict(v) for k, v in snap.labelled_counters.items()},
         )
         if stats == self._last_stats:
             return None

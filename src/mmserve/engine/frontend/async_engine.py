@@ -146,10 +146,7 @@ class AsyncLLMEngine:
                 raise InvalidRequestError(
                     f"token id {tok} is a vision token; send images as image_url content parts"
                 )
-        if len(prompt) > self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt is {len(prompt)} tokens, over --max-model-len {self.max_model_len}"
-            )
+        # its length is admission's to check (`LLMEngine.add_request`), as for any prompt
         return ProcessedPrompt(list(prompt), [], decode_positions(0, len(prompt), 0), 0, None)
 
     # ------------------------------------------------------------------------- generation

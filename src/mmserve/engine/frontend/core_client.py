@@ -2,10 +2,11 @@
 
 Requests leave over a ZMQ PUSH socket as `EngineCoreRequest`s and updates come back over a
 PULL socket as `EngineCoreOutputs`, both on ipc:// sockets in a private temporary directory
-(the API process binds, the engine process connects). The client checks admission itself
-before sending, so a request that could never run is refused with the same typed error as
-in-process; it watches the process, so a dead engine is an `EngineDeadError` within
-`STEP_POLL_MS` of a step, never a hang.
+(the API process binds, the engine process connects). Admission happens before a request
+reaches the client (`LLMEngine.add_request`, against this client's configs), so a request that
+could never run is refused with the same typed error as in-process. The client watches the
+process, so a dead engine is an `EngineDeadError` within `STEP_POLL_MS` of a step, never a
+hang.
 """
 
 from __future__ import annotations
@@ -27,19 +28,16 @@ import zmq
 from mmserve.config.engine import EngineConfig
 from mmserve.config.resolved import ResolvedConfig
 from mmserve.config.scheduler import CacheConfig, SchedulerConfig
-from mmserve.engine.core.engine_core import make_request
-from mmserve.engine.shape import EngineShape
 from mmserve.errors import EngineDeadError
-from mmserve.metrics import EngineMetrics
+from mmserve.metrics import EngineMetrics, record_scheduler_stats
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.sampling_params import SamplingParams
-from mmserve.scheduling.admission import validate_request
 from mmserve.scheduling.outputs import RequestUpdate
 from mmserve.scheduling.request import RequestStatus
 from mmserve.structured_output.compiler import check_structured_output
 from mmserve.wire import codec
 from mmserve.wire.common import WireError
-from mmserve.wire.convert import apply_stats, request_to_wire, update_from_wire
+from mmserve.wire.convert import request_to_wire
 from mmserve.wire.engine_core import (
     EngineCoreAbort,
     EngineCoreOutputs,
@@ -69,7 +67,6 @@ class CoreClient:
         socket_dir: str,
         *,
         metrics: EngineMetrics,
-        eos_token_ids: tuple[int, ...],
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
     ) -> None:
@@ -79,7 +76,6 @@ class CoreClient:
         self._outputs = outputs
         self._socket_dir = socket_dir
         self.metrics = metrics
-        self.eos_token_ids = eos_token_ids
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self._unfinished: set[str] = set()
@@ -90,7 +86,7 @@ class CoreClient:
 
     @classmethod
     def start(
-        cls, config: EngineConfig, shape: EngineShape, metrics: EngineMetrics
+        cls, config: EngineConfig, metrics: EngineMetrics
     ) -> tuple[CoreClient, ResolvedConfig]:
         """Start an engine process for `config` and wait until it has loaded the model.
 
@@ -146,7 +142,6 @@ class CoreClient:
             outputs,
             socket_dir,
             metrics=metrics,
-            eos_token_ids=shape.eos_token_ids,
             scheduler_config=ready.scheduler,
             cache_config=cache_config,
         )
@@ -166,16 +161,6 @@ class CoreClient:
         self.check_alive()
         if request_id in self._unfinished:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        request = make_request(
-            request_id,
-            prompt,
-            params,
-            max_model_len=self.scheduler_config.max_model_len,
-            eos_token_ids=self.eos_token_ids,
-            cache_salt=cache_salt,
-            with_payload=False,
-        )
-        validate_request(request, self.scheduler_config, self.cache_config)
         if params.structured_outputs is not None:  # refused here, as in-process, not later
             check_structured_output(params.structured_outputs)
         msg = request_to_wire(
@@ -252,8 +237,8 @@ class CoreClient:
             logger.error("ignored a %s from the engine process", type(msg).__name__)
             return []
         if msg.stats is not None:
-            apply_stats(msg.stats, self.metrics)
-        updates = [update_from_wire(out) for out in msg.outputs]
+            record_scheduler_stats(self.metrics, msg.stats)
+        updates = msg.outputs
         for update in updates:
             if update.finished:
                 self._unfinished.discard(update.request_id)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import msgspec
 
 from mmserve.engine.frontend.output_processor import OutputProcessor
 from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
@@ -15,7 +16,8 @@ from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError, Re
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.input_processor import InputProcessor
-from mmserve.sampling_params import INT64_MIN, SamplingParams
+from mmserve.sampling_params import INT64_MIN, SamplingParams, check_seed
+from mmserve.scheduling.admission import bounded_max_tokens, validate_request
 from mmserve.scheduling.request import RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -56,20 +58,6 @@ class LLMEngine:
         self.max_logprobs = max_logprobs
         self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
 
-    # In-process conveniences (tests, tools): the scheduler and executor of a local core.
-    @property
-    def scheduler(self):  # -> Scheduler
-        return self._local_core().scheduler
-
-    @property
-    def executor(self):  # -> Executor
-        return self._local_core().executor
-
-    def _local_core(self) -> Any:  # an EngineCore (not imported: the front end is torch-free)
-        if not hasattr(self.core, "scheduler"):
-            raise AttributeError("the engine core runs in another process")
-        return self.core
-
     def add_request(
         self,
         request_id: str,
@@ -92,7 +80,7 @@ class LLMEngine:
                 f"request id {request_id!r} contains {CHILD_ID_SEPARATOR!r}, which is reserved "
                 "for the ids of parallel samples"
             )
-        check_engine_limits(params, self.max_logprobs, self.input_processor.tokenizer.vocab_size)
+        self._admit(prompt, params)
         core_ids = child_ids(request_id, params.n)
         added: list[str] = []
         # Before the core has it: an engine process may schedule it at once (queue time >= 0).
@@ -113,6 +101,21 @@ class LLMEngine:
         except BaseException:
             self.core.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
+
+    def _admit(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+        """Every check a request passes before any core sees it, once (its n children share
+        the prompt and the limits): what the core could never run is refused here."""
+        check_engine_limits(params, self.max_logprobs, self.input_processor.tokenizer.vocab_size)
+        if params.seed is not None:
+            check_seed(params.seed)  # past SamplingParams (a caller that bypassed it)
+        scheduler_config = self.core.scheduler_config
+        num_prompt = len(prompt.prompt_token_ids)
+        max_tokens = bounded_max_tokens(
+            num_prompt, params.max_tokens, scheduler_config.max_model_len
+        )
+        validate_request(
+            num_prompt, max_tokens, prompt.mm_features, scheduler_config, self.core.cache_config
+        )
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         ids = list(request_ids)
@@ -187,7 +190,7 @@ def child_params(params: SamplingParams) -> list[SamplingParams]:
         seed = params.seed
         if seed is not None:
             seed = (seed + i - INT64_MIN) % 2**64 + INT64_MIN
-        out.append(dataclasses.replace(params, n=1, seed=seed))
+        out.append(msgspec.structs.replace(params, n=1, seed=seed))
     return out
 
 

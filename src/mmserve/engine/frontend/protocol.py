@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Protocol
 
+from mmserve.config.scheduler import CacheConfig, SchedulerConfig
 from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
@@ -80,6 +81,8 @@ class CoreLike(Protocol):
     """What `LLMEngine` drives: an `EngineCore` here, or a client of one in another process."""
 
     dead_reason: str | None
+    scheduler_config: SchedulerConfig  # what the front end admits requests against
+    cache_config: CacheConfig
 
     def add_request(
         self,
