@@ -1,6 +1,6 @@
 """The API process's client of an engine-core process, driven directly: requests and aborts
-cross, outputs come back as the in-process core's, refusals happen before sending, and a dead
-engine is reported rather than waited for."""
+cross, outputs come back as the in-process core's, a duplicate id is refused before sending,
+and a dead engine is reported rather than waited for."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import pytest
 
 from mmserve.config.engine import EngineConfig
 from mmserve.config.model import bundled_toy_model_dir
-from mmserve.engine.core_client import CoreClient
-from mmserve.engine.factory import build_core, resolve_shape
-from mmserve.errors import EngineDeadError, PromptTooLongError
+from mmserve.engine.core.build import build_core
+from mmserve.engine.frontend.core_client import CoreClient
+from mmserve.engine.shape import resolve_shape
+from mmserve.errors import EngineDeadError
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.sampling_params import SamplingParams
@@ -33,7 +34,7 @@ PROMPTS = {
 
 def _start() -> tuple[CoreClient, EngineMetrics]:
     metrics = EngineMetrics()
-    client, _ = CoreClient.start(ARGS, resolve_shape(ARGS), metrics)
+    client, _ = CoreClient.start(ARGS, metrics)
     return client, metrics
 
 
@@ -104,11 +105,9 @@ def test_an_abort_crosses_and_the_engine_goes_on(client: CoreClient) -> None:
     assert len(_tokens(_run(client)["after"])) == GREEDY.max_tokens
 
 
-def test_a_request_that_can_never_run_is_refused_before_it_is_sent(client: CoreClient) -> None:
-    too_long = ProcessedPrompt(list(range(20, 20 + MAX_MODEL_LEN + 1)))
-    with pytest.raises(PromptTooLongError):
-        client.add_request("too-long", too_long, GREEDY)
-    assert not client.has_unfinished_requests()
+def test_a_duplicate_request_id_is_refused_before_it_is_sent(client: CoreClient) -> None:
+    # Admission (prompt length, budgets) is the front end's, once, before the client is called:
+    # tests/engine/test_multiprocess.py checks that a request that can never run is refused.
     client.add_request("dup", PROMPTS["short"], GREEDY)
     with pytest.raises(ValueError, match="already in the engine"):
         client.add_request("dup", PROMPTS["short"], GREEDY)

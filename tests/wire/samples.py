@@ -6,6 +6,7 @@ import msgspec
 import numpy as np
 
 from mmserve.config.resolved import ResolvedConfig
+from mmserve.config.scheduler import SchedulerConfig
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.metrics import SchedulerStats
 from mmserve.multimodal import EncoderInput, MultiModalFeature, PlaceholderRange, RemoteItem
@@ -244,7 +245,8 @@ def all_messages() -> list[tuple[str, Message]]:
                     layer_ops="triton",
                     encoder_cuda_graph=True,
                     cuda_graph_sizes=(1, 2, 4, 8, 16),
-                )
+                ),
+                SchedulerConfig(max_model_len=256, encoder_embed_bytes=3072),
             ),
         ),
     ]

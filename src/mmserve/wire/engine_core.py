@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from mmserve.config.resolved import ResolvedConfig
+from mmserve.config.scheduler import SchedulerConfig
 from mmserve.metrics import SchedulerStats
 from mmserve.multimodal import EncoderInput, MultiModalFeature, ProcessedPrompt, RemoteItem
 from mmserve.sampling_params import SamplingParams
@@ -136,11 +137,13 @@ class EngineCoreOutputs(WireStruct):
 class EngineCoreReady(WireStruct):
     """Sent once, when the engine core has loaded the model and can take requests.
 
-    `config` is what the core resolved (KV blocks, budgets, backends); the API process logs
-    it and checks admission against it.
+    `config` is what the core resolved (device, dtype, KV blocks, budgets, backends); the API
+    process logs it. `scheduler` is the core's scheduler config (its encoder cache's bytes
+    follow from the dtype it resolved): the API process admits requests by it.
     """
 
     config: ResolvedConfig
+    scheduler: SchedulerConfig
 
 
 class EngineDead(WireStruct):

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from mmserve.config.engine import EngineConfig
 from mmserve.config.resolved import ResolvedConfig
 from mmserve.engine.factory import build_engine
-from mmserve.engine.outputs import OutputKind, RequestOutput
+from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
 from mmserve.hashing import DEFAULT_NAMESPACE
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.tokenizer import Tokenizer
