@@ -39,6 +39,10 @@ class ResolvedConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknow
     encoder_cuda_graph: bool = False
     cuda_graph_sizes: tuple[_PosInt, ...] = ()  # decode batch sizes captured; () when eager
 
+    def __post_init__(self) -> None:
+        # a tuple whatever sequence a caller gives: the config is frozen all the way down
+        msgspec.structs.force_setattr(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
+
     def as_dict(self) -> dict[str, Any]:
         """By field name, in field order (what start-up logs and the benchmarks print)."""
         return msgspec.structs.asdict(self)

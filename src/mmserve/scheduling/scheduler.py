@@ -47,7 +47,7 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """The managers are built by the caller (the engine factory) from the same configs.
+        """The managers are built by the caller (`engine.core.build`) from the same configs.
         `item_data`: the executor side's store of the items' pixels (the request holds only
         specs), asked whether a passed item can be encoded again after a preemption; None:
         every item can (its pixels stay until the request finishes). `clock` stamps each

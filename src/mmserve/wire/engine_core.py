@@ -137,9 +137,10 @@ class EngineCoreOutputs(WireStruct):
 class EngineCoreReady(WireStruct):
     """Sent once, when the engine core has loaded the model and can take requests.
 
-    `config` is what the core resolved (device, dtype, KV blocks, budgets, backends); the API
-    process logs it. `scheduler` is the core's scheduler config (its encoder cache's bytes
-    follow from the dtype it resolved): the API process admits requests by it.
+    `config` is what the core resolved (device, dtype, KV blocks, budgets): the same
+    `ResolvedConfig` the API process logs and serves, checked field by field on decode.
+    `scheduler` is the core's scheduler config (its encoder cache's bytes follow from the dtype
+    it resolved): the API process admits requests by it.
     """
 
     config: ResolvedConfig
