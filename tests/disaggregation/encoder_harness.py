@@ -30,6 +30,7 @@ from mmserve.disaggregation.protocol import (
     encode_message,
 )
 from mmserve.models.loader import load_model
+from mmserve.multimodal import RemoteItem
 from mmserve.processing.image_decode import decode_image_bytes
 from mmserve.processing.image_processor import (
     ImageProcessorConfig,
@@ -117,8 +118,8 @@ class EncoderClient:
         msg, payload = decode_message(self.socket.recv_multipart(), self.secret)
         return msg, bytes(payload)
 
-    def encode(self, item: EncodeItem, payload: bytes = b"") -> tuple[EncodeResult, bytes]:
-        self.send(item, payload)
+    def encode(self, item: EncodeItem) -> tuple[EncodeResult, bytes]:
+        self.send(item)
         result, data = self.recv()
         assert isinstance(result, EncodeResult)
         return result, data
@@ -145,22 +146,32 @@ def image_config(model_dir: Path) -> ImageProcessorConfig:
     )
 
 
-def bytes_item(model_dir: Path, data: bytes, identifier: str = "id-1", **kw) -> EncodeItem:
+def bytes_item(
+    model_dir: Path,
+    data: bytes,
+    identifier: str = "id-1",
+    *,
+    request_id: str = "r1",
+    item_index: int = 0,
+    attempt: int = 0,
+    **kw,
+) -> EncodeItem:
+    """An item of `data` ("bytes" unless `source` says otherwise); `kw` sets RemoteItem fields
+    (the payload is `data` for "bytes", none for "url")."""
     width, height = Image.open(io.BytesIO(data)).size
+    source = kw.get("source", "bytes")
     fields = dict(
-        request_id="r1",
-        item_index=0,
-        identifier=identifier,
-        attempt=0,
-        modality="image",
-        source="bytes",
+        source=source,
+        payload=None if source == "url" else data,
+        url=None,
+        rgb_size=None,
         min_pixels=MIN_PIXELS,
         max_pixels=MAX_PIXELS,
         grid_thw=planned_grid(model_dir, width, height),
         content_digest=content_digest(data),
     )
     fields.update(kw)
-    return EncodeItem(**fields)  # type: ignore[arg-type]
+    return EncodeItem(request_id, item_index, identifier, attempt, RemoteItem(**fields))
 
 
 class LocalTower:

@@ -45,7 +45,7 @@ def test_encode_process_serves_embeddings_and_exits_zero_on_sigterm(qwen2_5_vl_d
         client = EncoderClient(info["zmq_port"])
         try:
             data = png(72, 56, seed=21)
-            result, payload = client.encode(bytes_item(qwen2_5_vl_dir, data), data)
+            result, payload = client.encode(bytes_item(qwen2_5_vl_dir, data))
             client.send(Ping(5))
             pong, _ = client.recv()
         finally:

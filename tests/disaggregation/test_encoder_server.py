@@ -75,7 +75,7 @@ def test_embeddings_equal_the_local_tower_for_bytes_rgb_and_url(
     arch, model_dir, port = encoder
     local = local_towers[arch]
     data = png(64, 48, seed=3)
-    result, payload = client.encode(bytes_item(model_dir, data), data)
+    result, payload = client.encode(bytes_item(model_dir, data))
     assert result.cache_hit is False and result.shape[1] == local.model.config.hidden_size
     np.testing.assert_array_equal(as_array(result, payload), local.embed_bytes(data))
 
@@ -87,10 +87,11 @@ def test_embeddings_equal_the_local_tower_for_bytes_rgb_and_url(
         identifier="rgb-1",
         source="rgb",
         rgb_size=(40, 56),
+        payload=raw,
         grid_thw=planned_grid(model_dir, 40, 56),
         content_digest=content_digest(raw),
     )
-    result, payload = client.encode(item, raw)
+    result, payload = client.encode(item)
     np.testing.assert_array_equal(as_array(result, payload), local.embed_image(rgb))
 
     url_data = png_bytes()  # what the media server answers for /img.png
@@ -116,12 +117,12 @@ def test_a_repeated_image_is_a_cache_hit_and_not_encoded_again(encoder, client):
     _, model_dir, port = encoder
     base = f"http://127.0.0.1:{port}"
     item = bytes_item(model_dir, png(32, 32, seed=10), identifier="again")
-    first, first_payload = client.encode(item, png(32, 32, seed=10))
+    first, first_payload = client.encode(item)
     encoded = metric(base, "mmserve_encoder_items_encoded_total")
     hits = metric(base, "mmserve_encoder_cache_hits_total")
     # another identifier for the same bytes: the encoder keys by content, not by the client's id
     second, second_payload = client.encode(
-        bytes_item(model_dir, png(32, 32, seed=10), identifier="other-id"), png(32, 32, seed=10)
+        bytes_item(model_dir, png(32, 32, seed=10), identifier="other-id")
     )
     assert first.cache_hit is False and second.cache_hit is True
     assert second.identifier == "other-id" and second_payload == first_payload
@@ -141,7 +142,7 @@ def test_two_clients_sending_the_same_image_encode_it_once(encoder):
 
     def ask(c: EncoderClient, ident: str) -> None:
         barrier.wait()
-        replies.append(c.encode(bytes_item(model_dir, data, identifier=ident), data))
+        replies.append(c.encode(bytes_item(model_dir, data, identifier=ident)))
 
     threads = [threading.Thread(target=ask, args=(c, f"lm{i}")) for i, c in enumerate(clients)]
     for t in threads:
@@ -159,15 +160,15 @@ def test_bad_items_get_error_results_and_the_server_goes_on(encoder, client):
     _, model_dir, port = encoder
     good = png(32, 48, seed=12)
     bad = b"\x89PNG\r\n\x1a\n not really"
-    bad_item = bytes_item(model_dir, good, content_digest=content_digest(bad))
-    result, payload = client.encode(bad_item, bad)
+    bad_item = bytes_item(model_dir, good, content_digest=content_digest(bad), payload=bad)
+    result, payload = client.encode(bad_item)
     assert result.error_code == "invalid_image" and payload == b""
     assert "not a supported image" in (result.error_message or "")
-    result, _ = client.encode(bytes_item(model_dir, good, grid_thw=(1, 2, 2)), good)
+    result, _ = client.encode(bytes_item(model_dir, good, grid_thw=(1, 2, 2)))
     assert result.error_code == "grid_mismatch" and "(1, 2, 2)" in (result.error_message or "")
-    result, _ = client.encode(bytes_item(model_dir, good, content_digest="0" * 64), good)
+    result, _ = client.encode(bytes_item(model_dir, good, content_digest="0" * 64))
     assert result.error_code == "content_changed"
-    result, payload = client.encode(bytes_item(model_dir, good), good)
+    result, payload = client.encode(bytes_item(model_dir, good))
     assert result.error_code is None and len(payload) == result.shape[0] * result.shape[1] * 4
     base = f"http://127.0.0.1:{port}"
     assert metric(base, "mmserve_encoder_item_errors_total", code="grid_mismatch") >= 1
@@ -178,7 +179,7 @@ def test_garbage_and_truncated_frames_are_dropped_and_counted(encoder, client):
     base = f"http://127.0.0.1:{port}"
     data = png(32, 32, seed=13)
     raw = client.socket  # the frames below bypass the codec
-    frames = encode_message(bytes_item(model_dir, data), data)
+    frames = encode_message(bytes_item(model_dir, data))
     raw.send_multipart([b"garbage"])
     raw.send_multipart([b"\x92\xa3bad", b"", b""])
     raw.send_multipart([bytes(frames[0])[:-5], bytes(frames[1]), b""])  # truncated header
@@ -191,7 +192,7 @@ def test_garbage_and_truncated_frames_are_dropped_and_counted(encoder, client):
     assert metric(base, "mmserve_encoder_malformed_messages_total", reason="bad_header") >= 2
     assert metric(base, "mmserve_encoder_malformed_messages_total", reason="unexpected_mac") >= 1
     assert metric(base, "mmserve_encoder_malformed_messages_total", reason="unexpected_kind") >= 1
-    result, _ = client.encode(bytes_item(model_dir, data), data)
+    result, _ = client.encode(bytes_item(model_dir, data))
     assert result.error_code is None
     client.send(Cancel(["nobody"], [0]))  # cancelling what is not queued is harmless
     client.send(Ping(8))
@@ -258,9 +259,9 @@ def test_with_a_secret_only_signed_messages_and_bearer_requests_pass(
     wrong = EncoderClient(secret_encoder + 1, secret=b"not-it")
     signed = EncoderClient(secret_encoder + 1, secret=SECRET)
     try:
-        unsigned.send(bytes_item(qwen2_vl_dir, data), data)
+        unsigned.send(bytes_item(qwen2_vl_dir, data))
         wrong.send(Ping(1))
-        result, _ = signed.encode(bytes_item(qwen2_vl_dir, data), data)
+        result, _ = signed.encode(bytes_item(qwen2_vl_dir, data))
         assert result.error_code is None
         assert not unsigned.socket.poll(200) and not wrong.socket.poll(0)
     finally:
@@ -283,7 +284,7 @@ def test_queued_patches_count_waiting_items_and_cancel_drops_them(encoder, clien
     client.send(item)
     client.send(Ping(1))
     pong, _ = client.recv()
-    t, h, w = item.grid_thw
+    t, h, w = item.item.grid_thw
     assert isinstance(pong, Pong) and pong.queued_patches == t * h * w
     client.send(Cancel(["slow"], [0]))
     client.send(Ping(2))
@@ -301,7 +302,7 @@ def test_the_patch_budget_bounds_every_vision_call(secret_encoder, qwen2_vl_dir)
     try:
         images = [png(56, 56 + 28 * i, seed=30 + i) for i in range(3)]
         for i, data in enumerate(images):
-            client.send(bytes_item(qwen2_vl_dir, data, identifier=f"b{i}"), data)
+            client.send(bytes_item(qwen2_vl_dir, data, identifier=f"b{i}"))
         replies = [client.recv()[0] for _ in images]
     finally:
         client.close()
@@ -327,10 +328,10 @@ def test_a_vision_tower_failure_is_an_internal_error_and_the_next_batch_runs(qwe
         client = EncoderClient(18117)
         try:
             picture = png(56, 28, seed=31)
-            result, payload = client.encode(bytes_item(qwen2_vl_dir, picture), picture)
+            result, payload = client.encode(bytes_item(qwen2_vl_dir, picture))
             assert result.error_code == "internal" and payload == b""
             assert "vision tower" in (result.error_message or "")
-            result, payload = client.encode(bytes_item(qwen2_vl_dir, picture), picture)
+            result, payload = client.encode(bytes_item(qwen2_vl_dir, picture))
             assert result.error_code is None and not result.cache_hit
             assert len(payload) == result.shape[0] * result.shape[1] * 4
         finally:

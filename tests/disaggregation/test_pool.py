@@ -133,7 +133,7 @@ def test_fan_out_by_input_patches_not_by_count(fakes, pools):
     for n in range(2, 5):
         pool.submit("r1", *remote(n, grid=(1, 4, 4)))  # 16 patches each: thumbnails
     assert wait_until(lambda: len(a.items) + len(b.items) == 4)
-    assert [i.grid_thw for i in a.items] == [(1, 40, 40)]
+    assert [i.item.grid_thw for i in a.items] == [(1, 40, 40)]
     assert len(b.items) == 3 and {i.item_index for i in b.items} == {1, 2, 3}
 
 

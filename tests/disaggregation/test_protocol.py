@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
 from mmserve.disaggregation.protocol import (
@@ -20,33 +21,42 @@ from mmserve.disaggregation.protocol import (
     encode_message,
     model_fingerprint,
 )
+from mmserve.multimodal import RemoteItem
 
 SECRET = b"s3cret"
 
 
 def _item(**kw) -> EncodeItem:
     fields = dict(
-        request_id="r1",
-        item_index=0,
-        identifier="ab" * 32,
-        attempt=1,
-        modality="image",
         source="rgb",
+        payload=bytes(12),
+        url=None,
+        rgb_size=(2, 2),
         min_pixels=3136,
         max_pixels=12845056,
         grid_thw=(1, 4, 4),
         content_digest=content_digest(bytes(2 * 2 * 3)),
-        rgb_size=(2, 2),
     )
     fields.update(kw)
-    return EncodeItem(**fields)
+    return EncodeItem("r1", 0, "ab" * 32, 1, RemoteItem(**fields))
+
+
+def _same(got, msg) -> bool:
+    if not isinstance(msg, EncodeItem):
+        return got == msg
+
+    def fields(m: EncodeItem) -> dict:
+        item = msgspec.structs.asdict(m.item) | {"payload": m.item.payload_bytes.tobytes()}
+        return msgspec.structs.asdict(m) | {"item": item}
+
+    return fields(got) == fields(msg)
 
 
 @pytest.mark.parametrize("secret", [None, SECRET])
 def test_round_trip_every_kind(secret):
     result = EncodeResult("r1", 0, "ab" * 32, 1, (1, 4, 4), "bfloat16", (4, 8))
     for msg, payload in [
-        (_item(), bytes(12)),
+        (_item(), b""),  # an item's payload is its RemoteItem's
         (result, bytes(4 * 8 * 2)),
         (Cancel(["x"], [2]), b""),
         (Ping(7), b""),
@@ -54,7 +64,8 @@ def test_round_trip_every_kind(secret):
     ]:
         frames = encode_message(msg, payload, secret)
         got, got_payload = decode_message([bytes(f) for f in frames], secret)
-        assert got == msg and bytes(got_payload) == payload
+        sent = msg.item.payload_bytes.tobytes() if isinstance(msg, EncodeItem) else payload
+        assert _same(got, msg) and bytes(got_payload) == sent
 
 
 def test_mac_is_checked_both_ways():
@@ -66,7 +77,7 @@ def test_mac_is_checked_both_ways():
     unsigned = [bytes(f) for f in encode_message(Ping(1))]
     with pytest.raises(MalformedMessage, match="bad_mac"):
         decode_message(unsigned, SECRET)
-    tampered = [bytes(f) for f in encode_message(_item(), bytes(12), SECRET)]
+    tampered = [bytes(f) for f in encode_message(_item(), secret=SECRET)]
     tampered[1] = b"\x01" + tampered[1][1:]
     with pytest.raises(MalformedMessage, match="bad_mac"):
         decode_message(tampered, SECRET)
@@ -105,7 +116,11 @@ def test_pickle_is_never_executed():
     ],
 )
 def test_inconsistent_items_are_refused(kw, payload, reason):
-    frames = [bytes(f) for f in encode_message(_item(**kw), payload)]
+    item = _item()  # forged past RemoteItem's checks, as a peer could send it
+    for name, value in kw.items():
+        msgspec.structs.force_setattr(item.item, name, value)
+    frames = [bytes(f) for f in encode_message(item)]
+    frames[1] = payload
     with pytest.raises(MalformedMessage, match=reason):
         decode_message(frames)
 

@@ -175,7 +175,7 @@ class FakeEncoder:
                 item.item_index,
                 item.identifier,
                 item.attempt,
-                item.grid_thw,
+                item.item.grid_thw,
                 "float32",
                 (1, HIDDEN),
                 error_code=b.error_code,
@@ -183,7 +183,7 @@ class FakeEncoder:
             )
             self._send(peer, result)
             return
-        emb = expected_embeddings(item.identifier, item.grid_thw)
+        emb = expected_embeddings(item.identifier, item.item.grid_thw)
         data = _as_dtype(emb, b.dtype)
         if b.mode == "garbage_first":
             self._send_frames(peer, [b"\xc1not msgpack", b"", b""])
@@ -206,7 +206,7 @@ class FakeEncoder:
             item.item_index,
             item.identifier,
             item.attempt if attempt is None else attempt,
-            item.grid_thw,
+            item.item.grid_thw,
             self.behaviour.dtype,
             (emb.shape[0], emb.shape[1]),
         )

@@ -66,7 +66,7 @@ class _Waiter:
 
     @property
     def num_patches(self) -> int:
-        return grid_num_patches(self.item.grid_thw)
+        return grid_num_patches(self.item.item.grid_thw)
 
 
 @dataclass(slots=True, eq=False)
@@ -186,11 +186,11 @@ class EncoderWorker:
         try:
             data = await self._media.read(item, payload)
             digest = content_digest(data)
-            if digest != item.content_digest:
+            if digest != item.item.content_digest:
                 raise ItemError(
                     "content_changed",
                     f"image item {item.item_index}: its bytes differ from the ones planned "
-                    f"(digest {digest[:16]}, planned {item.content_digest[:16]}); the media "
+                    f"(digest {digest[:16]}, planned {item.item.content_digest[:16]}); the media "
                     "changed between the plan and the encode",
                 )
         except ItemError as exc:
@@ -311,7 +311,7 @@ class EncoderWorker:
             item_index=item.item_index,
             identifier=item.identifier,
             attempt=item.attempt,
-            grid_thw=item.grid_thw,
+            grid_thw=item.item.grid_thw,
             dtype=self._vision.dtype_name,  # type: ignore[arg-type]
             shape=(0, self._vision.hidden_size),
             error_code=code,

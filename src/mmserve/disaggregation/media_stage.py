@@ -49,8 +49,10 @@ def content_key(item: EncodeItem, digest: str) -> str:
     """The encoder's own key of an item: what it computed over the bytes plus the decision.
     Never the client's identifier, so no client can name (or poison) another's entry."""
     h = blake3.blake3(_KEY_DOMAIN)
-    h.update(f"\0{item.source}\0{item.rgb_size}\0{digest}\0".encode())
-    h.update(f"{item.min_pixels}\0{item.max_pixels}\0{tuple(item.grid_thw)}".encode())
+    h.update(f"\0{item.item.source}\0{item.item.rgb_size}\0{digest}\0".encode())
+    h.update(
+        f"{item.item.min_pixels}\0{item.item.max_pixels}\0{tuple(item.item.grid_thw)}".encode()
+    )
     return h.hexdigest()
 
 
@@ -93,19 +95,19 @@ class MediaStage:
     async def read(self, item: EncodeItem, payload: bytes) -> bytes:
         """The item's media bytes: its payload, or its URL's bytes (kept from a plan, or
         fetched now). Raises ItemError."""
-        if item.source != "url":
+        if item.item.source != "url":
             return payload
-        assert item.url is not None
-        kept = self._plans.get(_plan_key(item.url, item.content_digest))
-        return kept if kept is not None else await self._fetch(item.url)
+        assert item.item.url is not None
+        kept = self._plans.get(_plan_key(item.item.url, item.item.content_digest))
+        return kept if kept is not None else await self._fetch(item.item.url)
 
     async def process(self, item: EncodeItem, data: bytes) -> EncoderInput:
         """Decode (file bytes) or wrap (RGB) the image and turn it into patches, as the local
         path does; the grid must be the item's. Raises ItemError."""
-        cfg = self.config_for(item.min_pixels, item.max_pixels)
+        cfg = self.config_for(item.item.min_pixels, item.item.max_pixels)
         try:
-            if item.rgb_size is not None:
-                image = self._rgb_image(data, item.rgb_size)
+            if item.item.rgb_size is not None:
+                image = self._rgb_image(data, item.item.rgb_size)
             else:
                 image = await self.media.adecode(data)
             loop = asyncio.get_running_loop()
@@ -114,11 +116,11 @@ class MediaStage:
             raise ItemError("overloaded", exc.message, exc.param) from None
         except InvalidRequestError as exc:
             raise ItemError("invalid_image", exc.message, exc.param or "image_url") from None
-        if tuple(processed.grid_thw) != tuple(item.grid_thw):
+        if tuple(processed.grid_thw) != tuple(item.item.grid_thw):
             raise ItemError(
                 "grid_mismatch",
                 f"the encoder's grid {tuple(processed.grid_thw)} for image item "
-                f"{item.item_index} differs from the planned {tuple(item.grid_thw)}: the two "
+                f"{item.item_index} differs from the planned {tuple(item.item.grid_thw)}: the two "
                 "servers do not process images alike (model or processor config)",
             )
         return processed

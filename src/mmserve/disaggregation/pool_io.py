@@ -35,7 +35,6 @@ from mmserve.disaggregation.pool_state import (
 )
 from mmserve.disaggregation.protocol import (
     Cancel,
-    EncodeItem,
     EncodeResult,
     MalformedMessage,
     Ping,
@@ -148,7 +147,7 @@ class PoolIO:
         if old is not None:  # resubmitted after a cancel this thread has not seen yet
             self._release(old, "cancelled")
         try:
-            encode_message(_encode_item(p))  # a header over the limit (a huge URL) never goes
+            encode_message(p.message())  # a header over the limit (a huge URL) never goes
         except ValueError as exc:
             failure = RequestFailure(f"{p.describe()}: {exc}", FailureKind.REQUEST, "image_url")
             self.sink.failed(p, failure)
@@ -175,7 +174,7 @@ class PoolIO:
         item = p.item
         p.attempt = next(self.attempts)
         p.tried.add(link.url)
-        frames = encode_message(_encode_item(p), item.payload_bytes, self.config.secret)
+        frames = encode_message(p.message(), secret=self.config.secret)
         try:
             link.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -370,21 +369,3 @@ class PoolIO:
 
     def _set_healthy_gauge(self) -> None:
         self.metrics.set_gauge("remote_encoder_healthy", sum(ln.is_healthy for ln in self.links))
-
-
-def _encode_item(p: PendingItem) -> EncodeItem:
-    item = p.item
-    return EncodeItem(
-        request_id=p.request_id,
-        item_index=p.item_index,
-        identifier=p.feature.identifier,
-        attempt=p.attempt,
-        modality="image",
-        source=item.source,  # type: ignore[arg-type]
-        min_pixels=item.min_pixels,
-        max_pixels=item.max_pixels,
-        grid_thw=item.grid_thw,
-        content_digest=item.content_digest,
-        url=item.url,
-        rgb_size=item.rgb_size,
-    )

@@ -11,6 +11,7 @@ import torch
 import zmq
 
 from mmserve.disaggregation.discovery import ModelIdentity
+from mmserve.disaggregation.protocol import EncodeItem
 from mmserve.errors import RequestFailure
 from mmserve.multimodal import MultiModalFeature, RemoteItem
 
@@ -40,6 +41,12 @@ class PendingItem:
     deadline_s: float = math.inf
     tried: set[str] = field(default_factory=set)
     last_error: str = ""
+
+    def message(self) -> EncodeItem:
+        """Its EncodeItem for the current attempt."""
+        return EncodeItem(
+            self.request_id, self.item_index, self.feature.identifier, self.attempt, self.item
+        )
 
     def describe(self) -> str:
         return (

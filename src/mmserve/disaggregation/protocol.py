@@ -3,7 +3,8 @@
 Every message is three ZMQ frames:
 
     [header, payload, mac]
-    header   msgpack of one tagged Struct below (at most MAX_HEADER_BYTES)
+    header   msgpack of one tagged Struct below (at most MAX_HEADER_BYTES); an EncodeItem's
+             RemoteItem stands in it with its payload's byte count in place of the payload
     payload  raw bytes: the image file or RGB array sent, or the embeddings returned; may be empty
     mac      HMAC-SHA256(secret, len-prefixed header || len-prefixed payload), or empty without
              a shared secret
@@ -27,8 +28,10 @@ from typing import Literal
 
 import blake3
 import msgspec
+import numpy as np
 
 from mmserve.hashing import content_digest as content_digest  # re-exported for both ends
+from mmserve.multimodal import RemoteItem
 
 MAX_HEADER_BYTES = 64 * 1024
 MAC_BYTES = 32  # SHA-256
@@ -66,20 +69,15 @@ class MalformedMessage(Exception):
 
 
 class EncodeItem(msgspec.Struct, frozen=True, tag="encode", forbid_unknown_fields=True):
-    """Encode one image item. The payload holds its bytes ("bytes", "rgb"); empty for "url"."""
+    """Encode one image item: `item` says where its bytes are and what the LM planned; its
+    payload ("bytes", "rgb") travels as the message's payload frame."""
 
     request_id: str
     item_index: int
     identifier: str  # the LM's identity of the item: echoed back, a key for the LM only
     attempt: int  # the LM drops replies to older attempts
-    modality: Literal["image"]
-    source: Source
-    min_pixels: int
-    max_pixels: int
-    grid_thw: tuple[int, int, int]  # the LM's plan: the encoder must reach the same grid
-    content_digest: str  # blake3 hex of the media bytes as planned
-    url: str | None = None
-    rgb_size: tuple[int, int] | None = None  # (width, height) of an "rgb" payload
+    item: RemoteItem
+    modality: Literal["image"] = "image"
 
 
 class EncodeResult(msgspec.Struct, frozen=True, tag="result", forbid_unknown_fields=True):
@@ -116,14 +114,28 @@ class Pong(msgspec.Struct, frozen=True, tag="pong", forbid_unknown_fields=True):
 
 Message = EncodeItem | EncodeResult | Cancel | Ping | Pong
 
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
+# The order of RemoteItem's fields: its header is a positional array.
+_REMOTE_FIELDS = tuple(f.name for f in msgspec.structs.fields(RemoteItem))
+
+
+def _enc_hook(obj: object) -> object:
+    if isinstance(obj, np.ndarray):  # a RemoteItem's payload: its bytes go in the payload frame
+        return int(obj.nbytes)
+    raise TypeError(f"{type(obj).__name__} values cannot travel in a header")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 
 
 def encode_message(
     msg: Message, payload: bytes | memoryview = b"", secret: bytes | None = None
 ) -> list[bytes | memoryview]:
-    """The three frames of `msg` (the payload is not copied)."""
+    """The three frames of `msg` (the payload is not copied). An EncodeItem's payload is its
+    RemoteItem's; pass none for it."""
+    if isinstance(msg, EncodeItem):
+        if len(memoryview(payload)):
+            raise ValueError("an EncodeItem carries its payload in its RemoteItem")
+        payload = msg.item.payload_bytes
     header = _encoder.encode(msg)
     if len(header) > MAX_HEADER_BYTES:
         raise ValueError(f"message header of {len(header)} bytes is over {MAX_HEADER_BYTES}")
@@ -146,11 +158,52 @@ def decode_message(
     elif len(mac) != MAC_BYTES or not hmac.compare_digest(_mac(secret, header, payload), mac):
         raise MalformedMessage("bad_mac")
     try:
-        msg = _decoder.decode(header)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        msg = _decoder_for(payload).decode(header)
+    except msgspec.ValidationError as exc:
+        raise MalformedMessage(_item_reason(header, len(payload))) from exc
+    except msgspec.DecodeError as exc:
         raise MalformedMessage("bad_header") from exc
     _check_fields(msg, len(payload))
     return msg, payload
+
+
+def _decoder_for(payload: memoryview) -> msgspec.msgpack.Decoder:
+    """A header decoder that gives a RemoteItem the payload frame (a view, no copy)."""
+
+    def dec_hook(type_: type, obj: object) -> object:
+        if type_ is np.ndarray and type(obj) is int and obj == len(payload):
+            return np.frombuffer(payload, dtype=np.uint8)
+        # msgspec turns this into a ValidationError (a payload of another size, a non-count)
+        raise ValueError(f"a payload of {obj!r} bytes, not the {len(payload)} that came")
+
+    return msgspec.msgpack.Decoder(Message, dec_hook=dec_hook)
+
+
+def _item_reason(header: memoryview, payload_len: int) -> str:
+    """Why a header failed validation, named by the pool's reasons: RemoteItem's own checks
+    say only "invalid", so an item's raw fields are checked again here to name the cause."""
+    try:
+        raw = msgspec.msgpack.decode(header)
+        item = dict(zip(_REMOTE_FIELDS, raw["item"], strict=True))
+        payload_count, grid, rgb_size = item["payload"], item["grid_thw"], item["rgb_size"]
+        if raw["item_index"] < 0 or raw["attempt"] < 0 or min(grid) <= 0:
+            return "bad_fields"
+        if item["min_pixels"] <= 0 or item["max_pixels"] < item["min_pixels"]:
+            return "bad_fields"
+        is_url = item["source"] == "url"
+        if is_url != (item["url"] is not None) or is_url != (payload_count is None):
+            return "bad_source"
+        if payload_count is not None and payload_count != payload_len:
+            return "bad_source"
+        if (item["source"] == "rgb") != (rgb_size is not None):
+            return "bad_source"
+        if rgb_size is not None:
+            w, h = rgb_size
+            if w <= 0 or h <= 0 or w * h * 3 != payload_len:
+                return "bad_rgb_size"
+    except (TypeError, ValueError, KeyError, msgspec.DecodeError):
+        pass  # not even the shape of an item: a bad header
+    return "bad_header"
 
 
 def _mac(secret: bytes, header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
@@ -163,21 +216,11 @@ def _mac(secret: bytes, header: bytes | memoryview, payload: bytes | memoryview)
 
 def _check_fields(msg: Message, payload_len: int) -> None:
     """What msgspec's types cannot say: sizes that must agree with each other."""
-    if isinstance(msg, EncodeItem):
-        if msg.item_index < 0 or msg.attempt < 0 or min(msg.grid_thw) <= 0:
+    if isinstance(msg, EncodeItem):  # RemoteItem checked the rest on decode
+        if msg.item_index < 0 or msg.attempt < 0:
             raise MalformedMessage("bad_fields")
-        if msg.min_pixels <= 0 or msg.max_pixels < msg.min_pixels:
-            raise MalformedMessage("bad_fields")
-        if (msg.source == "url") != (msg.url is not None) or (msg.source == "url") != (
-            payload_len == 0
-        ):
+        if (msg.item.source == "url") != (payload_len == 0):  # an empty file, or bytes + URL
             raise MalformedMessage("bad_source")
-        if (msg.source == "rgb") != (msg.rgb_size is not None):
-            raise MalformedMessage("bad_source")
-        if msg.rgb_size is not None:
-            w, h = msg.rgb_size
-            if w <= 0 or h <= 0 or w * h * 3 != payload_len:
-                raise MalformedMessage("bad_rgb_size")
     elif isinstance(msg, EncodeResult):
         if msg.error_code is None:
             if min(msg.shape) <= 0:
