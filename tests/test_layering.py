@@ -29,7 +29,7 @@ FOUNDATION = frozenset(
         "generation_config",
         "grid",
         "hashing",
-        "media_flags",  # flag definitions are configuration: they read no engine code
+        "host_allocator",  # glibc malloc settings (ctypes): the API process and the CPU worker
         "metrics",
         "multimodal",
         "outputs",

@@ -35,10 +35,10 @@ from mmserve.execution.graphs.decode import (
 )
 from mmserve.execution.input_batch import input_buffer_bytes
 from mmserve.execution.memory.device import CudaMemory, MemorySnapshot
-from mmserve.execution.memory.host_allocator import tune_host_allocator
 from mmserve.execution.memory.kv_sizing import GpuProfile, profiled_kv_budget
 from mmserve.execution.memory.profile import ProfileShape
 from mmserve.execution.model_runner import ModelRunner
+from mmserve.host_allocator import tune_host_allocator
 from mmserve.layers.attention import AttentionBackend, select_backend
 from mmserve.layers.attention.buffers import BatchLimits
 from mmserve.layers.fused import LayerOps, select_layer_ops
