@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from mmserve.config.scheduler import CPU_KV_CACHE_BYTES
 from mmserve.execution.encoder.cache import EncoderCache
 from mmserve.execution.encoder.graphs import make_encoder_embed
 from mmserve.execution.encoder.runner import EncoderRunner
@@ -48,8 +49,6 @@ from mmserve.models.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from mmserve.models.loader import load_model
 
 logger = logging.getLogger(__name__)
-
-CPU_KV_CACHE_BYTES = 2 << 30  # default KV pool on the CPU when nothing sizes it
 
 
 @dataclass(frozen=True)
