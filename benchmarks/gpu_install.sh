@@ -50,7 +50,7 @@ for dist in ("triton", "transformers", "numpy", "tokenizers", "safetensors", "pi
     except md.PackageNotFoundError:
         print(f"{dist} MISSING")
 # The suite and tests/models/test_gpu.py import these; fail here, not ten minutes in.
-for module in ("mmserve.engine.llm", "mmserve.models.qwen2_vl_vision", "transformers",
+for module in ("mmserve.engine.frontend.llm", "mmserve.models.qwen2_vl_vision", "transformers",
                "tests.support.factory", "tests.support.oracle", "pytest"):
     importlib.import_module(module)
 print("imports ok")

@@ -42,8 +42,21 @@ FOUNDATION = frozenset(
 
 # Who may import whom, package by package (DESIGN.md §6): api -> engine -> {processing,
 # scheduling, structured_output, execution, disaggregation} -> models -> layers, everything on
-# the foundation. A key is a package or a module under mmserve; the most specific key that
-# covers an importer gives its rule. Imports inside one key's own package are always allowed.
+# the foundation. The engine is split by process: its front end (the API process's side) never
+# reaches the core's packages, not even lazily; the factory wires either. A key is a package or
+# a module under mmserve; the most specific key that covers an importer gives its rule. Imports
+# inside one key's own package are always allowed.
+ENGINE_CORE_DEPENDENCIES = frozenset(
+    {
+        "disaggregation",
+        "execution",
+        "layers",
+        "models",
+        "processing",
+        "scheduling",
+        "structured_output",
+    }
+)
 ALLOWED: dict[str, frozenset[str]] = {
     **{name: FOUNDATION for name in FOUNDATION},
     "layers": FOUNDATION,
@@ -53,17 +66,15 @@ ALLOWED: dict[str, frozenset[str]] = {
     "structured_output": FOUNDATION | {"scheduling"},
     "execution": FOUNDATION | {"layers", "models", "scheduling", "structured_output"},
     "disaggregation": FOUNDATION | {"execution", "layers", "models", "processing"},
-    "engine": FOUNDATION
-    | {
-        "disaggregation",
-        "execution",
-        "layers",
-        "models",
-        "processing",
-        "scheduling",
-        "structured_output",
-    },
-    "api": FOUNDATION | {"engine", "processing", "structured_output"},
+    # The factory and what both processes read at start-up (shape, model source, encoder URLs).
+    "engine": FOUNDATION | ENGINE_CORE_DEPENDENCIES | {"engine.core", "engine.frontend"},
+    "engine.core": FOUNDATION
+    | ENGINE_CORE_DEPENDENCIES
+    | {"engine.remote_encoders", "engine.shape"},
+    # Torch-free: admission and the request types, never execution/, models/ or the core.
+    "engine.frontend": FOUNDATION
+    | {"engine.factory", "engine.shape", "processing", "scheduling", "structured_output"},
+    "api": FOUNDATION | {"engine.frontend", "processing", "structured_output"},
     "bench": frozenset(),  # a client of any server: no other mmserve code
     "cli": FOUNDATION | {"api", "bench", "disaggregation", "engine"},
     "__main__": frozenset({"cli"}),
@@ -71,9 +82,15 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 
 # Packages whose import closure must not reach torch, and what the API process imports: the
-# command line, the app (every module of `api/`) and its client of the engine core.
+# command line, the app (every module of `api/`), the engine's front end and the factory that
+# wires it to a core in the engine process.
 TORCH_FREE_PACKAGES = ("processing", "scheduling", "wire")
-API_PROCESS_MODULES = ("mmserve.cli", "mmserve.api", "mmserve.engine.async_engine")
+API_PROCESS_MODULES = (
+    "mmserve.cli",
+    "mmserve.api",
+    "mmserve.engine.frontend",
+    "mmserve.engine.factory",
+)
 
 
 @dataclass(frozen=True)

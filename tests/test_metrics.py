@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmserve.engine.request_timing import RequestTimes
+from mmserve.engine.frontend.request_timing import RequestTimes
 from mmserve.metrics import (
     FINISHED_REASONS,
     PHASE_HISTOGRAMS,

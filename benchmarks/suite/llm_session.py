@@ -13,7 +13,7 @@ from benchmarks.suite.timing import release_memory
 
 from mmserve import LLM
 from mmserve.config.engine import EngineConfig, keyword_owners
-from mmserve.engine.factory import ResolvedConfig
+from mmserve.config.resolved import ResolvedConfig
 
 ENGINE_FIELDS = frozenset(keyword_owners())
 RESOLVED_FIELDS = tuple(f.name for f in dataclasses.fields(ResolvedConfig))

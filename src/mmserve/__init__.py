@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputParams", "__version__"]
 
 if TYPE_CHECKING:
-    from mmserve.engine.llm import LLM
+    from mmserve.engine.frontend.llm import LLM
     from mmserve.sampling_params import SamplingParams
     from mmserve.structured_output.params import StructuredOutputParams
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     # Lazy so that `import mmserve` does not pull in torch.
     if name == "LLM":
-        from mmserve.engine.llm import LLM
+        from mmserve.engine.frontend.llm import LLM
 
         return LLM
     if name == "SamplingParams":

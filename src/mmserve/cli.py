@@ -144,7 +144,7 @@ async def _serve(
     from mmserve.api.http_protocol import header_deadline_protocol
 
     if build_engine is None:
-        from mmserve.engine.factory import build_async_engine as build_engine
+        from mmserve.engine.frontend.async_engine import build_async_engine as build_engine
 
     engine = build_engine(engine_config)
     if inspect.isawaitable(engine):

@@ -21,7 +21,7 @@ import pytest
 
 from mmserve import LLM, SamplingParams
 from mmserve.api.app import create_app
-from mmserve.engine.async_engine import AsyncLLMEngine
+from mmserve.engine.frontend.async_engine import AsyncLLMEngine
 from mmserve.errors import EngineDeadError, InternalRequestError, InvalidRequestError
 from tests.support.echo_app import MODEL as ECHO_MODEL
 from tests.support.echo_app import sse_payloads

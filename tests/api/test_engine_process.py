@@ -30,7 +30,7 @@ def engine_core_pid(server_pid: int) -> int:
         except OSError:
             continue
         ppid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid"))
-        if ppid == server_pid and b"mmserve.engine.core_process" in cmdline:
+        if ppid == server_pid and b"mmserve.engine.core.process" in cmdline:
             return int(entry.name)
     raise AssertionError(f"server {server_pid} has no engine-core child")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmserve.api.prometheus import build_registry, render
-from mmserve.engine.request_timing import RequestTimes
+from mmserve.engine.frontend.request_timing import RequestTimes
 from mmserve.metrics import COUNTER_NAMES, EngineMetrics
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"

@@ -17,7 +17,7 @@ import openai
 import pytest
 import zmq
 
-from mmserve.engine.llm import LLM
+from mmserve.engine.frontend.llm import LLM
 from mmserve.sampling_params import SamplingParams
 from tests.disaggregation.harness import Encoder, metric_sum
 from tests.support.factory import png_bytes

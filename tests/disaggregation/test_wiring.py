@@ -10,8 +10,9 @@ from mmserve.config.engine import EngineConfig
 from mmserve.config.pool import EncoderPoolConfig
 from mmserve.disaggregation.pool import RemoteEncoderPool
 from mmserve.disaggregation.protocol import model_fingerprint
-from mmserve.engine.factory import build_core, resolve_shape
+from mmserve.engine.core.build import build_core
 from mmserve.engine.remote_encoders import read_encoder_secret
+from mmserve.engine.shape import resolve_shape
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import load_model_config
 from tests.support.config_args import configs_of, serve_configs_of

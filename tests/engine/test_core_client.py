@@ -11,8 +11,9 @@ import pytest
 
 from mmserve.config.engine import EngineConfig
 from mmserve.config.model import bundled_toy_model_dir
-from mmserve.engine.core_client import CoreClient
-from mmserve.engine.factory import build_core, resolve_shape
+from mmserve.engine.core.build import build_core
+from mmserve.engine.frontend.core_client import CoreClient
+from mmserve.engine.shape import resolve_shape
 from mmserve.errors import EngineDeadError
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
@@ -33,7 +34,7 @@ PROMPTS = {
 
 def _start() -> tuple[CoreClient, EngineMetrics]:
     metrics = EngineMetrics()
-    client, _ = CoreClient.start(ARGS, resolve_shape(ARGS), metrics)
+    client, _ = CoreClient.start(ARGS, metrics)
     return client, metrics
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from mmserve.engine.detokenizer import IncrementalDetokenizer
+from mmserve.engine.frontend.detokenizer import IncrementalDetokenizer
 from tests.support.factory import build_tokenizer
 
 

@@ -31,7 +31,7 @@ def test_the_log_states_both_budgets_and_an_item_over_them_is_refused_on_arrival
     qwen2_vl_dir, caplog, multiprocess
 ):
     args = {"max_num_batched_tokens": 64, "multiprocess": multiprocess, **SMALL_IMAGES}
-    with caplog.at_level(logging.INFO, logger="mmserve.engine.factory"):
+    with caplog.at_level(logging.INFO, logger="mmserve.engine.core.build"):
         llm = LLM(model=str(qwen2_vl_dir), **args)
     with llm:
         config = llm.config

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine.output_processor import OutputProcessor
+from mmserve.engine.frontend.output_processor import OutputProcessor
 from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError
 from mmserve.execution.encoder.runner import EncoderRunner
 from mmserve.multimodal import ProcessedPrompt

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine.core_process import CoreLoop
+from mmserve.engine.core.process import CoreLoop
 from mmserve.errors import EngineDeadError, PromptTooLongError
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.mrope import decode_positions

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mmserve.engine.output_processor import OutputProcessor
-from mmserve.engine.outputs import Logprob, OutputKind
+from mmserve.engine.frontend.output_processor import OutputProcessor
+from mmserve.engine.frontend.outputs import Logprob, OutputKind
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.sampling_params import SamplingParams

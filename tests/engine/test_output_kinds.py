@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine.outputs import OutputKind, RequestOutput
+from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
 
 
 def _updates(llm: LLM, kind: OutputKind, params: SamplingParams) -> list[RequestOutput]:

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine.llm_engine import LLMEngine
+from mmserve.engine.frontend.llm_engine import LLMEngine
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.executor import Executor
 from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine.llm_engine import LLMEngine
+from mmserve.engine.frontend.llm_engine import LLMEngine
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.executor import InProcessExecutor
 from mmserve.execution.model_runner import ModelRunner

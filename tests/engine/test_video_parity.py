@@ -8,7 +8,7 @@ import time
 import pytest
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine.outputs import OutputKind
+from mmserve.engine.frontend.outputs import OutputKind
 from mmserve.multimodal import ProcessedPrompt
 from tests.engine.video_oracle import IMG, VID, build_case, oracle_greedy, random_video
 from tests.support.factory import random_image

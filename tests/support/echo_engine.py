@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mmserve.engine.outputs import CompletionOutput, OutputKind, RequestOutput
+from mmserve.engine.frontend.outputs import CompletionOutput, OutputKind, RequestOutput
 from mmserve.errors import FailureKind, InvalidRequestError, MediaError
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt

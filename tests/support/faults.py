@@ -6,9 +6,9 @@ from typing import Any
 
 import msgspec
 
-from mmserve.engine.core import EngineCore
-from mmserve.engine.llm_engine import LLMEngine
-from mmserve.engine.outputs import RequestOutput
+from mmserve.engine.core.engine_core import EngineCore
+from mmserve.engine.frontend.llm_engine import LLMEngine
+from mmserve.engine.frontend.outputs import RequestOutput
 from mmserve.execution.executor import Executor
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from mmserve.config.scheduler import SchedulerConfig
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.metrics import SchedulerStats
 from mmserve.sampling_params import SamplingParams
@@ -225,7 +226,8 @@ def all_messages() -> list[tuple[str, Message]]:
                     "layer_ops": "triton",
                     "encoder_cuda_graph": True,
                     "cuda_graph_sizes": [1, 2, 4, 8, 16],
-                }
+                },
+                SchedulerConfig(max_model_len=256, encoder_embed_bytes=3072),
             ),
         ),
     ]

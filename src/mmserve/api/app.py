@@ -39,8 +39,8 @@ from mmserve.api.protocol import ChatCompletionRequest, CompletionRequest, Sampl
 from mmserve.api.status import report_status
 from mmserve.api.unsupported import refuse_unsupported_fields
 from mmserve.config.server import ServerConfig
-from mmserve.engine.outputs import OutputKind
-from mmserve.engine.protocol import EngineClient
+from mmserve.engine.frontend.outputs import OutputKind
+from mmserve.engine.frontend.protocol import EngineClient
 from mmserve.errors import EngineDeadError, InvalidRequestError
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.sampling_params import SamplingParams

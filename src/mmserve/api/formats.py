@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from mmserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from mmserve.engine.frontend.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 
 
 def usage_of(output: RequestOutput, completion_tokens: int | None = None) -> dict[str, Any]:

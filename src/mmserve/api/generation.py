@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 from mmserve.api.errors import APIError, as_api_error, error_body
 from mmserve.api.formats import ResponseFormat
 from mmserve.api.protocol import SamplingFields
-from mmserve.engine.outputs import RequestOutput
+from mmserve.engine.frontend.outputs import RequestOutput
 from mmserve.errors import (
     FailureKind,
     InternalRequestError,

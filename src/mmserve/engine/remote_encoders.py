@@ -1,25 +1,14 @@
-"""The factory's part for a disaggregated server (`--encoder-urls`): the pool and the planner.
+"""The API side's part for a disaggregated server (`--encoder-urls`): the planner, the secret.
 
-The engine core gets a `RemoteEncoderPool` (its runner's EncoderSource); the API side gets an
-`HttpUrlPlanner` for http(s) images. Both read the same shared secret.
+The API side gets an `HttpUrlPlanner` for http(s) images; the engine core gets a
+`RemoteEncoderPool` (`engine.core.encoder_pool`). Both read the same shared secret.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
-
-from mmserve.config.media import MediaConfig
 from mmserve.config.pool import EncoderPoolConfig
-from mmserve.disaggregation.discovery import ModelIdentity
-from mmserve.disaggregation.local_fallback import LocalFallback
 from mmserve.disaggregation.planner import HttpUrlPlanner
-from mmserve.disaggregation.pool import PoolConfig, RemoteEncoderPool
-from mmserve.disaggregation.protocol import model_fingerprint, read_secret_file
-from mmserve.metrics import EngineMetrics
-from mmserve.processing.image_processor import ImageProcessorConfig
-from mmserve.processing.media import MediaLoader
+from mmserve.disaggregation.protocol import read_secret_file
 
 
 def read_encoder_secret(pool: EncoderPoolConfig) -> bytes | None:
@@ -36,35 +25,3 @@ def build_url_planner(pool: EncoderPoolConfig) -> HttpUrlPlanner:
     return HttpUrlPlanner(
         pool.encoder_urls, secret=read_encoder_secret(pool), timeout_s=pool.resolved_encoder_timeout
     )
-
-
-def build_encoder_pool(
-    pool: EncoderPoolConfig,
-    *,
-    model_dir: Path,
-    hidden_size: int,
-    dtype: torch.dtype,
-    image_config: ImageProcessorConfig,
-    media_config: MediaConfig,
-    metrics: EngineMetrics,
-) -> RemoteEncoderPool:
-    """The engine core's client of the encoder pool (discovers every encoder; ValueError on
-    one that is unreachable or serves another model). `media_config`: the local fallback's
-    URL policy and decode limits, the same as the API process's."""
-    assert pool.encoder_urls
-    identity = ModelIdentity(
-        fingerprint=model_fingerprint(model_dir),
-        hidden_size=hidden_size,
-        dtype=str(dtype).removeprefix("torch."),
-    )
-    local = None
-    if pool.resolved_encoder_fallback == "local":
-        local = LocalFallback(MediaLoader(media_config), image_config)
-    config = PoolConfig(
-        pool.encoder_urls,
-        identity,
-        fallback=pool.resolved_encoder_fallback,
-        timeout_s=pool.resolved_encoder_timeout,
-        secret=read_encoder_secret(pool),
-    )
-    return RemoteEncoderPool.start(config, metrics=metrics, local_fallback=local)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mmserve.config.scheduler import SchedulerConfig
 from mmserve.metrics import SchedulerStats
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.outputs import RequestUpdate
@@ -92,12 +93,14 @@ class EngineCoreOutputs(WireStruct):
 class EngineCoreReady(WireStruct):
     """Sent once, when the engine core has loaded the model and can take requests.
 
-    `config` is what the core resolved (`engine.factory.ResolvedConfig`: KV blocks, budgets),
-    by field name; the API process logs it and checks admission against it. A list is a
-    tuple of ints there (the decode CUDA graph sizes).
+    `config` is what the core resolved (`config.resolved.ResolvedConfig`: device, dtype, KV
+    blocks, budgets), by field name; the API process logs it. A list is a tuple of ints there
+    (the decode CUDA graph sizes). `scheduler` is the core's scheduler config (its encoder
+    cache's bytes follow from the dtype it resolved): the API process admits requests by it.
     """
 
     config: dict[str, str | int | bool | list[int]]
+    scheduler: SchedulerConfig
 
 
 class EngineDead(WireStruct):

@@ -1,14 +1,18 @@
-"""The seam between the HTTP API and the engine: what a server needs from an engine."""
+"""The front end's seams: what a server needs from an engine (`EngineClient`), and what the
+front end drives (`CoreLike`: an engine core in this process or in an engine process)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Protocol
 
-from mmserve.engine.outputs import OutputKind, RequestOutput
+from mmserve.config.scheduler import CacheConfig, SchedulerConfig
+from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.sampling_params import SamplingParams
+from mmserve.scheduling.outputs import RequestUpdate
+from mmserve.scheduling.request import RequestStatus
 
 
 class EngineClient(Protocol):
@@ -71,3 +75,30 @@ class EngineClient(Protocol):
     def is_healthy(self) -> bool: ...
 
     async def shutdown(self, timeout_s: float = 20.0) -> None: ...
+
+
+class CoreLike(Protocol):
+    """What `LLMEngine` drives: an `EngineCore` here, or a client of one in another process."""
+
+    dead_reason: str | None
+    scheduler_config: SchedulerConfig  # what the front end admits requests against
+    cache_config: CacheConfig
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+    ) -> None: ...
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestUpdate]: ...
+
+    def check_alive(self) -> None: ...
+
+    def shutdown(self) -> None: ...

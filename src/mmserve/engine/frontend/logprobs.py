@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mmserve.engine.detokenizer import DecodeFn
-from mmserve.engine.outputs import Logprob, TokenLogprobs
+from mmserve.engine.frontend.detokenizer import DecodeFn
+from mmserve.engine.frontend.outputs import Logprob, TokenLogprobs
 from mmserve.scheduling.outputs import Logprobs
 
 

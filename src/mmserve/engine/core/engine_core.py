@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import NoReturn, Protocol
+from typing import NoReturn
 
 import msgspec
 
@@ -36,33 +36,6 @@ logger = logging.getLogger(__name__)
 # The longest a step that scheduled nothing waits for a remote item: short, because the loop
 # around the core reads new requests and aborts only between steps.
 ENCODER_WAIT_S = 0.02
-
-
-class CoreLike(Protocol):
-    """What `LLMEngine` drives: an `EngineCore` here, or a client of one in another process."""
-
-    dead_reason: str | None
-    scheduler_config: SchedulerConfig  # what the front end admits requests against
-    cache_config: CacheConfig
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt: ProcessedPrompt,
-        params: SamplingParams,
-        *,
-        cache_salt: str | None = None,
-    ) -> None: ...
-
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None: ...
-
-    def has_unfinished_requests(self) -> bool: ...
-
-    def step(self) -> list[RequestUpdate]: ...
-
-    def check_alive(self) -> None: ...
-
-    def shutdown(self) -> None: ...
 
 
 def make_request(

@@ -9,9 +9,9 @@ from typing import Any
 
 import msgspec
 
-from mmserve.engine.core import CoreLike
-from mmserve.engine.output_processor import OutputProcessor
-from mmserve.engine.outputs import OutputKind, RequestOutput
+from mmserve.engine.frontend.output_processor import OutputProcessor
+from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
+from mmserve.engine.frontend.protocol import CoreLike
 from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError, RequestFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
@@ -32,7 +32,7 @@ class LLMEngine:
     """The front end of one engine core: prompts in, `RequestOutput`s (text) out.
 
     The core (scheduler + executor) runs in this process (`EngineCore`) or in an engine
-    process (`engine.core_client.CoreClient`); this loop is the same for both. Not
+    process (`engine.frontend.core_client.CoreClient`); this loop is the same for both. Not
     thread-safe: one thread drives `step`. A request that breaks fails alone; `step` raises
     only EngineDeadError, when the core can no longer run.
     """

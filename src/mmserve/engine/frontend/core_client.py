@@ -21,12 +21,12 @@ import tempfile
 import time
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from mmserve.config.engine import EngineConfig
+from mmserve.config.resolved import ResolvedConfig
 from mmserve.config.scheduler import CacheConfig, SchedulerConfig
 from mmserve.errors import EngineDeadError
 from mmserve.metrics import EngineMetrics, record_scheduler_stats
@@ -45,9 +45,6 @@ from mmserve.wire.engine_core import (
     EngineCoreShutdown,
     EngineDead,
 )
-
-if TYPE_CHECKING:
-    from mmserve.engine.factory import EngineShape, ResolvedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +67,6 @@ class CoreClient:
         socket_dir: str,
         *,
         metrics: EngineMetrics,
-        eos_token_ids: tuple[int, ...],
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
     ) -> None:
@@ -80,7 +76,6 @@ class CoreClient:
         self._outputs = outputs
         self._socket_dir = socket_dir
         self.metrics = metrics
-        self.eos_token_ids = eos_token_ids
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self._unfinished: set[str] = set()
@@ -91,11 +86,14 @@ class CoreClient:
 
     @classmethod
     def start(
-        cls, config: EngineConfig, shape: EngineShape, metrics: EngineMetrics
+        cls, config: EngineConfig, metrics: EngineMetrics
     ) -> tuple[CoreClient, ResolvedConfig]:
-        """Start an engine process for `config` and wait until it has loaded the model."""
-        from mmserve.engine.factory import ResolvedConfig
+        """Start an engine process for `config` and wait until it has loaded the model.
 
+        What the engine resolved (device, dtype, KV blocks, the scheduler's budgets) comes
+        back in its ready message: this process admits requests by it and never resolves a
+        device itself (it does not import torch).
+        """
         socket_dir = tempfile.mkdtemp(prefix="mmserve-core-")
         requests_addr = f"ipc://{socket_dir}/requests"
         outputs_addr = f"ipc://{socket_dir}/outputs"
@@ -111,7 +109,7 @@ class CoreClient:
         command = [
             sys.executable,
             "-m",
-            "mmserve.engine.core_process",
+            "mmserve.engine.core.process",
             "--input",
             requests_addr,
             "--output",
@@ -144,8 +142,7 @@ class CoreClient:
             outputs,
             socket_dir,
             metrics=metrics,
-            eos_token_ids=shape.eos_token_ids,
-            scheduler_config=shape.scheduler_config,
+            scheduler_config=ready.scheduler,
             cache_config=cache_config,
         )
         logger.info("engine core ready in process %d", proc.pid)

@@ -9,8 +9,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from mmserve.config.engine import EngineConfig
-from mmserve.engine.factory import ResolvedConfig, build_engine
-from mmserve.engine.outputs import OutputKind, RequestOutput
+from mmserve.config.resolved import ResolvedConfig
+from mmserve.engine.factory import build_engine
+from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
 from mmserve.hashing import DEFAULT_NAMESPACE
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.tokenizer import Tokenizer

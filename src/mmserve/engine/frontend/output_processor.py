@@ -13,10 +13,15 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from mmserve.engine.detokenizer import DecodeFn, IncrementalDetokenizer
-from mmserve.engine.logprobs import decode_logprobs
-from mmserve.engine.outputs import CompletionOutput, OutputKind, RequestOutput, TokenLogprobs
-from mmserve.engine.request_timing import RequestTimes
+from mmserve.engine.frontend.detokenizer import DecodeFn, IncrementalDetokenizer
+from mmserve.engine.frontend.logprobs import decode_logprobs
+from mmserve.engine.frontend.outputs import (
+    CompletionOutput,
+    OutputKind,
+    RequestOutput,
+    TokenLogprobs,
+)
+from mmserve.engine.frontend.request_timing import RequestTimes
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.sampling_params import SamplingParams

@@ -1,9 +1,10 @@
 """The engine-core process: scheduler and model, fed over ZMQ by the API process.
 
-Started by `engine.core_client.CoreClient` as `python -m mmserve.engine.core_process --input
-ADDR --output ADDR --parent-pid PID --log-level LEVEL`, with the EngineConfig (the engine's
-settings only, never the HTTP server's) as JSON on stdin. It connects a PULL socket to the
-API's requests and a PUSH socket to its outputs, loads the model, says
+Started by `engine.frontend.core_client.CoreClient` as
+`python -m mmserve.engine.core.process --input ADDR --output ADDR --parent-pid PID --log-level
+LEVEL`, with the EngineConfig (the engine's settings only, never the HTTP server's) as JSON on
+stdin. It connects a PULL socket to the API's requests and a PUSH socket to its outputs, loads
+the model, says
 `EngineCoreReady`, then loops: take every waiting message, run one step, send its outputs.
 
 It never decides its own lifetime except to die: it stops on `EngineCoreShutdown`, when its
@@ -21,10 +22,14 @@ import sys
 from collections.abc import Callable
 
 import msgspec
+import torch
 import zmq
 
 from mmserve.config.engine import EngineConfig
-from mmserve.engine.core import EngineCore
+from mmserve.config.torch_device import resolve_device
+from mmserve.engine.core.build import build_core
+from mmserve.engine.core.engine_core import EngineCore
+from mmserve.engine.shape import resolve_shape
 from mmserve.errors import EngineDeadError, FailureKind, MMServeError, RequestFailure
 from mmserve.metrics import CORE_COUNTERS, CORE_GAUGES, EngineMetrics, SchedulerStats
 from mmserve.scheduling.outputs import RequestUpdate
@@ -179,18 +184,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(config: EngineConfig, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> int:
-    from mmserve.engine.factory import build_core, resolve_shape
-
     try:
-        shape = resolve_shape(config)
-        if shape.device.type == "cpu":
+        if resolve_device(config.device.device).type == "cpu":
             _share_cpus_with_the_api_process()
-        core, resolved = build_core(config, shape, EngineMetrics())
+        core, resolved = build_core(config, resolve_shape(config), EngineMetrics())
     except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits
         logger.exception("the engine core failed to start")
         outbox.send_multipart(codec.encode(EngineDead(f"start-up failed: {exc}")))
         return 1
-    outbox.send_multipart(codec.encode(EngineCoreReady(resolved.as_dict())))
+    ready = EngineCoreReady(resolved.as_dict(), core.scheduler.scheduler_config)
+    outbox.send_multipart(codec.encode(ready))
     loop = CoreLoop(core, inbox, outbox, lambda: os.getppid() == parent_pid)
     try:
         return loop.run()
@@ -209,8 +212,6 @@ def _share_cpus_with_the_api_process() -> None:
     core: on 2 cores the engine spent 1.7x the CPU time for the same steps (spinning threads
     losing their core), and served ~15% fewer requests. An explicit OMP_NUM_THREADS wins.
     """
-    import torch
-
     if "OMP_NUM_THREADS" in os.environ:
         return
     num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -1,0 +1,1 @@
+"""The engine process's side: engine core, its process loop, scheduler driving, executor."""

@@ -1,0 +1,193 @@
+"""The engine process's side of start-up: device and dtype, the worker, the scheduler, the core.
+
+Everything here runs where the model runs (the engine process, or the API process with
+`--no-multiprocess` and the offline `LLM`); the API side reaches it only through
+`engine.factory`'s in-process branch or the engine process's entry point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from mmserve.config.engine import EngineConfig
+from mmserve.config.resolved import ResolvedConfig
+from mmserve.config.scheduler import CacheConfig, SchedulerConfig
+from mmserve.config.torch_device import resolve_device, resolve_dtype
+from mmserve.engine.core.encoder_pool import build_encoder_pool
+from mmserve.engine.core.engine_core import EngineCore
+from mmserve.engine.shape import EngineShape, loader_media_config
+from mmserve.execution.executor import InProcessExecutor
+from mmserve.execution.worker import Worker, WorkerConfig
+from mmserve.metrics import EngineMetrics
+from mmserve.models.config import ModelConfig
+from mmserve.scheduling.encoder_cache_manager import EncoderCacheManager
+from mmserve.scheduling.kv_cache_manager import KVCacheManager
+from mmserve.scheduling.pixel_store import PixelStore
+from mmserve.scheduling.scheduler import Scheduler
+from mmserve.structured_output.compiler import GrammarCompiler
+from mmserve.structured_output.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+# The engine core decodes only the local fallback's images (no encoder could): one worker,
+# started on first use.
+FALLBACK_DECODE_WORKERS = 1
+
+
+def build_core(
+    config: EngineConfig, shape: EngineShape, metrics: EngineMetrics
+) -> tuple[EngineCore, ResolvedConfig]:
+    """Start the worker and build the scheduler and the executor: what the engine process runs."""
+    device = resolve_device(config.device.device)
+    dtype = resolve_dtype(config.checkpoint.dtype, device, shape.model_config.dtype)
+    # One embedding in the runner's cache is [hidden] in the model's dtype: the encoder cache's
+    # bytes are the engine's to size (the API side admits by what the core reports).
+    scheduler_config = dataclasses.replace(
+        shape.scheduler_config, encoder_embed_bytes=shape.model_config.hidden_size * dtype.itemsize
+    )
+    encoder_source = None
+    if config.encoder_pool.encoder_urls:  # images arrive as RemoteItems: the pool encodes them
+        encoder_source = build_encoder_pool(
+            config.encoder_pool,
+            model_dir=shape.model_dir,
+            hidden_size=shape.model_config.hidden_size,
+            dtype=dtype,
+            image_config=shape.image_config,
+            media_config=loader_media_config(
+                config.media, shape, decode_workers=FALLBACK_DECODE_WORKERS
+            ),
+            metrics=metrics,
+        )
+    worker_config = _worker_config(config, shape, scheduler_config, device, dtype)
+    worker = Worker(worker_config, metrics, encoder_source).start()
+    cache_config = dataclasses.replace(config.cache, num_blocks=worker.num_blocks)
+    scheduler = Scheduler(
+        scheduler_config,
+        cache_config,
+        KVCacheManager(cache_config),
+        EncoderCacheManager(
+            scheduler_config.effective_encoder_cache_bytes, scheduler_config.encoder_embed_bytes
+        ),
+        pixel_store=PixelStore(int(config.multimodal.mm_reencode_cache_gb * (1 << 30))),
+        eos_token_ids=shape.eos_token_ids,
+    )
+    _log_encoder_budget(scheduler_config)
+    metrics.set_gauge("kv_blocks_total", worker.num_blocks)
+    metrics.set_gauge("kv_blocks_free", worker.num_blocks)
+    metrics.set_gauge("encoder_cache_total_slots", scheduler_config.effective_encoder_cache_size)
+    core = EngineCore(
+        scheduler=scheduler,
+        executor=InProcessExecutor(worker.runner),
+        metrics=metrics,
+        max_model_len=shape.max_model_len,
+        eos_token_ids=shape.eos_token_ids,
+        structured_output=StructuredOutputManager(
+            lambda: GrammarCompiler.from_tokenizer_file(
+                shape.model_dir / "tokenizer.json",
+                vocab_size=worker.model_config.vocab_size,
+                eos_token_ids=shape.eos_token_ids,
+            )
+        ),
+    )
+    resolved = _describe(
+        config,
+        worker.model_config,
+        device,
+        dtype,
+        scheduler_config,
+        cache_config,
+        worker.bytes_per_block,
+        shape.max_model_len,
+        worker.attention_backend,
+        worker.layer_ops,
+    )
+    resolved = dataclasses.replace(
+        resolved,
+        encoder_cuda_graph=worker.encoder_cuda_graph,
+        cuda_graph_sizes=worker.cuda_graph_sizes,
+    )
+    return core, resolved
+
+
+def _worker_config(
+    config: EngineConfig,
+    shape: EngineShape,
+    sched: SchedulerConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> WorkerConfig:
+    return WorkerConfig(
+        model_dir=shape.model_dir,
+        device=device,
+        dtype=dtype,
+        attention_backend=config.device.attention_backend,
+        seed=config.checkpoint.seed,
+        max_model_len=shape.max_model_len,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_num_seqs=sched.max_num_seqs,
+        max_tokens_per_mm_item=sched.max_tokens_per_mm_item,
+        # the per-step encoder budget, in input patches (what activation memory scales with)
+        max_patches_per_call=sched.effective_encoder_patch_budget,
+        encoder_cache_bytes=sched.effective_encoder_cache_bytes,
+        max_logprobs=config.checkpoint.max_logprobs,
+        block_size=config.cache.block_size,
+        num_gpu_blocks_override=config.cache.num_gpu_blocks_override,
+        kv_cache_memory_bytes=config.cache.kv_cache_memory_bytes,
+        gpu_memory_utilization=config.device.gpu_memory_utilization,
+        enforce_eager=config.device.enforce_eager,
+        cuda_graph_sizes=config.device.cuda_graph_sizes,
+        enable_encoder_cuda_graph=config.device.enable_encoder_cuda_graph,
+    )
+
+
+def _log_encoder_budget(sched: SchedulerConfig) -> None:
+    logger.info(
+        "encoder: at most %d input patches per step (largest item %d; --encoder-patch-budget), "
+        "cache %d bytes (%.1f MiB = %d embeddings of %d bytes; largest item %d embeddings; "
+        "--encoder-cache-bytes or --encoder-cache-size)",
+        sched.effective_encoder_patch_budget,
+        sched.max_patches_per_mm_item,
+        sched.effective_encoder_cache_bytes,
+        sched.effective_encoder_cache_bytes / (1 << 20),
+        sched.effective_encoder_cache_size,
+        sched.encoder_embed_bytes,
+        sched.max_tokens_per_mm_item,
+    )
+
+
+def _describe(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    sched: SchedulerConfig,
+    cache: CacheConfig,
+    bytes_per_block: int,
+    max_model_len: int,
+    attention_backend: str,
+    layer_ops: str,
+) -> ResolvedConfig:
+    return ResolvedConfig(
+        model=str(config.checkpoint.model),
+        architecture=model_config.architecture,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        max_model_len=max_model_len,
+        num_kv_blocks=cache.num_blocks,
+        kv_cache_bytes=cache.num_blocks * bytes_per_block,
+        block_size=cache.block_size,
+        enable_prefix_caching=cache.enable_prefix_caching,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_num_seqs=sched.max_num_seqs,
+        max_tokens_per_mm_item=sched.max_tokens_per_mm_item,
+        max_patches_per_mm_item=sched.max_patches_per_mm_item,
+        encoder_cache_slots=sched.effective_encoder_cache_size,
+        encoder_cache_bytes=sched.effective_encoder_cache_bytes,
+        encoder_patch_budget=sched.effective_encoder_patch_budget,
+        chunked_mm_input=not sched.disable_chunked_mm_input,
+        attention_backend=attention_backend,
+        layer_ops=layer_ops,
+    )
