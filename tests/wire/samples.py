@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from mmserve.config.resolved import ResolvedConfig
 from mmserve.config.scheduler import SchedulerConfig
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.metrics import SchedulerStats
@@ -218,15 +219,29 @@ def all_messages() -> list[tuple[str, Message]]:
         (
             "ready",
             EngineCoreReady(
-                {
-                    "model": "/m",
-                    "num_kv_blocks": 128,
-                    "chunked_mm_input": True,
-                    "attention_backend": "triton",
-                    "layer_ops": "triton",
-                    "encoder_cuda_graph": True,
-                    "cuda_graph_sizes": [1, 2, 4, 8, 16],
-                },
+                ResolvedConfig(
+                    model="/m",
+                    architecture="Qwen2VLForConditionalGeneration",
+                    device="cuda",
+                    dtype="bfloat16",
+                    max_model_len=256,
+                    num_kv_blocks=128,
+                    kv_cache_bytes=128 * 16 * 4096,
+                    block_size=16,
+                    enable_prefix_caching=True,
+                    max_num_batched_tokens=2048,
+                    max_num_seqs=256,
+                    max_tokens_per_mm_item=64,
+                    max_patches_per_mm_item=256,
+                    encoder_cache_slots=2048,
+                    encoder_cache_bytes=2048 * 3072,
+                    encoder_patch_budget=8192,
+                    chunked_mm_input=True,
+                    attention_backend="triton",
+                    layer_ops="triton",
+                    encoder_cuda_graph=True,
+                    cuda_graph_sizes=(1, 2, 4, 8, 16),
+                ),
                 SchedulerConfig(max_model_len=256, encoder_embed_bytes=3072),
             ),
         ),

@@ -33,7 +33,7 @@ class ResolvedConfig:
     cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes captured; () when eager
 
     def __post_init__(self) -> None:
-        # from the engine process's ready message a tuple arrives as a list
+        # a tuple whatever sequence a caller gives: the config is frozen all the way down
         object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
 
     def as_dict(self) -> dict[str, Any]:

@@ -47,7 +47,7 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """The managers are built by the caller (the engine factory) from the same configs.
+        """The managers are built by the caller (`engine.core.build`) from the same configs.
         `pixel_store`: None keeps each item's pixels with its request until the request
         finishes; a store takes them once the prefill has passed the item (see
         pixel_store.py). `clock` stamps each request's first schedule (the queue-time metric):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mmserve.config.resolved import ResolvedConfig
 from mmserve.config.scheduler import SchedulerConfig
 from mmserve.metrics import SchedulerStats
 from mmserve.sampling_params import SamplingParams
@@ -93,13 +94,13 @@ class EngineCoreOutputs(WireStruct):
 class EngineCoreReady(WireStruct):
     """Sent once, when the engine core has loaded the model and can take requests.
 
-    `config` is what the core resolved (`config.resolved.ResolvedConfig`: device, dtype, KV
-    blocks, budgets), by field name; the API process logs it. A list is a tuple of ints there
-    (the decode CUDA graph sizes). `scheduler` is the core's scheduler config (its encoder
-    cache's bytes follow from the dtype it resolved): the API process admits requests by it.
+    `config` is what the core resolved (device, dtype, KV blocks, budgets): the same
+    `ResolvedConfig` the API process logs and serves, checked field by field on decode.
+    `scheduler` is the core's scheduler config (its encoder cache's bytes follow from the dtype
+    it resolved): the API process admits requests by it.
     """
 
-    config: dict[str, str | int | bool | list[int]]
+    config: ResolvedConfig
     scheduler: SchedulerConfig
 
 

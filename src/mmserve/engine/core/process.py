@@ -192,7 +192,7 @@ def _serve(config: EngineConfig, inbox: zmq.Socket, outbox: zmq.Socket, parent_p
         logger.exception("the engine core failed to start")
         outbox.send_multipart(codec.encode(EngineDead(f"start-up failed: {exc}")))
         return 1
-    ready = EngineCoreReady(resolved.as_dict(), core.scheduler.scheduler_config)
+    ready = EngineCoreReady(resolved, core.scheduler.scheduler_config)
     outbox.send_multipart(codec.encode(ready))
     loop = CoreLoop(core, inbox, outbox, lambda: os.getppid() == parent_pid)
     try:

@@ -133,7 +133,7 @@ class CoreClient:
             outputs.close(linger=0)
             ctx.term()
             raise
-        resolved = ResolvedConfig(**ready.config)
+        resolved = ready.config
         cache_config = dataclasses.replace(config.cache, num_blocks=resolved.num_kv_blocks)
         client = cls(
             proc,
