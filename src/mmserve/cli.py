@@ -21,9 +21,6 @@ from mmserve.disaggregation.encode_args import add_encode_args
 from mmserve.serve_flags import add_serve_args, serve_configs
 
 logger = logging.getLogger("mmserve")
-# How long in-flight requests may run after SIGTERM before they are cancelled.
-GRACEFUL_SHUTDOWN_S = 20
-ENGINE_SHUTDOWN_S = 5.0
 
 
 def build_parser(*, with_bench: bool) -> argparse.ArgumentParser:
@@ -160,14 +157,14 @@ async def _serve(
         served_model_name=names,
         max_request_body_bytes=settings.max_request_body_bytes,
         http_body_timeout_s=settings.http_body_timeout,
-        shutdown_timeout_s=ENGINE_SHUTDOWN_S,
+        shutdown_timeout_s=settings.engine_shutdown_timeout_s,
     )
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_level=settings.uvicorn_log_level,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_graceful_shutdown=settings.graceful_shutdown_timeout_s,
         lifespan="on",
         http=header_deadline_protocol(settings.http_header_timeout),  # type: ignore[arg-type]
         timeout_keep_alive=settings.http_keep_alive_timeout,  # type: ignore[arg-type]

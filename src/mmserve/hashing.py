@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import blake3
 
 HASH_ALGORITHMS = ("blake3", "sha256")
+DEFAULT_HASH_ALGORITHM = "blake3"  # --hash-algorithm's default
 
 
 def content_digest(data: bytes | memoryview) -> str:
@@ -25,7 +26,7 @@ class Hasher:
     two different part lists (or two different uses) can produce the same input stream.
     """
 
-    def __init__(self, algorithm: str = "blake3") -> None:
+    def __init__(self, algorithm: str = DEFAULT_HASH_ALGORITHM) -> None:
         if algorithm not in HASH_ALGORITHMS:
             raise ValueError(
                 f"hash algorithm {algorithm!r} is not supported; choose one of {HASH_ALGORITHMS}"

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmserve.execution.worker import CPU_KV_CACHE_BYTES, Worker, WorkerConfig
+from mmserve.config.scheduler import CPU_KV_CACHE_BYTES
+from mmserve.execution.worker import Worker, WorkerConfig
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import load_model_config
 from mmserve.models.kv_cache import kv_cache_bytes_per_block

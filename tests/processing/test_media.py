@@ -120,13 +120,13 @@ def test_decode_pool_decodes_and_closes() -> None:
 
 
 def _closed_pool() -> DecodeWorkerPool:
-    pool = DecodeWorkerPool(1)
+    pool = DecodeWorkerPool(1, timeout_s=30, max_rss_bytes=0)
     pool.close()
     return pool
 
 
 def test_a_decode_that_overruns_fails_alone_and_the_pool_recovers() -> None:
-    pool = DecodeWorkerPool(num_workers=1, timeout_s=30)
+    pool = DecodeWorkerPool(num_workers=1, timeout_s=30, max_rss_bytes=0)
     try:
         big = _encode(random_image(1500, 1500, seed=4))
         with pytest.raises(ImageDecodeError, match="took longer than"):
@@ -157,7 +157,7 @@ def test_a_worker_over_its_rss_limit_is_retired_and_replaced() -> None:
 
 
 def test_worker_refusals_keep_their_kind_and_the_worker() -> None:
-    pool = DecodeWorkerPool(num_workers=1, timeout_s=30)
+    pool = DecodeWorkerPool(num_workers=1, timeout_s=30, max_rss_bytes=0)
     try:
         with pytest.raises(ImageTooLargeError, match="--max-image-pixels") as info:
             pool.decode(flat_png(9000, 9000, "1"), 4096 * 4096)

@@ -201,7 +201,7 @@ def test_the_request_decode_budget_counts_remote_images_too(
 
 
 def test_headers_are_read_in_the_isolated_decode_workers(local: InputProcessor) -> None:
-    pool = DecodeWorkerPool(1, timeout_s=30.0)
+    pool = DecodeWorkerPool(1, timeout_s=30.0, max_rss_bytes=0)
     try:
         jpeg = rotated_jpeg(90, 40, orientation=6)
         header = pool.read_header(jpeg, 4096 * 4096)

@@ -83,7 +83,7 @@ def test_every_ceiling_is_enforced() -> None:
 
 def test_worker_decodes_the_same_frames_and_survives_hostile_input() -> None:
     data = video_bytes(20, 64, 48, fps=10)
-    pool = DecodeWorkerPool(1, timeout_s=10.0)
+    pool = DecodeWorkerPool(1, timeout_s=10.0, max_rss_bytes=0)
     try:
         admitted = []
 

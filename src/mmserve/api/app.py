@@ -65,7 +65,7 @@ def create_app(
     max_request_body_bytes: int,
     http_body_timeout_s: float = ServerConfig.http_body_timeout,  # the flag's default
     status_interval_s: float | None = 5.0,
-    shutdown_timeout_s: float = 20.0,
+    shutdown_timeout_s: float = ServerConfig.engine_shutdown_timeout_s,
 ) -> FastAPI:
     """An app serving `engine` under `served_model_name` (one name or several: clients may send
     any, answers carry the first); it shuts the engine down on exit."""

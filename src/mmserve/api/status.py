@@ -44,7 +44,7 @@ def format_status(prev: MetricsSnapshot, cur: MetricsSnapshot, elapsed_s: float)
     )
 
 
-async def report_status(metrics: EngineMetrics, interval_s: float = 5.0) -> None:
+async def report_status(metrics: EngineMetrics, interval_s: float) -> None:
     """Log `format_status` every `interval_s` until cancelled."""
     prev = metrics.snapshot()
     prev_t = time.monotonic()

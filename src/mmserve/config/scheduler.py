@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from mmserve.config.flags import check_choice, check_positive, flag
-from mmserve.hashing import HASH_ALGORITHMS
+from mmserve.config.flags import check_choice, check_positive, flag, show_default
+from mmserve.hashing import DEFAULT_HASH_ALGORITHM, HASH_ALGORITHMS
 
 MODEL = "Model"
 SCHEDULER = "Scheduler"
 CACHE = "Cache"
+# The KV pool on a CPU, where no profile run sizes it (--kv-cache-memory-bytes sets it).
+CPU_KV_CACHE_BYTES = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -177,10 +179,11 @@ class CacheConfig:
         group=CACHE,
         metavar="BYTES",
         aliases=("--kv-cache-memory",),
-        help="KV pool size in bytes, instead of sizing it by the start-up profile run.",
+        help="KV pool size in bytes, instead of sizing it by the start-up profile run (a CPU "
+        f"has none: {show_default(CPU_KV_CACHE_BYTES, 'bytes')} there unless given).",
     )
     hash_algorithm: str = flag(
-        "blake3",
+        DEFAULT_HASH_ALGORITHM,
         choices=HASH_ALGORITHMS,
         group=CACHE,
         help="Digest for item identity and prefix-cache keys (sha256 for FIPS).",

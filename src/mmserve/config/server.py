@@ -82,6 +82,10 @@ class ServerConfig:
     )
     log_level: str = log_level_flag()
     uvicorn_log_level: str = uvicorn_log_level_flag()
+    # Shutdown (no flags): how long in-flight requests may run after SIGTERM before they are
+    # cancelled, then how long the engine is given to stop.
+    graceful_shutdown_timeout_s: int = 20  # uvicorn takes whole seconds
+    engine_shutdown_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -89,6 +93,9 @@ class ServerConfig:
         check_positive("max_request_body_bytes", self.max_request_body_bytes)
         for name in ("http_header_timeout", "http_body_timeout", "http_keep_alive_timeout"):
             check_seconds(name, getattr(self, name))
+        for name in ("graceful_shutdown_timeout_s", "engine_shutdown_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ServerConfig.{name} must be > 0 s, got {getattr(self, name)}")
         check_choice("log_level", self.log_level, LOG_LEVELS)
         check_choice("uvicorn_log_level", self.uvicorn_log_level, LOG_LEVELS)
         if self.api_key is not None:

@@ -28,7 +28,11 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from mmserve.config.pool import DEFAULT_ENCODER_FALLBACK, DEFAULT_ENCODER_TIMEOUT_S
+from mmserve.config.pool import (
+    DEFAULT_ENCODER_FALLBACK,
+    DEFAULT_ENCODER_TIMEOUT_S,
+    ENCODER_FALLBACKS,
+)
 from mmserve.disaggregation.discovery import (
     EncoderEndpoint,
     ModelIdentity,
@@ -44,8 +48,6 @@ from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import MultiModalFeature, RemoteItem
 
 logger = logging.getLogger(__name__)
-
-FALLBACKS = ("local", "fail")
 
 
 @dataclass(frozen=True)
@@ -71,9 +73,9 @@ class PoolConfig:
         if len(set(urls)) != len(urls):
             raise ValueError(f"--encoder-urls names an encoder twice: {list(urls)}")
         object.__setattr__(self, "encoder_urls", urls)
-        if self.fallback not in FALLBACKS:
+        if self.fallback not in ENCODER_FALLBACKS:
             raise ValueError(
-                f"--encoder-fallback must be one of {FALLBACKS}, got {self.fallback!r}"
+                f"--encoder-fallback must be one of {ENCODER_FALLBACKS}, got {self.fallback!r}"
             )
         for name in ("timeout_s", "discovery_timeout_s", "ping_interval_s"):
             if not getattr(self, name) > 0:

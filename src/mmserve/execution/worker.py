@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from mmserve.config.scheduler import CPU_KV_CACHE_BYTES
 from mmserve.execution.encoder.cache import EncoderCache
 from mmserve.execution.encoder.graphs import make_encoder_embed
 from mmserve.execution.encoder.pixels import ItemDataStore
@@ -36,10 +37,10 @@ from mmserve.execution.graphs.decode import (
 )
 from mmserve.execution.input_batch import input_buffer_bytes
 from mmserve.execution.memory.device import CudaMemory, MemorySnapshot
-from mmserve.execution.memory.host_allocator import tune_host_allocator
 from mmserve.execution.memory.kv_sizing import GpuProfile, profiled_kv_budget
 from mmserve.execution.memory.profile import ProfileShape
 from mmserve.execution.model_runner import ModelRunner
+from mmserve.host_allocator import tune_host_allocator
 from mmserve.layers.attention import AttentionBackend, select_backend
 from mmserve.layers.attention.buffers import BatchLimits
 from mmserve.layers.fused import LayerOps, select_layer_ops
@@ -49,8 +50,6 @@ from mmserve.models.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from mmserve.models.loader import load_model
 
 logger = logging.getLogger(__name__)
-
-CPU_KV_CACHE_BYTES = 2 << 30  # default KV pool on the CPU when nothing sizes it
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from mmserve.errors import RequestFailedError
+from mmserve.grid import grid_num_tokens
 from mmserve.layers.attention import AttentionMetadata
 from mmserve.layers.fused import LayerOps
 from mmserve.models.config import ModelConfig
@@ -54,7 +55,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         grid_thw = check_vision_inputs(pixel_values, grid_thw, self.config.vision)
         merge = self.config.vision.spatial_merge_size
         embeds = self.visual(pixel_values, grid_thw)  # [num_patches / merge^2, hidden]
-        sizes = [t * h * w // merge**2 for t, h, w in grid_thw]
+        sizes = [grid_num_tokens(grid, merge) for grid in grid_thw]
         return list(embeds.split(sizes))
 
     def embed_input_ids(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mmserve.grid import grid_num_patches
 from mmserve.layers.attention.vision import VisionAttentionMetadata, make_segments
 from mmserve.models.config import VisionConfig
 
@@ -43,7 +44,7 @@ def check_vision_inputs(
 ) -> list[tuple[int, int, int]]:
     """grid_thw as int triples, after checking it against the pixels' shape."""
     grids = [(int(g[0]), int(g[1]), int(g[2])) for g in grid_thw]
-    num_patches = sum(t * h * w for t, h, w in grids)
+    num_patches = sum(grid_num_patches(grid) for grid in grids)
     if pixel_values.shape != (num_patches, config.patch_input_dim):
         raise ValueError(
             f"pixel_values has shape {tuple(pixel_values.shape)}, expected "
@@ -116,7 +117,7 @@ def build_vision_metadata(
     (`ValueError` if the items do not fit: too many patches or frames)."""
     merge = config.spatial_merge_size
     unit = merge * merge
-    num_patches = sum(t * h * w for t, h, w in grid_thw)
+    num_patches = sum(grid_num_patches(grid) for grid in grid_thw)
     frames = [h * w for t, h, w in grid_thw for _ in range(t)]
     pad = 0
     if padded is not None:

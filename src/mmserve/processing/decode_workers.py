@@ -134,7 +134,7 @@ class DecodeWorkerPool:
     large images cannot accumulate. Thread-safe: the server calls `decode` from worker threads.
     """
 
-    def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, max_rss_bytes: int = 0):
+    def __init__(self, num_workers: int, timeout_s: float, max_rss_bytes: int) -> None:
         if num_workers <= 0:
             raise ValueError(f"num_workers must be positive, got {num_workers}")
         if max_rss_bytes < 0:

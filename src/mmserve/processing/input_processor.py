@@ -10,8 +10,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mmserve.config.multimodal import MultimodalConfig
 from mmserve.errors import InvalidRequestError, PromptTooLongError, TooManyItemsError
-from mmserve.hashing import DEFAULT_NAMESPACE, Hasher
+from mmserve.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_NAMESPACE, Hasher
 from mmserve.multimodal import EncoderInput, ItemData, ProcessedPrompt
 from mmserve.processing.chat import ChatImage, check_user_text, parse_chat_messages
 from mmserve.processing.image_processor import ImageProcessorConfig
@@ -108,8 +109,8 @@ class InputProcessor:
         max_model_len: int | None = None,
         limit_mm_per_prompt: Mapping[str, int] | None = None,
         mm_processor_kwargs: Mapping[str, Any] | None = None,
-        mm_processor_cache_gb: float = 4.0,
-        hash_algorithm: str = "blake3",
+        mm_processor_cache_gb: float = MultimodalConfig.mm_processor_cache_gb,  # the flag's
+        hash_algorithm: str = DEFAULT_HASH_ALGORITHM,
         model_id: str | None = None,
         revision: str = "",
         media_loader: MediaLoader | None = None,

@@ -26,8 +26,8 @@ from mmserve.errors import (
     MMServeError,
     ServerShuttingDownError,
 )
-from mmserve.execution.memory.host_allocator import limit_malloc_arenas
 from mmserve.hashing import DEFAULT_NAMESPACE
+from mmserve.host_allocator import limit_malloc_arenas
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.chat import check_media_uuid
 from mmserve.processing.mrope import decode_positions
@@ -359,7 +359,7 @@ def _apply_uuids(
 
 def build_async_engine(config: EngineConfig) -> AsyncLLMEngine:
     """The server's engine: its core in an engine process unless `--no-multiprocess`."""
-    # Before the serving threads exist (see execution/memory/host_allocator.py). Only the
+    # Before the serving threads exist (see mmserve/host_allocator.py). Only the
     # server: it processes pictures on many threads, and the offline API measured ~5% slower
     # with the cap.
     limit_malloc_arenas()

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.execution.graphs.capture import CapturedGraph, GraphFactory, cuda_graph_factory
+from mmserve.grid import grid_num_patches, grid_num_tokens
 from mmserve.layers.attention.vision import VisionAttentionMetadata
 from mmserve.models.qwen2_vl_vision import VisionTransformer
 from mmserve.models.vision_metadata import (
@@ -101,7 +102,8 @@ class EncoderGraphs:
         self._device = device
         self._dtype = dtype
         self._make_graph = make_graph
-        self._merge_unit = tower.config.spatial_merge_size**2
+        self._merge_size = tower.config.spatial_merge_size
+        self._merge_unit = self._merge_size**2
         self.budgets = graph_budgets(max_patches_per_call, floor_patches)
         if any(b % self._merge_unit for b in self.budgets):
             raise ValueError(
@@ -138,11 +140,11 @@ class EncoderGraphs:
         self.num_replays += 1
         # Cloned: the next replay of this graph, or of another in the shared pool, reuses it.
         merged = entry.graph.output[: num_patches // self._merge_unit].clone()
-        return list(merged.split([t * h * w // self._merge_unit for t, h, w in grids]))
+        return list(merged.split([grid_num_tokens(grid, self._merge_size) for grid in grids]))
 
     def _fits(self, grids: list[tuple[int, int, int]], budget: int) -> bool:
         num_frames = sum(t for t, _, _ in grids)
-        has_padding = sum(t * h * w for t, h, w in grids) < budget
+        has_padding = sum(grid_num_patches(grid) for grid in grids) < budget
         return num_frames + has_padding <= padded_shape(budget, self._merge_unit).num_frame_segments
 
     def _capture(self, budget: int) -> _BudgetGraph:

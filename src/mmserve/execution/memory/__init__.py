@@ -1,1 +1,1 @@
-"""Start-up memory: device readings, the profile run, KV cache sizing, the host allocator."""
+"""Start-up memory: device readings, the profile run, KV cache sizing."""

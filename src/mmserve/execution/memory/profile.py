@@ -14,6 +14,7 @@ from mmserve.execution.memory.device import DeviceMemory, MemorySnapshot
 from mmserve.execution.sample.rows import SamplingRow
 from mmserve.execution.sample.sampler import make_device_generator
 from mmserve.execution.sample.step import sample_step
+from mmserve.grid import grid_num_patches
 from mmserve.layers.attention import AttentionBackend
 from mmserve.models.config import ModelConfig
 from mmserve.models.kv_cache import allocate_kv_caches
@@ -108,7 +109,7 @@ def profile_memory(
     memory.reset_peak()
     merge = model_config.spatial_merge_size
     grids = encoder_profile_grids(shape.max_patches_per_call, shape.max_tokens_per_mm_item, merge)
-    num_patches = sum(t * h * w for t, h, w in grids)
+    num_patches = sum(grid_num_patches(grid) for grid in grids)
     # [num_patches, C*T*P*P]
     pixels = torch.zeros(
         num_patches, model_config.vision.patch_input_dim, dtype=dtype, device=device

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mmserve.execution.memory.host_allocator import limit_malloc_arenas, tune_host_allocator
+from mmserve.host_allocator import limit_malloc_arenas, tune_host_allocator
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
@@ -26,7 +26,7 @@ def test_tuning_is_a_no_op_elsewhere(monkeypatch):
 
 _COUNT_ARENAS = """
 import ctypes, sys, tempfile, threading
-from mmserve.execution.memory.host_allocator import limit_malloc_arenas
+from mmserve.host_allocator import limit_malloc_arenas
 if sys.argv[1] == "limited":
     assert limit_malloc_arenas(2)
 libc = ctypes.CDLL("libc.so.6")

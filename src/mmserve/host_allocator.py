@@ -1,4 +1,8 @@
-"""Keep freed host memory in the process instead of handing it back to the OS after each step.
+"""This process's glibc malloc policy: the CPU worker's thresholds and every server's arena cap.
+
+A leaf (ctypes only, no torch): the API process caps its arenas before its threads start, and
+the CPU worker keeps freed host memory in the process instead of handing it back to the OS
+after each step.
 
 glibc's malloc serves large blocks with mmap and trims the top of the heap as soon as a few
 tens of MB are free, so a CPU engine that allocates the same activation buffers every step
