@@ -27,13 +27,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from mmserve.multimodal import EncoderInput, MultiModalFeature, PlaceholderRange  # noqa: E402
 from mmserve.sampling_params import SamplingParams  # noqa: E402
 from mmserve.scheduling.outputs import RequestUpdate  # noqa: E402
 from mmserve.wire import (  # noqa: E402
     EngineCoreOutputs,
     EngineCoreRequest,
-    WireEncoderInput,
-    WireMMFeature,
     decode,
     encode,
 )
@@ -50,9 +49,9 @@ def _positions(num_tokens: int) -> np.ndarray:
 
 def _image_request_parts():
     num_prompt = NUM_EMBEDS + NUM_TEXT
-    feature = WireMMFeature("ab" * 32, "image", 4, NUM_EMBEDS, GRID)
+    feature = MultiModalFeature("ab" * 32, "image", PlaceholderRange(4, NUM_EMBEDS), GRID)
     pixels = np.random.default_rng(0).standard_normal((1024, 1176)).astype(np.float32)
-    encoder_input = WireEncoderInput(feature.identifier, "image", GRID, pixels)
+    encoder_input = EncoderInput(pixels, GRID)
     tokens = [151655 if 4 <= i < 4 + NUM_EMBEDS else 1000 + i for i in range(num_prompt)]
     return tokens, feature, encoder_input
 
@@ -64,7 +63,7 @@ def messages() -> dict[str, object]:
         "chatcmpl-new",
         tokens,
         [feature],
-        [encoder_input],
+        {feature.identifier: encoder_input},
         params,
         _positions(len(tokens)),
         0,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,7 +15,7 @@ from mmserve.config.engine import EngineConfig, keyword_owners
 from mmserve.config.resolved import ResolvedConfig
 
 ENGINE_FIELDS = frozenset(keyword_owners())
-RESOLVED_FIELDS = tuple(f.name for f in dataclasses.fields(ResolvedConfig))
+RESOLVED_FIELDS = ResolvedConfig.__struct_fields__
 # What an engine of a section ran with, from its resolved configuration (recorded beside its
 # figures): the kernels, the graphs and the encoder budget they were measured under.
 RECORDED_FIELDS = (

@@ -1,40 +1,102 @@
-"""Value types shared by processing, scheduling and execution: multimodal items and prompts."""
+"""Value types shared by processing, scheduling, execution and the wire: multimodal items.
+
+An item is two values: its spec (`MultiModalFeature`: identity, modality, placeholder, grid;
+what the scheduler sees) and its data (`EncoderInput` pixels for the local vision tower, or a
+`RemoteItem` for the encoder pool). They are frozen msgspec structs, the same types in-process
+and on the wire; their checks run on construction and on decode.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
+import msgspec
 import numpy as np
 
+from mmserve.grid import grid_num_patches
 
-@dataclass(frozen=True, slots=True)
-class PlaceholderRange:
+_NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+_PosInt = Annotated[int, msgspec.Meta(ge=1)]
+GridTHW = tuple[_PosInt, _PosInt, _PosInt]
+Identifier = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class _Item(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False):
+    """Base of the item types: immutable, a positional array on the wire."""
+
+
+class PlaceholderRange(_Item):
     """Where an item's embeddings go in the prompt: `length` consecutive placeholder ids.
 
     `length` is the exact number of embeddings the encoder returns for the item.
     """
 
-    offset: int
-    length: int
+    offset: _NonNegInt
+    length: _PosInt
 
     @property
     def end(self) -> int:
         return self.offset + self.length
 
 
-@dataclass(frozen=True, slots=True)
-class ProcessedImage:
-    """The CPU stage's output for one image (or one video clip)."""
+class MultiModalFeature(_Item):
+    """One multimodal item of one request as the scheduler and the runner see it: never pixels.
 
-    pixel_values: np.ndarray  # [grid_t * grid_h * grid_w, C * T * P * P] float32
-    grid_thw: tuple[int, int, int]
-    second_per_grid_t: float | None = None
+    `identifier` is the item's full-width identity digest (see `mmserve.hashing`): the key of
+    the encoder cache and part of every KV block hash that overlaps the item. `is_remote`: the
+    remote encoder pool encodes it (a disaggregated server), not the local vision tower.
+    """
+
+    identifier: Identifier
+    modality: str
+    placeholder: PlaceholderRange
+    grid_thw: GridTHW
+    is_remote: bool = False
+
+    @property
+    def num_embeds(self) -> int:
+        return self.placeholder.length
 
     @property
     def num_patches(self) -> int:
-        t, h, w = self.grid_thw
-        return t * h * w
+        """Input patches the vision tower reads for this item (what its activations scale with)."""
+        return grid_num_patches(self.grid_thw)
+
+
+class EncoderInput(_Item):
+    """What the vision tower reads for one image (or one video clip): the CPU stage's output.
+
+    pixel_values: [grid_t * grid_h * grid_w, C * T * P * P], floating point; it travels as a
+    raw frame. `second_per_grid_t`: a video's seconds per temporal patch (None for an image);
+    the prompt's positions already include it.
+    """
+
+    pixel_values: np.ndarray  # [grid_t * grid_h * grid_w, C * T * P * P] float32
+    grid_thw: GridTHW
+    second_per_grid_t: float | None = None
+
+    def __post_init__(self) -> None:
+        pixels = self.pixel_values
+        num_patches = grid_num_patches(self.grid_thw)
+        if pixels.ndim != 2 or pixels.shape[0] != num_patches:
+            raise ValueError(
+                f"pixel_values has shape {pixels.shape}, expected [{num_patches}, patch_dim] "
+                f"for grid_thw {tuple(self.grid_thw)}"
+            )
+        if pixels.dtype.kind != "f":
+            raise ValueError(f"pixel_values has dtype {pixels.dtype}, expected floating point")
+        seconds = self.second_per_grid_t
+        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(
+                f"second_per_grid_t is {seconds}, expected a finite number > 0 (None: an image)"
+            )
+
+    @property
+    def num_patches(self) -> int:
+        return grid_num_patches(self.grid_thw)
 
     @property
     def nbytes(self) -> int:
@@ -54,85 +116,83 @@ class ProcessedImage:
 
 
 REMOTE_SOURCES = ("bytes", "rgb", "url")
+RemoteSource = Literal["bytes", "rgb", "url"]
 
 
-@dataclass(frozen=True, slots=True)
-class RemoteItem:
+class RemoteItem(_Item):
     """An image the remote encoder pool encodes: where its bytes are and what the LM planned.
 
     The language-model side never decodes it: it planned the grid from the image header
     (inline bytes) or from the pool's plan answer (a URL), and the pool must reach the same
-    grid and the same content digest or fail the item.
+    grid and the same content digest or fail the item. `payload` is the image file ("bytes")
+    or the packed uint8 [H, W, 3] array ("rgb") as a uint8 [nbytes] array (bytes given are
+    viewed as one, no copy), so that it travels as a raw frame; None for "url".
     """
 
-    source: str  # "bytes" (an image file), "rgb" (uint8 [H, W, 3], C order) or "url"
-    payload: bytes | None  # the file or array bytes; None for "url"
+    source: RemoteSource
+    payload: np.ndarray | None  # uint8 [nbytes]
     url: str | None
-    rgb_size: tuple[int, int] | None  # (width, height) of an "rgb" payload
-    min_pixels: int
-    max_pixels: int
-    grid_thw: tuple[int, int, int]
-    content_digest: str  # blake3 hex of the payload, or of the URL's bytes as planned
+    rgb_size: tuple[_PosInt, _PosInt] | None  # (width, height) of an "rgb" payload
+    min_pixels: _PosInt
+    max_pixels: _PosInt
+    grid_thw: GridTHW
+    content_digest: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 
     def __post_init__(self) -> None:
+        if isinstance(self.payload, bytes | bytearray | memoryview):
+            msgspec.structs.force_setattr(
+                self, "payload", np.frombuffer(self.payload, dtype=np.uint8)
+            )
+        payload = self.payload
         if self.source not in REMOTE_SOURCES:
             raise ValueError(f"remote item source {self.source!r} is not one of {REMOTE_SOURCES}")
-        if (self.source == "url") != (self.payload is None) or (self.source == "url") != (
+        if payload is not None and (payload.dtype != np.uint8 or payload.ndim != 1):
+            raise ValueError(
+                f"a remote item's payload is {payload.dtype} {payload.shape}, not uint8 [n]"
+            )
+        if (self.source == "url") != (payload is None) or (self.source == "url") != (
             self.url is not None
         ):
-            raise ValueError("a remote item has a payload, or (source 'url') a URL, not both")
+            raise ValueError(f"a {self.source!r} remote item carries a payload or a URL, not both")
         if (self.source == "rgb") != (self.rgb_size is not None):
-            raise ValueError("rgb_size is given exactly for an 'rgb' remote item")
-        if self.source == "rgb":
-            assert self.rgb_size is not None and self.payload is not None
+            raise ValueError("rgb_size comes exactly with an 'rgb' payload")
+        if self.rgb_size is not None and payload is not None:
             w, h = self.rgb_size
-            if w <= 0 or h <= 0 or len(self.payload) != w * h * 3:
+            if w <= 0 or h <= 0 or payload.size != w * h * 3:
                 raise ValueError(f"an rgb payload of {w}x{h} holds {w * h * 3} bytes")
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels {self.min_pixels} > max_pixels {self.max_pixels}")
 
     @property
     def num_patches(self) -> int:
-        t, h, w = self.grid_thw
-        return t * h * w
+        return grid_num_patches(self.grid_thw)
 
     @property
     def nbytes(self) -> int:
         """Bytes shipped to the pool for it (0 for a URL: the pool fetches it)."""
-        return 0 if self.payload is None else len(self.payload)
-
-
-@dataclass(frozen=True, slots=True)
-class MultiModalFeature:
-    """One multimodal item of one request, as the scheduler and the runner see it.
-
-    `identifier` is the item's full-width identity digest (see `mmserve.hashing`): the key of
-    the encoder cache and part of every KV block hash that overlaps the item. `data` is None
-    only when the caller named an item by UUID that is already cached in its namespace; a
-    `RemoteItem` when the remote encoder pool encodes it (a disaggregated server).
-    """
-
-    identifier: str
-    modality: str
-    placeholder: PlaceholderRange
-    data: ProcessedImage | RemoteItem | None
-    grid_thw: tuple[int, int, int]
+        return 0 if self.payload is None else int(self.payload.nbytes)
 
     @property
-    def num_embeds(self) -> int:
-        return self.placeholder.length
+    def payload_bytes(self) -> memoryview:
+        """The payload as a byte buffer (a view, no copy); empty for a URL item."""
+        return memoryview(b"") if self.payload is None else self.payload.data
 
-    @property
-    def num_patches(self) -> int:
-        """Input patches the vision tower reads for this item (what its activations scale with)."""
-        t, h, w = self.grid_thw
-        return t * h * w
+
+ItemData = EncoderInput | RemoteItem
 
 
 @dataclass(frozen=True)
 class ProcessedPrompt:
-    """A prompt ready for the engine: token ids with expanded placeholders, items and positions."""
+    """A prompt ready for the engine: token ids with expanded placeholders, item specs, their
+    data by identifier, and positions.
+
+    `mm_data` lacks an item only when the caller named it by UUID and it is already cached in
+    its namespace (the engine holds its embeddings).
+    """
 
     prompt_token_ids: list[int]
     mm_features: list[MultiModalFeature] = field(default_factory=list)
     mrope_positions: np.ndarray | None = None  # [3, num_prompt_tokens] int64
     mrope_position_delta: int = 0
     prompt: str | None = None
+    mm_data: dict[str, ItemData] = field(default_factory=dict)

@@ -31,11 +31,15 @@ RGB = np.random.default_rng(0).integers(0, 256, (56, 56, 3), dtype=np.uint8).tob
 
 
 def feature(n: int, grid: tuple[int, int, int] = (1, 4, 4), offset: int = 3) -> MultiModalFeature:
-    item = RemoteItem("rgb", RGB, None, RGB_SIZE, 3136, 12845056, grid, content_digest(RGB))
     num_embeds = grid[0] * grid[1] * grid[2] // 4
-    return MultiModalFeature(
-        f"{n:04x}" + "ab" * 30, "image", PlaceholderRange(offset, num_embeds), item, grid
-    )
+    placeholder = PlaceholderRange(offset, num_embeds)
+    return MultiModalFeature(f"{n:04x}" + "ab" * 30, "image", placeholder, grid, is_remote=True)
+
+
+def remote(n: int, grid: tuple[int, int, int] = (1, 4, 4), offset: int = 3):
+    """What `pool.submit` takes for item n: its spec and its RemoteItem (an RGB array)."""
+    item = RemoteItem("rgb", RGB, None, RGB_SIZE, 3136, 12845056, grid, content_digest(RGB))
+    return feature(n, grid, offset), item
 
 
 @pytest.fixture
@@ -105,8 +109,8 @@ def test_embeddings_arrive_exactly_and_are_counted(fakes, pools, dtype):
     a.behaviour.dtype = dtype
     metrics = EngineMetrics()
     pool = pools([a], metrics=metrics)
-    pool.submit("r1", feature(1))
-    pool.submit("r1", feature(1))  # already pending: not sent twice
+    pool.submit("r1", *remote(1))
+    pool.submit("r1", *remote(1))  # already pending: not sent twice
     assert pool.num_pending() == 1
     arrivals, failures = collect(pool, 1)
     assert failures == [] and len(arrivals) == 1 and pool.num_pending() == 0
@@ -125,9 +129,9 @@ def test_fan_out_by_input_patches_not_by_count(fakes, pools):
     a, b = fakes(2)
     a.behaviour.mode = b.behaviour.mode = "hang"  # nothing finishes: loads only grow
     pool = pools([a, b], timeout_s=5.0)
-    pool.submit("r1", feature(1, grid=(1, 40, 40)))  # 1600 patches: a 4K image's stand-in
+    pool.submit("r1", *remote(1, grid=(1, 40, 40)))  # 1600 patches: a 4K image's stand-in
     for n in range(2, 5):
-        pool.submit("r1", feature(n, grid=(1, 4, 4)))  # 16 patches each: thumbnails
+        pool.submit("r1", *remote(n, grid=(1, 4, 4)))  # 16 patches each: thumbnails
     assert wait_until(lambda: len(a.items) + len(b.items) == 4)
     assert [i.grid_thw for i in a.items] == [(1, 40, 40)]
     assert len(b.items) == 3 and {i.item_index for i in b.items} == {1, 2, 3}
@@ -140,7 +144,7 @@ def test_fan_out_counts_the_encoders_own_queue(fakes, pools):
     # the pool sends a ping only after handling what arrived before it: its first pong is in
     assert wait_until(lambda: a.pings >= 3)
     for n in range(1, 4):
-        pool.submit("r1", feature(n))
+        pool.submit("r1", *remote(n))
     assert len(collect(pool, 3)[0]) == 3
     assert len(a.items) == 0 and len(b.items) == 3
 
@@ -151,7 +155,7 @@ def test_a_hanging_encoder_times_out_and_the_item_is_retried_on_the_other(fakes,
     metrics = EngineMetrics()
     pool = pools([a, b], metrics=metrics, timeout_s=0.3)
     start = time.monotonic()
-    pool.submit("r1", feature(1))
+    pool.submit("r1", *remote(1))
     arrivals, failures = collect(pool, 1)
     assert failures == [] and [x.encoder for x in arrivals] == [b.url]
     assert 0.25 < time.monotonic() - start < 10.0  # generous: a loaded CI machine
@@ -164,7 +168,7 @@ def test_an_encoder_killed_mid_item_leaves_rotation_and_the_item_moves(fakes, po
     a, b = fakes(2)
     a.behaviour.mode = "hang"
     pool = pools([a, b], timeout_s=30.0)  # the missed pings notice it, not the item's deadline
-    pool.submit("r1", feature(1))
+    pool.submit("r1", *remote(1))
     assert a.wait_for_items(1)
     a.close()
     arrivals, failures = collect(pool, 1)
@@ -175,13 +179,13 @@ def test_an_internal_error_is_retried_elsewhere_and_an_input_error_is_not(fakes,
     a, b = fakes(2)
     a.behaviour.mode = "error"
     pool = pools([a, b])
-    pool.submit("r1", feature(1))
+    pool.submit("r1", *remote(1))
     arrivals, _ = collect(pool, 1)
     assert [x.encoder for x in arrivals] == [b.url] and len(a.items) == 1
     b.behaviour.mode = "error"
     b.behaviour.error_code = "invalid_image"
     a.behaviour.error_code = "invalid_image"
-    pool.submit("r2", feature(2))
+    pool.submit("r2", *remote(2))
     _, failures = collect(pool, 1)
     assert len(failures) == 1 and failures[0].failure.kind is FailureKind.REQUEST
     assert "fake invalid_image" in failures[0].failure.message
@@ -196,7 +200,7 @@ def test_all_encoders_down_fail_mode_is_a_503_kind_failure_within_the_timeouts(f
         fake.behaviour.mode = mode
     pool = pools(encoders, timeout_s=0.3)
     start = time.monotonic()
-    pool.submit("req-7", feature(1))
+    pool.submit("req-7", *remote(1))
     arrivals, failures = collect(pool, 1)
     assert arrivals == [] and len(failures) == 1
     assert time.monotonic() - start < 15.0  # one 0.3 s attempt per encoder, then the end
@@ -213,7 +217,7 @@ def test_all_encoders_down_local_fallback_returns_the_local_pixels(fakes, pools)
     metrics = EngineMetrics()
     local = LocalFallback(MediaLoader(), ImageProcessorConfig())
     pool = pools([a], metrics=metrics, local=local, fallback="local")
-    pool.submit("r1", feature(1))
+    pool.submit("r1", *remote(1))
     arrivals, failures = collect(pool, 1)
     assert failures == [] and len(arrivals) == 1
     arrival = arrivals[0]
@@ -230,7 +234,7 @@ def test_local_fallback_fails_an_item_whose_grid_differs_from_the_plan(fakes, po
     a.behaviour.mode = "error"
     local = LocalFallback(MediaLoader(), ImageProcessorConfig())
     pool = pools([a], local=local, fallback="local")
-    pool.submit("r1", feature(1, grid=(1, 8, 8)))
+    pool.submit("r1", *remote(1, grid=(1, 8, 8)))
     _, failures = collect(pool, 1)
     assert len(failures) == 1 and failures[0].failure.kind is FailureKind.REQUEST
     assert "planned as (1, 8, 8)" in failures[0].failure.message
@@ -243,11 +247,11 @@ def test_a_silent_encoder_leaves_rotation_and_comes_back_when_it_answers(fakes, 
     pool = pools([a, b], metrics=metrics)
     gauge = lambda: metrics.snapshot().gauges["remote_encoder_healthy"]  # noqa: E731
     assert wait_until(lambda: gauge() == 1)
-    pool.submit("r1", feature(1))
+    pool.submit("r1", *remote(1))
     assert [x.encoder for x in collect(pool, 1)[0]] == [b.url]
     a.behaviour.answer_pings = True
     assert wait_until(lambda: gauge() == 2)
-    pool.submit("r2", feature(2))  # equal loads: the first encoder again
+    pool.submit("r2", *remote(2))  # equal loads: the first encoder again
     assert [x.encoder for x in collect(pool, 1)[0]] == [a.url]
 
 
@@ -256,20 +260,20 @@ def test_duplicate_and_stale_replies_are_dropped_and_counted(fakes, pools):
     a.behaviour.mode = "twice"
     metrics = EngineMetrics()
     pool = pools([a, b], metrics=metrics, timeout_s=0.3)
-    pool.submit("r1", feature(1))
+    pool.submit("r1", *remote(1))
     assert len(collect(pool, 1)[0]) == 1
     dropped = lambda: labelled(metrics, "remote_encoder_dropped_messages")  # noqa: E731
     assert wait_until(lambda: dropped().get("duplicate") == 1)
     a.behaviour.mode = "ok"
     a.behaviour.reply_delay_s = 0.6  # answers after the item moved to b
-    pool.submit("r2", feature(2))
+    pool.submit("r2", *remote(2))
     arrivals, _ = collect(pool, 1)
     assert [x.encoder for x in arrivals] == [b.url]
     assert wait_until(lambda: dropped().get("stale") == 1)
     a.behaviour.reply_delay_s = 0.0
     a.behaviour.mode = "stale_first"  # first an attempt number this item never had
     assert wait_until(lambda: metrics.snapshot().gauges["remote_encoder_healthy"] == 2)
-    pool.submit("r3", feature(3))
+    pool.submit("r3", *remote(3))
     assert [x.encoder for x in collect(pool, 1)[0]] == [a.url]
     assert wait_until(lambda: dropped().get("unknown") == 1)
     assert pool.poll() == ([], [])  # nothing dropped ever reaches the runner
@@ -280,13 +284,13 @@ def test_garbage_truncated_and_unsigned_frames_are_dropped_and_the_pool_goes_on(
     a.behaviour.mode = "garbage_first"
     metrics = EngineMetrics()
     pool = pools([a], metrics=metrics, secret=b"k3y")
-    pool.submit("r1", feature(1))
+    pool.submit("r1", *remote(1))
     arrivals, failures = collect(pool, 1)
     assert failures == [] and len(arrivals) == 1
     dropped = labelled(metrics, "remote_encoder_dropped_messages")
     assert dropped == {"bad_mac": 3, "frame_count": 1}
     a.behaviour.mode = "bad_payload"  # a result whose bytes do not fit its shape
-    pool.submit("r2", feature(2))
+    pool.submit("r2", *remote(2))
     _, failures = collect(pool, 1)
     assert len(failures) == 1 and "payload bytes" in failures[0].failure.message
     assert labelled(metrics, "remote_encoder_dropped_messages")["bad_payload"] == 1
@@ -297,7 +301,7 @@ def test_replies_signed_with_another_secret_are_dropped(fakes, pools):
     a.behaviour.sign_with = b"not-the-shared-one"
     metrics = EngineMetrics()
     pool = pools([a], metrics=metrics, secret=b"shared", timeout_s=0.3)
-    pool.submit("r1", feature(1))
+    pool.submit("r1", *remote(1))
     arrivals, failures = collect(pool, 1)
     assert arrivals == [] and failures[0].failure.kind is FailureKind.UNAVAILABLE
     assert labelled(metrics, "remote_encoder_dropped_messages")["bad_mac"] >= 1
@@ -308,7 +312,7 @@ def test_cancel_stops_a_pending_item_and_its_late_reply_is_dropped(fakes, pools)
     a.behaviour.reply_delay_s = 0.2
     metrics = EngineMetrics()
     pool = pools([a], metrics=metrics)
-    pool.submit("r1", feature(1))
+    pool.submit("r1", *remote(1))
     assert a.wait_for_items(1)
     pool.cancel([feature(1).identifier, "never-submitted"])
     assert pool.num_pending() == 0
@@ -318,7 +322,7 @@ def test_cancel_stops_a_pending_item_and_its_late_reply_is_dropped(fakes, pools)
     assert wait_until(lambda: dropped().get("cancelled") == 1)
     assert pool.poll() == ([], [])
     a.behaviour.reply_delay_s = 0.0
-    pool.submit("r2", feature(2))
+    pool.submit("r2", *remote(2))
     assert wait_until(lambda: pool.num_pending() == 0)  # arrived, not polled yet
     pool.cancel(iter([feature(2).identifier]))  # its request went away meanwhile
     assert pool.poll() == ([], [])
@@ -329,11 +333,12 @@ def test_an_item_too_large_for_a_message_header_fails_alone(fakes, pools):
     pool = pools([a])
     url = "https://img.example/" + "x" * (70 * 1024)
     item = RemoteItem("url", None, url, None, 3136, 12845056, (1, 4, 4), "d" * 64)
-    pool.submit("r1", MultiModalFeature("e" * 64, "image", PlaceholderRange(0, 4), item, (1, 4, 4)))
+    spec = MultiModalFeature("e" * 64, "image", PlaceholderRange(0, 4), (1, 4, 4), is_remote=True)
+    pool.submit("r1", spec, item)
     _, failures = collect(pool, 1)
     failure = failures[0].failure
     assert failure.kind is FailureKind.REQUEST and "header" in failure.message
-    pool.submit("r2", feature(2))  # the pool goes on
+    pool.submit("r2", *remote(2))  # the pool goes on
     assert len(collect(pool, 1)[0]) == 1 and a.items[0].request_id == "r2"
 
 
@@ -341,9 +346,9 @@ def test_a_dead_io_thread_fails_every_pending_item_and_every_later_one(fakes, po
     (a,) = fakes(1)
     a.behaviour.mode = "hang"
     pool = pools([a], timeout_s=5.0)
-    pool.submit("r1", feature(1))
+    pool.submit("r1", *remote(1))
     pool.io_failed("RuntimeError in the encoder pool's I/O thread")  # what its thread reports
-    pool.submit("r2", feature(2))
+    pool.submit("r2", *remote(2))
     _, failures = collect(pool, 2)
     assert [f.identifier for f in failures] == [feature(1).identifier, feature(2).identifier]
     assert {f.failure.kind for f in failures} == {FailureKind.INTERNAL}
@@ -376,7 +381,7 @@ def test_start_discovers_then_encodes(fakes):
     config = PoolConfig((a.url,), IDENTITY, fallback="fail", secret=b"s", timeout_s=1.0)
     pool = RemoteEncoderPool.start(config, metrics=EngineMetrics())
     try:
-        pool.submit("r1", feature(1))
+        pool.submit("r1", *remote(1))
         assert len(collect(pool, 1)[0]) == 1
     finally:
         pool.shutdown()

@@ -22,7 +22,7 @@ def _video_prompt(num_embeds: int, video_token_id: int) -> ProcessedPrompt:
     """A prompt whose one video item (named by identity, no pixels: admission never needs
     them) has `num_embeds` embeddings over a (2, 2, num_embeds) grid: 4 patches each."""
     grid = (2, 2, num_embeds)
-    video = MultiModalFeature("f" * 64, "video", PlaceholderRange(1, num_embeds), None, grid)
+    video = MultiModalFeature("f" * 64, "video", PlaceholderRange(1, num_embeds), grid)
     return ProcessedPrompt([5] + [video_token_id] * num_embeds + [6], [video])
 
 

@@ -37,7 +37,7 @@ def test_placeholder_count_mismatch_fails_only_that_request(llm):
     import numpy as np
 
     positions = np.concatenate([positions[:, : offset + 1], positions[:, offset:] + 1], axis=1)
-    broken = dataclasses.replace(
+    broken = msgspec.structs.replace(
         feature, placeholder=PlaceholderRange(offset, feature.placeholder.length + 1)
     )
     bad = dataclasses.replace(

@@ -250,11 +250,10 @@ def test_a_request_whose_model_output_is_nan_fails_alone_and_leaves_no_nan(llm: 
     engine = llm.engine
     bad = _prompt(llm, "what is this?", image_seed=9)
     feature = bad.mm_features[0]
-    nan_pixels = np.full_like(feature.data.pixel_values, np.nan)
-    feature = dataclasses.replace(
-        feature, data=dataclasses.replace(feature.data, pixel_values=nan_pixels)
-    )
-    bad = dataclasses.replace(bad, mm_features=[feature])
+    pixels = bad.mm_data[feature.identifier]
+    nan_pixels = np.full_like(pixels.pixel_values, np.nan)
+    nan_data = msgspec.structs.replace(pixels, pixel_values=nan_pixels)
+    bad = dataclasses.replace(bad, mm_data={feature.identifier: nan_data})
     params = msgspec.structs.replace(GREEDY, max_tokens=20)
     mates = {f"m{i}": (_prompt(llm, "hello " * (i + 1), image_seed=i), params) for i in range(3)}
     alone = _run_with(engine, mates)

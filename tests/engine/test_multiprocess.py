@@ -18,9 +18,9 @@ from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.mrope import decode_positions
 from mmserve.scheduling.request import RequestStatus
 from mmserve.wire import codec
-from mmserve.wire.convert import request_to_wire
 from mmserve.wire.engine_core import (
     EngineCoreOutputs,
+    EngineCoreRequest,
     EngineCoreShutdown,
     EngineDead,
 )
@@ -116,9 +116,9 @@ def test_the_core_loop_drops_malformed_messages_and_serves_on(qwen2_vl_dir: Path
     thread.start()
     try:
         to_core.send_multipart([b"not a wire message"])
-        to_core.send_multipart([b"\xb5\x02\x01", b"truncated"])
+        to_core.send_multipart([b"\xb5\x03\x01", b"truncated"])
         to_core.send_multipart(codec.encode(EngineDead("not for the core")))
-        msg = request_to_wire("r1", prompt, SamplingParams(max_tokens=3), arrival_time_s=0.0)
+        msg = EngineCoreRequest.of("r1", prompt, SamplingParams(max_tokens=3), arrival_time_s=0.0)
         to_core.send_multipart(codec.encode(msg))
         finished = None
         deadline = time.monotonic() + 30
@@ -144,7 +144,7 @@ def test_a_malformed_message_from_the_engine_is_a_clear_death(qwen2_vl_dir: Path
         ctx = zmq.Context()
         intruder = ctx.socket(zmq.PUSH)
         intruder.connect(f"ipc://{client._socket_dir}/outputs")
-        intruder.send_multipart([b"\xb5\x02\x10garbage"])
+        intruder.send_multipart([b"\xb5\x03\x10garbage"])
         intruder.close(linger=1000)
         ctx.term()
         with pytest.raises(EngineDeadError) as info:

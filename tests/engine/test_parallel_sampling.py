@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import msgspec
 import pytest
 
@@ -9,6 +11,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.engine.frontend.llm_engine import LLMEngine
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.executor import Executor
+from mmserve.multimodal import ItemData
 from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tests.support.factory import random_image
 from tests.support.faults import assert_nothing_held, rewired, run_all
@@ -115,6 +118,12 @@ class FailOneExecutor:
     def __init__(self, executor: Executor, request_id: str) -> None:
         self.executor = executor
         self.request_id = request_id
+
+    def add_mm_data(self, request_id: str, data: Mapping[str, ItemData]) -> None:
+        self.executor.add_mm_data(request_id, data)
+
+    def free_mm_data(self, request_ids: Iterable[str]) -> None:
+        self.executor.free_mm_data(request_ids)
 
     def execute(
         self, so: SchedulerOutput, grammar_output: GrammarOutput | None = None

@@ -1,4 +1,5 @@
-"""Pixels leave a request once its prefill has passed them; a preemption gets them back."""
+"""Pixels wait on the executor side until a request's prefill has passed them, then stay
+bounded for a re-encode; a preemption gets them back."""
 
 from __future__ import annotations
 
@@ -37,10 +38,11 @@ def test_a_decoding_request_holds_no_pixels(diverse_checkpoint: Path) -> None:
     while not engine.step():  # until the prefill is done and the first token is out
         pass
     request = engine.core.scheduler.requests["r"]
-    state = engine.core.executor.runner.states["r"]
-    assert [f.data for f in request.mm_features] == [None, None]
-    assert [f.data for f in state.mm_features] == [None, None]
-    store = engine.core.scheduler.pixel_store
+    store = engine.core.executor.runner.item_data
+    # neither the scheduler's request nor the runner's state holds pixels: only specs, and
+    # the executor side's store no longer holds them for "r" as waiting for the encoder
+    assert not any(store.is_pending(f.identifier, "r") for f in request.mm_features)
+    assert store.num_pending == 0
     assert request.mm_features[0].identifier in store
     run_all(engine)
     assert len(store) == 0 and store.used_bytes == 0  # gone with the request
@@ -56,9 +58,9 @@ def test_preempted_requests_encode_again_from_the_store_to_the_same_answer(
     tight = LLM(model=str(diverse_checkpoint), **TIGHT, **SMALL_ENCODER_CACHE)
     got = [o.outputs[0].token_ids for o in tight.generate(requests, GREEDY)]
     assert got == expected
-    store = tight.engine.core.scheduler.pixel_store
+    store = tight.engine.core.executor.runner.item_data
     assert store.num_restored > 0  # the path under test ran
-    assert len(store) == 0
+    assert len(store) == 0 and store.num_pending == 0
     assert_nothing_held(tight.engine)
 
 

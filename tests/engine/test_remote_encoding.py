@@ -11,9 +11,11 @@ import dataclasses
 import hashlib
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -23,7 +25,7 @@ from mmserve.engine.frontend.llm_engine import LLMEngine
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.executor import InProcessExecutor
 from mmserve.execution.model_runner import ModelRunner
-from mmserve.multimodal import ProcessedImage, ProcessedPrompt, RemoteItem
+from mmserve.multimodal import EncoderInput, ItemData, ProcessedPrompt, RemoteItem
 from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tests.support.factory import random_image
 from tests.support.fake_encoder_source import FakeEncoderSource
@@ -47,6 +49,12 @@ class CountingExecutor:
         self.num_steps = 0
         self.num_waits = 0
         self.windows: list[tuple[str, int, int]] = []  # (request id, start, end) of each step
+
+    def add_mm_data(self, request_id: str, data: Mapping[str, ItemData]) -> None:
+        self.executor.add_mm_data(request_id, data)
+
+    def free_mm_data(self, request_ids: Iterable[str]) -> None:
+        self.executor.free_mm_data(request_ids)
 
     def execute(
         self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
@@ -84,7 +92,7 @@ def _remote_engine(llm: LLM) -> tuple[LLMEngine, FakeEncoderSource, CountingExec
     runner = local.runner
     dtype = next(runner.model.parameters()).dtype
 
-    def embed(pixels: ProcessedImage) -> torch.Tensor:
+    def embed(pixels: EncoderInput) -> torch.Tensor:
         values = torch.from_numpy(np.array(pixels.pixel_values)).to(runner.device, dtype)
         return runner.model.embed_multimodal(values, [pixels.grid_thw])[0]
 
@@ -118,16 +126,19 @@ def _text_prompt(llm: LLM) -> ProcessedPrompt:
 def _as_remote(prompt: ProcessedPrompt, source: FakeEncoderSource) -> ProcessedPrompt:
     """Every item as the encoder pool would get it: its own identity, its pixels registered."""
     features = []
+    data: dict[str, RemoteItem] = {}
     for f in prompt.mm_features:
-        assert isinstance(f.data, ProcessedImage)
+        pixels = prompt.mm_data[f.identifier]
+        assert isinstance(pixels, EncoderInput)
         identifier = hashlib.blake2b(b"remote-image" + f.identifier.encode()).hexdigest()
         # a stand-in for the image file: the fake source encodes the registered pixels
-        payload = hashlib.blake2b(f.data.pixel_values.tobytes()).digest()
+        payload = hashlib.blake2b(pixels.pixel_values.tobytes()).digest()
         digest = hashlib.blake2b(payload, digest_size=32).hexdigest()
         item = RemoteItem("bytes", payload, None, None, 3136, 112 * 112, f.grid_thw, digest)
-        source.register(identifier, f.data)
-        features.append(dataclasses.replace(f, identifier=identifier, data=item))
-    return dataclasses.replace(prompt, mm_features=features)
+        source.register(identifier, pixels)
+        features.append(msgspec.structs.replace(f, identifier=identifier, is_remote=True))
+        data[identifier] = item
+    return dataclasses.replace(prompt, mm_features=features, mm_data=data)
 
 
 def _greedy(engine: LLMEngine, prompts: dict[str, ProcessedPrompt]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mmserve.multimodal import MultiModalFeature, PlaceholderRange, ProcessedImage, ProcessedPrompt
+from mmserve.multimodal import EncoderInput, MultiModalFeature, PlaceholderRange, ProcessedPrompt
 from tests.support.oracle import HFOracle
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -81,6 +81,7 @@ def build_case(
     ids: list[int] = []
     types: list[int] = []
     features: list[MultiModalFeature] = []
+    mm_data: dict[str, EncoderInput] = {}
     for token in oracle.tok.encode(text, add_special_tokens=False).ids:
         modality = pad_modality.get(token)
         if modality is None:
@@ -89,11 +90,10 @@ def build_case(
             continue
         pixels, grid = queues[modality].pop(0)
         num_embeds = grid[0] * grid[1] * grid[2] // MERGE**2
-        data = ProcessedImage(pixels, grid, seconds if modality == "video" else None)
+        data = EncoderInput(pixels, grid, seconds if modality == "video" else None)
         placeholder = PlaceholderRange(len(ids), num_embeds)
-        features.append(
-            MultiModalFeature(_identifier(pixels, grid), modality, placeholder, data, grid)
-        )
+        features.append(MultiModalFeature(_identifier(pixels, grid), modality, placeholder, grid))
+        mm_data[features[-1].identifier] = data
         ids += [token] * num_embeds
         types += [1 if modality == "image" else 2] * num_embeds
     assert not queues["image"] and not queues["video"], "more items than markers"
@@ -113,6 +113,7 @@ def build_case(
         mm_features=features,
         mrope_positions=positions[:, 0].numpy().astype(np.int64),
         mrope_position_delta=int(delta.item()),
+        mm_data=mm_data,
         prompt=text,
     )
     return OracleCase(prompt, hf)

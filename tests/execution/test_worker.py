@@ -30,6 +30,7 @@ def _config(model_dir: Path, **overrides) -> WorkerConfig:
         max_patches_per_call=256,
         encoder_cache_bytes=1 << 20,
         max_logprobs=5,
+        mm_reencode_cache_bytes=0,
         block_size=16,
     )
     return dataclasses.replace(config, **overrides)

@@ -14,7 +14,7 @@ from PIL import Image
 
 from mmserve.config.media import MediaConfig
 from mmserve.errors import MediaFetchRefusedError
-from mmserve.multimodal import ProcessedImage, ProcessedPrompt
+from mmserve.multimodal import EncoderInput, ProcessedPrompt
 from mmserve.processing.image_decode import read_header
 from mmserve.processing.image_processor import ImageProcessorConfig, get_grid_thw
 from mmserve.processing.input_processor import InputProcessor
@@ -130,4 +130,5 @@ def same_plan(got: ProcessedPrompt, want: ProcessedPrompt) -> None:
     assert got.mrope_position_delta == want.mrope_position_delta
     for g, w in zip(got.mm_features, want.mm_features, strict=True):
         assert (g.placeholder, g.grid_thw) == (w.placeholder, w.grid_thw)
-        assert isinstance(w.data, ProcessedImage) and w.data.grid_thw == g.grid_thw
+        w_data = want.mm_data[w.identifier]
+        assert isinstance(w_data, EncoderInput) and w_data.grid_thw == g.grid_thw

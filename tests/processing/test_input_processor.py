@@ -83,7 +83,7 @@ def test_chat_matches_transformers_template_tokenizer_and_token_counts(
         assert ids[feature.placeholder.offset - 1] == processor.token_ids.vision_start_token_id
         assert ids[feature.placeholder.end] == processor.token_ids.vision_end_token_id
         t, h, w = feature.grid_thw
-        assert feature.placeholder.length == t * h * w // 4 == feature.data.num_patches // 4
+        assert feature.placeholder.length == t * h * w // 4 == feature.num_patches // 4
     assert sum(f.placeholder.length for f in out.mm_features) == int((ids == image_id).sum())
     assert out.mrope_positions.shape == (3, len(ids))
     assert out.mrope_positions.dtype == np.int64
@@ -151,7 +151,8 @@ def test_repeated_image_hits_the_processor_cache(processor: InputProcessor) -> N
     first = processor.process(prompt, [image])
     second = processor.process(prompt, [image.copy()])
     assert first.mm_features[0].identifier == second.mm_features[0].identifier
-    assert second.mm_features[0].data is first.mm_features[0].data
+    identifier = first.mm_features[0].identifier
+    assert second.mm_data[identifier] is first.mm_data[identifier]
     assert (processor.cache.stats.queries, processor.cache.stats.hits) == (2, 1)
 
 
@@ -164,7 +165,8 @@ def test_uuid_only_items_resolve_inside_their_namespace_while_cached(
     again = processor.process(prompt, [None], multi_modal_uuids=["cat"], namespace="key-a")
     assert again.prompt_token_ids == sent.prompt_token_ids
     assert again.mm_features[0].identifier == sent.mm_features[0].identifier
-    assert again.mm_features[0].data is sent.mm_features[0].data
+    identifier = sent.mm_features[0].identifier
+    assert again.mm_data[identifier] is sent.mm_data[identifier]
     # A cap above the image's size changes nothing, so the reference still resolves.
     big_cap = processor.process(
         prompt,

@@ -8,7 +8,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from mmserve.multimodal import ProcessedImage
+from mmserve.multimodal import EncoderInput
 from mmserve.processing.processor_cache import (
     CACHE_ENTRY_OVERHEAD_BYTES,
     ProcessorCache,
@@ -18,8 +18,8 @@ from mmserve.processing.processor_cache import (
 )
 
 
-def _item(num_patches: int) -> ProcessedImage:
-    return ProcessedImage(np.zeros((num_patches, 4), dtype=np.float32), (1, 1, num_patches))
+def _item(num_patches: int) -> EncoderInput:
+    return EncoderInput(np.zeros((num_patches, 4), dtype=np.float32), (1, 1, num_patches))
 
 
 def _cost(num_patches: int, key: str = "a") -> int:
@@ -52,7 +52,7 @@ def test_big_item_evicts_as_many_as_needed_and_oversized_items_are_skipped() -> 
 
 def test_an_entry_costs_its_whole_buffer_key_and_overhead() -> None:
     base = np.zeros((100, 4), dtype=np.float32)  # 1600 bytes
-    view = ProcessedImage(base[:2], (1, 1, 2))  # 32 bytes of its own, but keeps 1600 alive
+    view = EncoderInput(base[:2], (1, 1, 2))  # 32 bytes of its own, but keeps 1600 alive
     key = "k" * 64
     assert view.nbytes == 32 and view.buffer_bytes == 1600
     assert cache_entry_bytes(key, view) == 1600 + sys.getsizeof(key) + CACHE_ENTRY_OVERHEAD_BYTES
@@ -71,7 +71,7 @@ def test_counted_cost_covers_the_memory_entries_really_hold() -> None:
         before = tracemalloc.get_traced_memory()[0]
         for key in keys:
             out = np.empty((4, 3, 2, 4), dtype=np.float32)  # processed shape, then a view of it
-            cache.put(key, ProcessedImage(out.reshape(4, 24), (1, 2, 2)))
+            cache.put(key, EncoderInput(out.reshape(4, 24), (1, 2, 2)))
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
@@ -90,7 +90,7 @@ def test_randomised_operations_keep_the_byte_count_exact() -> None:
         if op < 0.5:
             data = np.zeros((int(rng.integers(1, 60)), 4), dtype=np.float32)
             view = data[: int(rng.integers(1, len(data) + 1))]  # sometimes a view of more
-            cache.put(key, ProcessedImage(view, (1, 1, len(view))))
+            cache.put(key, EncoderInput(view, (1, 1, len(view))))
         else:
             cache.get(key)
         cache.check_integrity()

@@ -9,7 +9,7 @@ import blake3
 import pytest
 
 from mmserve.errors import ImageDecodeError, ImageTooLargeError, InvalidRequestError
-from mmserve.multimodal import ProcessedImage, RemoteItem
+from mmserve.multimodal import EncoderInput, RemoteItem
 from mmserve.processing import image_decode
 from mmserve.processing.decode_workers import DecodeWorkerPool
 from mmserve.processing.image_processor import get_grid_thw, to_rgb
@@ -63,9 +63,14 @@ def test_a_remote_plan_has_the_local_grid_tokens_and_positions(
         m.setattr(image_decode, "decode_first_frame", refuse_decode)
         got = remote.process_chat(chat(data_url(data)), mm_processor_kwargs=kwargs)
     same_plan(got, want)
-    item = got.mm_features[0].data
+    item = got.mm_data[got.mm_features[0].identifier]
     assert isinstance(item, RemoteItem)
-    assert (item.source, item.payload, item.url, item.rgb_size) == ("bytes", data, None, None)
+    assert (item.source, bytes(item.payload_bytes), item.url, item.rgb_size) == (
+        "bytes",
+        data,
+        None,
+        None,
+    )
     assert (item.min_pixels, item.max_pixels) == (cfg.min_pixels, cfg.max_pixels)
     assert item.grid_thw == got.mm_features[0].grid_thw
     assert item.content_digest == blake3.blake3(data).hexdigest()
@@ -80,13 +85,13 @@ def test_offline_sources_bytes_file_urls_and_pictures(
     sources = [png, data_url(png), f"file://{media_root}/dog.png", picture]
     prompt = {"prompt": ONE_IMAGE * 4, "multi_modal_data": {"image": sources}}
     got = remote.process_generate_input(prompt)
-    items = [f.data for f in got.mm_features]
+    items = [got.mm_data[f.identifier] for f in got.mm_features]
     assert [i.source for i in items] == ["bytes", "bytes", "bytes", "rgb"]
-    assert items[0].payload == items[1].payload == items[2].payload == png
+    assert [bytes(i.payload_bytes) for i in items[:3]] == [png] * 3
     assert len({f.identifier for f in got.mm_features[:3]}) == 1  # the same file, one item
     rgb = items[3]
-    assert rgb.rgb_size == (50, 70) and rgb.payload == to_rgb(picture).tobytes()
-    assert rgb.content_digest == blake3.blake3(rgb.payload).hexdigest()
+    assert rgb.rgb_size == (50, 70) and bytes(rgb.payload_bytes) == to_rgb(picture).tobytes()
+    assert rgb.content_digest == blake3.blake3(bytes(rgb.payload_bytes)).hexdigest()
     parts = [{"type": "image", "image": picture}, {"type": "text", "text": "hi"}]
     by_chat = remote.process_chat([{"role": "user", "content": parts}])
     assert by_chat.mm_features[0].identifier == got.mm_features[3].identifier
@@ -104,8 +109,11 @@ def test_videos_keep_the_local_path(remote: InputProcessor) -> None:
         "prompt": "<|vision_start|><|video_pad|><|vision_end|>what happens?",
         "multi_modal_data": {"video": video_frames(4, 56, 56)},
     }
-    (video,) = remote.process_generate_input(prompt).mm_features
-    assert video.modality == "video" and isinstance(video.data, ProcessedImage)
+    processed = remote.process_generate_input(prompt)
+    (video,) = processed.mm_features
+    assert video.modality == "video" and isinstance(
+        processed.mm_data[video.identifier], EncoderInput
+    )
 
 
 # ---------------------------------------------------------------------------- identity

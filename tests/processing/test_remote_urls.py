@@ -53,7 +53,7 @@ def test_a_planned_url_is_sent_as_a_reference(
     got = remote.process_chat(chat(CAT_URL), mm_processor_kwargs=kwargs)
     cfg = remote.request_config(kwargs).image
     assert fresh_planner.calls == [(CAT_URL, cfg.min_pixels, cfg.max_pixels)]
-    item = got.mm_features[0].data
+    item = got.mm_data[got.mm_features[0].identifier]
     assert isinstance(item, RemoteItem)
     assert (item.source, item.payload, item.url) == ("url", None, CAT_URL)
     assert item.content_digest == blake3.blake3(PAGES[CAT_URL]).hexdigest()
@@ -140,8 +140,9 @@ def test_uuid_references_to_remote_images_resolve_to_the_same_identity(
     )
     again = remote.process(ONE_IMAGE, [None], multi_modal_uuids=["cat"], namespace="key-a")
     assert again.mm_features[0].identifier == sent.mm_features[0].identifier
-    assert again.mm_features[0].data is sent.mm_features[0].data
-    assert isinstance(again.mm_features[0].data, RemoteItem)
+    identifier = sent.mm_features[0].identifier
+    assert again.mm_data[identifier] is sent.mm_data[identifier]
+    assert isinstance(again.mm_data[identifier], RemoteItem)
     big_cap = {"max_pixels": 4000 * 4000}
     same = remote.process(
         ONE_IMAGE, [None], multi_modal_uuids=["cat"], namespace="key-a", mm_processor_kwargs=big_cap

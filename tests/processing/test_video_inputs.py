@@ -72,8 +72,9 @@ def test_video_and_image_chat_matches_transformers_processor(
     assert video.grid_thw == tuple(ref["video_grid_thw"][0])
     t, h, w = video.grid_thw
     assert t == 3  # 5 frames + 1 repeated, two per temporal patch
-    np.testing.assert_allclose(video.data.pixel_values, ref["pixel_values_videos"], atol=1e-6)
-    assert video.data.second_per_grid_t == 1.0  # frames count as sampled at 2 fps
+    video_data = ours.mm_data[video.identifier]
+    np.testing.assert_allclose(video_data.pixel_values, ref["pixel_values_videos"], atol=1e-6)
+    assert video_data.second_per_grid_t == 1.0  # frames count as sampled at 2 fps
     ids = np.asarray(ours.prompt_token_ids)
     pad = processor.token_ids.video_token_id
     span = ids[video.placeholder.offset : video.placeholder.end]
@@ -97,7 +98,7 @@ def test_mrope_matches_get_rope_index_for_video_and_image(
         _chat(data, random_image(50, 40, seed=2)), mm_processor_kwargs=kwargs
     )
     video, image = prompt.mm_features
-    assert video.data.second_per_grid_t == pytest.approx(1.5)
+    assert prompt.mm_data[video.identifier].second_per_grid_t == pytest.approx(1.5)
     ids = torch.tensor([prompt.prompt_token_ids])
     types = (ids == config.image_token_id).long() + 2 * (ids == config.video_token_id).long()
     kwargs = {
@@ -105,7 +106,8 @@ def test_mrope_matches_get_rope_index_for_video_and_image(
         "video_grid_thw": torch.tensor([video.grid_thw]),
     }
     if config.architecture.startswith("Qwen2_5"):
-        kwargs["second_per_grid_ts"] = torch.tensor([video.data.second_per_grid_t])
+        seconds = prompt.mm_data[video.identifier].second_per_grid_t
+        kwargs["second_per_grid_ts"] = torch.tensor([seconds])
     ref, delta = hf.get_rope_index(ids, mm_token_type_ids=types, **kwargs)
     np.testing.assert_array_equal(prompt.mrope_positions, ref[:, 0].numpy())
     assert prompt.mrope_position_delta == int(delta[0, 0])

@@ -6,12 +6,12 @@ The fake items have 4 input patches per embedding (see `tests/support/fake_runne
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
+import msgspec
 import pytest
 
-from mmserve.multimodal import MultiModalFeature, RemoteItem
+from mmserve.multimodal import MultiModalFeature
 from mmserve.scheduling import EncoderCacheManager, Request
 from mmserve.scheduling.encoder_planner import (
     EncoderPlan,
@@ -28,8 +28,7 @@ def _remote(request: Request, *item_idxs: int) -> Request:
     """The items at `item_idxs` made remote (sent to an encoder pool instead of encoded)."""
     for i in item_idxs:
         f = request.mm_features[i]
-        item = RemoteItem("bytes", b"\x89PNG", None, None, 3136, 12845056, f.grid_thw, "d" * 64)
-        request.mm_features[i] = dataclasses.replace(f, data=item)
+        request.mm_features[i] = msgspec.structs.replace(f, is_remote=True)
     return request
 
 
@@ -46,7 +45,7 @@ def _plan(
         request.num_computed_tokens,
         num_new,
         manager=manager,
-        pixel_store=None,
+        item_data=None,
         patch_budget=patch_budget,
         disable_chunked_mm_input=disable_chunked_mm_input,
     )

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
+import msgspec
 
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import FailureKind, RequestFailure
-from mmserve.multimodal import RemoteItem
 from mmserve.scheduling import Request, RequestStatus, Scheduler
 from tests.support.fake_runner import FakeRunner, make_request, make_scheduler, run_step
 
@@ -25,8 +24,7 @@ def _setup(num_blocks: int = 1000, block_size: int = 16, **kwargs) -> tuple[Sche
 def _remote(request: Request) -> Request:
     """The request with every item made remote (as a disaggregated server's processor does)."""
     for i, f in enumerate(request.mm_features):
-        item = RemoteItem("bytes", b"\x89PNG", None, None, 3136, 12845056, f.grid_thw, "d" * 64)
-        request.mm_features[i] = dataclasses.replace(f, data=item)
+        request.mm_features[i] = msgspec.structs.replace(f, is_remote=True)
     return request
 
 

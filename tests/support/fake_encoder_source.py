@@ -15,9 +15,9 @@ import torch
 
 from mmserve.errors import RequestFailure
 from mmserve.execution.encoder.source import EncoderArrival, EncoderItemFailure
-from mmserve.multimodal import MultiModalFeature, ProcessedImage, RemoteItem
+from mmserve.multimodal import EncoderInput, MultiModalFeature, RemoteItem
 
-EmbedOne = Callable[[ProcessedImage], torch.Tensor]  # pixels -> [num_embeds, hidden]
+EmbedOne = Callable[[EncoderInput], torch.Tensor]  # pixels -> [num_embeds, hidden]
 
 
 @dataclass
@@ -26,7 +26,7 @@ class FakeEncoderSource:
     delay_polls: int = 0
     # True: a cancelled item is still answered (a late reply the runner must drop)
     answers_after_cancel: bool = False
-    pixels: dict[str, ProcessedImage] = field(default_factory=dict)
+    pixels: dict[str, EncoderInput] = field(default_factory=dict)
     held: set[str] = field(default_factory=set)  # not delivered until `release`
     failures: dict[str, RequestFailure] = field(default_factory=dict)  # answered with these
     fallback: set[str] = field(default_factory=set)  # answered with pixels (local fallback)
@@ -36,7 +36,7 @@ class FakeEncoderSource:
     _polls_left: dict[str, int] = field(default_factory=dict)  # identifier -> polls to go
     _event: threading.Event = field(default_factory=threading.Event)
 
-    def register(self, identifier: str, pixels: ProcessedImage) -> None:
+    def register(self, identifier: str, pixels: EncoderInput) -> None:
         self.pixels[identifier] = pixels
 
     def release(self, identifiers: Iterable[str]) -> None:
@@ -46,8 +46,8 @@ class FakeEncoderSource:
 
     # ---------------------------------------------------------------- EncoderSource
 
-    def submit(self, request_id: str, feature: MultiModalFeature) -> None:
-        assert isinstance(feature.data, RemoteItem), "only remote items go to a source"
+    def submit(self, request_id: str, feature: MultiModalFeature, item: RemoteItem) -> None:
+        assert isinstance(item, RemoteItem) and feature.is_remote, "only remote items go here"
         assert feature.identifier in self.pixels, "the test registered no pixels for it"
         self.submitted.append((request_id, feature.identifier))
         self._polls_left.setdefault(feature.identifier, self.delay_polls)

@@ -52,7 +52,6 @@ def image(identifier: str, offset: int, length: int) -> MultiModalFeature:
         identifier=identifier,
         modality="image",
         placeholder=PlaceholderRange(offset, length),
-        data=None,
         grid_thw=(1, 2, length * 2),
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -10,6 +11,7 @@ from mmserve.engine.core.engine_core import EngineCore
 from mmserve.engine.frontend.llm_engine import LLMEngine
 from mmserve.engine.frontend.outputs import RequestOutput
 from mmserve.execution.executor import Executor
+from mmserve.multimodal import ItemData
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
@@ -27,6 +29,12 @@ class FaultyExecutor:
     def crash_after(self, num_steps: int = 0) -> None:
         """Let `num_steps` steps pass, then raise in the next one (once)."""
         self.steps_until_crash = num_steps
+
+    def add_mm_data(self, request_id: str, data: Mapping[str, ItemData]) -> None:
+        self.executor.add_mm_data(request_id, data)
+
+    def free_mm_data(self, request_ids: Iterable[str]) -> None:
+        self.executor.free_mm_data(request_ids)
 
     def execute(
         self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
@@ -95,6 +103,9 @@ def assert_nothing_held(engine: LLMEngine) -> None:
     assert stats.encoder_cache_used_slots == 0
     assert not engine.has_unfinished_requests()
     assert not engine.output_processor.request_ids
+    runner = getattr(getattr(engine.core, "executor", None), "runner", None)
+    if runner is not None:  # the in-process executor: no item data left behind
+        assert runner.item_data.num_pending == 0 and len(runner.item_data) == 0
 
 
 def bypassing_validation(params: SamplingParams, **fields: Any) -> SamplingParams:

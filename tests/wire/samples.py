@@ -9,6 +9,7 @@ from mmserve.config.resolved import ResolvedConfig
 from mmserve.config.scheduler import SchedulerConfig
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.metrics import SchedulerStats
+from mmserve.multimodal import EncoderInput, MultiModalFeature, PlaceholderRange, RemoteItem
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.outputs import Logprobs, RequestUpdate
 from mmserve.scheduling.request import RequestStatus
@@ -22,9 +23,6 @@ from mmserve.wire import (
     EngineCoreShutdown,
     EngineDead,
     Message,
-    WireEncoderInput,
-    WireMMFeature,
-    WireRemoteItem,
 )
 
 PATCH_DIM = 1176  # C * T * P * P of Qwen2-VL: 3 * 2 * 14 * 14
@@ -45,13 +43,16 @@ def pixels(grid_thw: tuple[int, int, int], seed: int, dtype=np.float32) -> np.nd
     return rng.standard_normal((t * h * w, PATCH_DIM)).astype(dtype)  # [patches, patch_dim]
 
 
-def feature(i: int, offset: int, grid_thw: tuple[int, int, int] = (1, 4, 6)) -> WireMMFeature:
+def feature(
+    i: int, offset: int, grid_thw: tuple[int, int, int] = (1, 4, 6), *, is_remote: bool = False
+) -> MultiModalFeature:
     t, h, w = grid_thw
-    return WireMMFeature(identifier(i), "image", offset, t * h * w // 4, grid_thw)
+    placeholder = PlaceholderRange(offset, t * h * w // 4)
+    return MultiModalFeature(identifier(i), "image", placeholder, grid_thw, is_remote)
 
 
-def encoder_input(f: WireMMFeature, seed: int = 0, dtype=np.float32) -> WireEncoderInput:
-    return WireEncoderInput(f.identifier, f.modality, f.grid_thw, pixels(f.grid_thw, seed, dtype))
+def encoder_input(f: MultiModalFeature, seed: int = 0, dtype=np.float32) -> EncoderInput:
+    return EncoderInput(pixels(f.grid_thw, seed, dtype), f.grid_thw)
 
 
 def engine_core_request(num_images: int = 2, *, with_pixels: bool = True) -> EngineCoreRequest:
@@ -61,7 +62,11 @@ def engine_core_request(num_images: int = 2, *, with_pixels: bool = True) -> Eng
         request_id="chatcmpl-1",
         prompt_token_ids=[(17 * i) % 1000 for i in range(num_tokens)],
         mm_features=features,
-        encoder_inputs=[encoder_input(f, i) for i, f in enumerate(features)] if with_pixels else [],
+        encoder_inputs=(
+            {f.identifier: encoder_input(f, i) for i, f in enumerate(features)}
+            if with_pixels
+            else {}
+        ),
         sampling_params=SamplingParams(
             temperature=0.7,
             top_p=0.9,
@@ -92,12 +97,13 @@ def engine_core_request(num_images: int = 2, *, with_pixels: bool = True) -> Eng
 def video_and_image_request() -> EngineCoreRequest:
     """An image then a 4-frame video (grid_t 2) with its seconds per temporal patch."""
     img = feature(0, offset=3)
-    vid = WireMMFeature(identifier(1), "video", img.end + 2, 2 * 4 * 6 // 4, (2, 4, 6))
-    num_tokens = vid.end + 5
-    inputs = [
-        encoder_input(img, 0),
-        WireEncoderInput(vid.identifier, "video", vid.grid_thw, pixels(vid.grid_thw, 1), 1.0),
-    ]
+    placeholder = PlaceholderRange(img.placeholder.end + 2, 2 * 4 * 6 // 4)
+    vid = MultiModalFeature(identifier(1), "video", placeholder, (2, 4, 6))
+    num_tokens = vid.placeholder.end + 5
+    inputs = {
+        img.identifier: encoder_input(img, 0),
+        vid.identifier: EncoderInput(pixels(vid.grid_thw, 1), vid.grid_thw, 1.0),
+    }
     return EngineCoreRequest(
         "chatcmpl-v",
         [(13 * i) % 1000 for i in range(num_tokens)],
@@ -114,25 +120,23 @@ def video_and_image_request() -> EngineCoreRequest:
 
 def remote_items_request() -> EngineCoreRequest:
     """A disaggregated server's request: an inline file, an RGB array and a URL for the pool."""
-    features = [feature(i, offset=3 + 10 * i) for i in range(3)]
+    features = [feature(i, offset=3 + 10 * i, is_remote=True) for i in range(3)]
     rgb = np.arange(6 * 4 * 3, dtype=np.uint8)  # a 6x4 picture, packed [H, W, 3]
     sources = [
         ("bytes", np.frombuffer(b"\x89PNG\r\n\x1a\n" * 9, np.uint8), None, None),
         ("rgb", rgb, None, (6, 4)),
         ("url", None, "https://images.example/cat.png", None),
     ]
-    items = [
-        WireRemoteItem(
-            f.identifier, source, payload, url, size, 3136, 1003520, f.grid_thw, "ab" * 32
-        )
+    items = {
+        f.identifier: RemoteItem(source, payload, url, size, 3136, 1003520, f.grid_thw, "ab" * 32)
         for f, (source, payload, url, size) in zip(features, sources, strict=True)
-    ]
-    num_tokens = features[-1].end + 4
+    }
+    num_tokens = features[-1].placeholder.end + 4
     return EngineCoreRequest(
         "chatcmpl-remote",
         [(11 * i) % 1000 for i in range(num_tokens)],
         features,
-        [],
+        {},
         SamplingParams(temperature=0.0),
         positions(num_tokens),
         0,
@@ -195,11 +199,11 @@ def all_messages() -> list[tuple[str, Message]]:
         ("request_remote_items", remote_items_request()),
         (
             "request_minimal",
-            EngineCoreRequest("r", [], [], [], SamplingParams(), None, 0, None, None, 0.0),
+            EngineCoreRequest("r", [], [], {}, SamplingParams(), None, 0, None, None, 0.0),
         ),
         (
             "request_empty_arrays",
-            EngineCoreRequest("r", [], [], [], SamplingParams(), positions(0), 0, (), "", 0.0),
+            EngineCoreRequest("r", [], [], {}, SamplingParams(), positions(0), 0, (), "", 0.0),
         ),
         ("abort", EngineCoreAbort(["a", "b"])),
         ("abort_none", EngineCoreAbort([])),

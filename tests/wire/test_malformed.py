@@ -292,11 +292,28 @@ def _set(path, value):
 SEMANTIC = [
     # EngineCoreRequest fields: 0 id, 1 tokens, 2 features, 3 encoder inputs, 5 positions
     ("empty request id", engine_core_request, _set((0,), ""), "length >= 1"),
-    ("placeholder past prompt", engine_core_request, _set((2, 0, 2), 10_000), "covers positions"),
-    ("item length 0", engine_core_request, _set((2, 0, 3), 0), ">= 1"),
-    ("grid of 0", engine_core_request, _set((2, 0, 4, 1), 0), ">= 1"),
-    ("pixels of no item", engine_core_request, _set((3, 0, 0), "f" * 64), "matches none"),
-    ("pixels for another grid", engine_core_request, _set((3, 0, 2), [1, 4, 7]), r"\[28, patch"),
+    # a feature: 0 identifier, 1 modality, 2 placeholder [offset, length], 3 grid_thw;
+    # encoder inputs: identifier -> [pixel_values, grid_thw, second_per_grid_t]
+    (
+        "placeholder past prompt",
+        engine_core_request,
+        _set((2, 0, 2, 0), 10_000),
+        "covers positions",
+    ),
+    ("item length 0", engine_core_request, _set((2, 0, 2, 1), 0), ">= 1"),
+    ("grid of 0", engine_core_request, _set((2, 0, 3, 1), 0), ">= 1"),
+    (
+        "pixels of no item",
+        engine_core_request,
+        lambda t: _rekey_first(t[3], "f" * 64),
+        "matches none",
+    ),
+    (
+        "pixels for another grid",
+        engine_core_request,
+        lambda t: _first(t[3]).__setitem__(1, [1, 4, 7]),
+        r"\[28, patch",
+    ),
     # the same bytes as int64 (3, 28), read with another shape or dtype
     ("positions shape", engine_core_request, _set((5, 1), [2, 42]), r"int64 \(2, 42\), expected"),
     ("positions dtype", engine_core_request, _set((5, 0), "<f8"), r"float64 \(3, 28\), expected"),
@@ -316,6 +333,17 @@ SEMANTIC = [
     ("sampling top_p 0", engine_core_request, _set((4, 2), 0.0), "top_p must be in"),
     ("sampling n 0", engine_core_request, _set((4, 0), 0), "n must be in"),
 ]
+
+
+def _first(mapping: dict):
+    return next(iter(mapping.values()))
+
+
+def _rekey_first(mapping: dict, key: str) -> None:
+    """The first entry under another key, order kept (array frames are referenced in order)."""
+    items = list(mapping.items())
+    mapping.clear()
+    mapping.update([(key, items[0][1]), *items[1:]])
 
 
 def _stats():
@@ -346,7 +374,7 @@ def test_constructing_a_message_that_breaks_its_rules_fails_at_the_sender():
             "r",
             [1, 2],
             [],
-            [],
+            {},
             SamplingParams(),
             np.zeros((3, 5), np.int64),
             0,

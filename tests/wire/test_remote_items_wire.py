@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import blake3
@@ -10,14 +11,14 @@ import numpy as np
 import pytest
 
 from mmserve.multimodal import (
+    EncoderInput,
     MultiModalFeature,
     PlaceholderRange,
-    ProcessedImage,
     ProcessedPrompt,
     RemoteItem,
 )
 from mmserve.sampling_params import SamplingParams
-from mmserve.wire import WireError, WireRemoteItem, convert, decode, encode
+from mmserve.wire import EngineCoreRequest, WireError, decode, encode
 from tests.wire.samples import positions
 
 FILE_BYTES = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 3  # what travels is opaque here
@@ -42,57 +43,72 @@ def _remote(source: str, grid: tuple[int, int, int] = (1, 4, 6)) -> RemoteItem:
     )
 
 
-def _feature(identifier: str, offset: int, data, modality: str = "image") -> MultiModalFeature:
+def _feature(identifier: str, offset: int, *, is_remote: bool = True) -> MultiModalFeature:
     grid = (1, 4, 6)
-    return MultiModalFeature(identifier, modality, PlaceholderRange(offset, 6), data, grid)
+    placeholder = PlaceholderRange(offset, 6)
+    return MultiModalFeature(identifier, "image", placeholder, grid, is_remote=is_remote)
 
 
 def _prompt() -> ProcessedPrompt:
-    pixels = ProcessedImage(np.ones((24, 6), dtype=np.float32), (1, 4, 6))
+    pixels = EncoderInput(np.ones((24, 6), dtype=np.float32), (1, 4, 6))
     features = [
-        _feature("b" * 64, 2, _remote("bytes")),
-        _feature("r" * 64, 10, _remote("rgb")),
-        _feature("u" * 64, 18, _remote("url")),
-        _feature("p" * 64, 26, pixels),
-        _feature("b" * 64, 34, _remote("bytes")),  # the same item again: sent once
+        _feature("b" * 64, 2),
+        _feature("r" * 64, 10),
+        _feature("u" * 64, 18),
+        _feature("p" * 64, 26, is_remote=False),
+        _feature("b" * 64, 34),  # the same item again: sent once
     ]
-    return ProcessedPrompt(list(range(44)), features, positions(44), 0)
+    data = {
+        "b" * 64: _remote("bytes"),
+        "r" * 64: _remote("rgb"),
+        "u" * 64: _remote("url"),
+        "p" * 64: pixels,
+    }
+    return ProcessedPrompt(list(range(44)), features, positions(44), 0, mm_data=data)
 
 
 def _through_wire(msg):
     return decode([bytes(f) for f in encode(msg)])
 
 
+def _request(prompt: ProcessedPrompt) -> EngineCoreRequest:
+    return EngineCoreRequest.of("r1", prompt, SamplingParams(), arrival_time_s=1.0)
+
+
 def test_remote_items_round_trip_with_each_payload_a_raw_frame() -> None:
-    msg = convert.request_to_wire("r1", _prompt(), SamplingParams(), arrival_time_s=1.0)
-    assert [w.identifier for w in msg.remote_items] == ["b" * 64, "r" * 64, "u" * 64]
-    assert [i.identifier for i in msg.encoder_inputs] == ["p" * 64]
+    msg = _request(_prompt())
+    assert list(msg.remote_items) == ["b" * 64, "r" * 64, "u" * 64]
+    assert list(msg.encoder_inputs) == ["p" * 64]
     frames = encode(msg)
     # header, the pixel frame, the file and rgb payloads (the URL has none), the positions
     assert len(frames) == 5
     raw = [bytes(f) for f in frames]
     assert FILE_BYTES in raw and RGB in raw
     assert FILE_BYTES not in raw[0] and RGB not in raw[0]  # never inside msgpack
-    add = convert.request_from_wire(decode(raw))
-    for got, want in zip(add.prompt.mm_features, _prompt().mm_features, strict=True):
-        assert (got.identifier, got.placeholder, got.grid_thw) == (
-            want.identifier,
-            want.placeholder,
-            want.grid_thw,
-        )
-        if isinstance(want.data, RemoteItem):
-            assert got.data == want.data
+    got = decode(raw).prompt()
+    want = _prompt()
+    assert got.mm_features == want.mm_features
+    for identifier, item in want.mm_data.items():
+        if isinstance(item, RemoteItem):
+            _assert_same_remote(got.mm_data[identifier], item)
         else:
-            np.testing.assert_array_equal(got.data.pixel_values, want.data.pixel_values)
+            np.testing.assert_array_equal(got.mm_data[identifier].pixel_values, item.pixel_values)
 
 
-def test_remote_items_the_engine_holds_are_left_out() -> None:
-    msg = convert.request_to_wire(
-        "r1", _prompt(), SamplingParams(), arrival_time_s=0.0, held_identifiers={"b" * 64}
-    )
-    assert [w.identifier for w in msg.remote_items] == ["r" * 64, "u" * 64]
-    add = convert.request_from_wire(_through_wire(msg))
-    assert [f.data is None for f in add.prompt.mm_features] == [True, False, False, False, True]
+def _assert_same_remote(got: RemoteItem, want: RemoteItem) -> None:
+    fields = [f for f in want.__struct_fields__ if f != "payload"]
+    assert [getattr(got, f) for f in fields] == [getattr(want, f) for f in fields]
+    assert bytes(got.payload_bytes) == bytes(want.payload_bytes)
+
+
+def test_items_without_data_travel_as_specs_only() -> None:
+    """An item named by UUID and cached has no data in the prompt: only its spec travels."""
+    prompt = _prompt()
+    held = {k: v for k, v in prompt.mm_data.items() if k != "b" * 64}
+    msg = _through_wire(_request(dataclasses.replace(prompt, mm_data=held)))
+    assert list(msg.remote_items) == ["r" * 64, "u" * 64]
+    assert [f.identifier for f in msg.mm_features] == [f.identifier for f in prompt.mm_features]
+    assert "b" * 64 not in msg.prompt().mm_data
 
 
 def test_round_trips_never_call_pickle(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -101,15 +117,14 @@ def test_round_trips_never_call_pickle(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for name in ("dumps", "loads", "dump", "load", "Pickler", "Unpickler"):
         monkeypatch.setattr(pickle, name, refuse)
-    msg = convert.request_to_wire("r1", _prompt(), SamplingParams(), arrival_time_s=0.0)
-    add = convert.request_from_wire(_through_wire(msg))
-    assert add.prompt.mm_features[1].data == _remote("rgb")
+    got = _through_wire(_request(_prompt())).prompt()
+    _assert_same_remote(got.mm_data["r" * 64], _remote("rgb"))
 
 
-def _wire_item(**changes) -> WireRemoteItem:
-    item = convert.remote_item_to_wire("b" * 64, _remote("bytes"))
+def _item(**changes) -> RemoteItem:
+    item = _remote("bytes")
     fields = {f: getattr(item, f) for f in item.__struct_fields__}
-    return WireRemoteItem(**{**fields, **changes})
+    return RemoteItem(**{**fields, **changes})
 
 
 @pytest.mark.parametrize(
@@ -124,21 +139,28 @@ def _wire_item(**changes) -> WireRemoteItem:
     ],
 )
 def test_a_remote_item_that_breaks_its_rules_is_refused(changes: dict, match: str) -> None:
-    with pytest.raises(WireError, match=match):
-        _wire_item(**changes)
+    with pytest.raises(ValueError, match=match):
+        _item(**changes)
 
 
 def test_forged_remote_items_are_refused_on_arrival() -> None:
     prompt = ProcessedPrompt(
-        list(range(12)), [_feature("b" * 64, 2, _remote("bytes"))], positions(12)
+        list(range(12)),
+        [_feature("b" * 64, 2)],
+        positions(12),
+        mm_data={"b" * 64: _remote("bytes")},
     )
-    msg = convert.request_to_wire("r1", prompt, SamplingParams(), arrival_time_s=0.0)
+    msg = _request(prompt)
     fields = {f: getattr(msg, f) for f in msg.__struct_fields__}
-    forged_digest = _wire_item(content_digest="not hex")  # checked on decode, as every bound
+    forged_digest = _item(content_digest="not hex")  # checked on decode, as every bound
     with pytest.raises(WireError, match="matching regex"):
-        _through_wire(type(msg)(**{**fields, "remote_items": [forged_digest]}))
+        _through_wire(type(msg)(**{**fields, "remote_items": {"b" * 64: forged_digest}}))
+    forged_rule = _item()
+    msgspec.structs.force_setattr(forged_rule, "source", "url")  # past its own check
+    with pytest.raises(WireError, match="payload or a URL"):
+        _through_wire(type(msg)(**{**fields, "remote_items": {"b" * 64: forged_rule}}))
     with pytest.raises(WireError, match="matches none of the request's items"):
-        type(msg)(**{**fields, "remote_items": [_wire_item(grid_thw=(1, 4, 8))]})
+        type(msg)(**{**fields, "remote_items": {"b" * 64: _item(grid_thw=(1, 4, 8))}})
     video = msgspec.structs.replace(msg.mm_features[0], modality="video")
     with pytest.raises(WireError, match="not an image item"):
         type(msg)(**{**fields, "mm_features": [video]})

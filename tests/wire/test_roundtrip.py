@@ -6,11 +6,11 @@ import msgspec
 import numpy as np
 import pytest
 
+from mmserve.multimodal import EncoderInput
 from mmserve.sampling_params import SamplingParams
 from mmserve.wire import (
     MESSAGE_TAGS,
     EngineCoreRequest,
-    WireEncoderInput,
     WireError,
     decode,
     encode,
@@ -43,7 +43,7 @@ def test_tags_are_distinct_bytes():
 def test_every_array_is_its_own_frame_and_nothing_is_copied():
     msg = engine_core_request(2)
     frames = encode(msg)
-    arrays = [msg.encoder_inputs[0].pixel_values, msg.encoder_inputs[1].pixel_values]
+    arrays = [item.pixel_values for item in msg.encoder_inputs.values()]
     arrays.append(msg.mrope_positions)
     # frame 0 is small: the pixels are not in the msgpack body
     assert len(frames) == 1 + len(arrays)
@@ -52,7 +52,8 @@ def test_every_array_is_its_own_frame_and_nothing_is_copied():
         assert memoryview(frame).nbytes == arr.nbytes
         assert np.shares_memory(np.frombuffer(frame, np.uint8), arr), "encode copied an array"
     decoded = decode(frames)
-    assert np.shares_memory(decoded.encoder_inputs[0].pixel_values, arrays[0])
+    first = next(iter(decoded.encoder_inputs.values()))
+    assert np.shares_memory(first.pixel_values, arrays[0])
     assert np.shares_memory(decoded.mrope_positions, msg.mrope_positions)
 
 
@@ -69,11 +70,12 @@ def test_a_strided_or_big_endian_array_travels_as_a_contiguous_little_endian_cop
     wide = np.repeat(base, 2, axis=1)[:, ::2]  # same values, not C-contiguous
     swapped = base.astype(">f8")
     for arr in (wide, swapped):
-        item = WireEncoderInput(f.identifier, "image", f.grid_thw, arr)
+        item = EncoderInput(arr, f.grid_thw)
         msg = EngineCoreRequest(
-            "r", [0] * f.length, [f], [item], SamplingParams(), None, 0, None, None, 0.0
-        )
-        out = decode(encode(msg)).encoder_inputs[0].pixel_values
+            "r", [0] * f.num_embeds, [f], {f.identifier: item}, SamplingParams(), None, 0, None,
+            None, 0.0,
+        )  # fmt: skip
+        out = decode(encode(msg)).encoder_inputs[f.identifier].pixel_values
         assert out.dtype == np.dtype("<f8")
         np.testing.assert_array_equal(out, base)
 
@@ -81,10 +83,11 @@ def test_a_strided_or_big_endian_array_travels_as_a_contiguous_little_endian_cop
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_pixel_dtypes_round_trip(dtype):
     f = feature(0, offset=0)
-    item = WireEncoderInput(f.identifier, "image", f.grid_thw, pixels(f.grid_thw, 1, dtype))
+    item = EncoderInput(pixels(f.grid_thw, 1, dtype), f.grid_thw)
     msg = EngineCoreRequest(
-        "r", [0] * f.length, [f], [item], SamplingParams(), None, 0, None, None, 0.0
-    )
+        "r", [0] * f.num_embeds, [f], {f.identifier: item}, SamplingParams(), None, 0, None,
+        None, 0.0,
+    )  # fmt: skip
     assert_same(decode(encode(msg)), msg)
 
 
@@ -107,7 +110,7 @@ def test_encode_refuses_what_is_not_a_message():
 
 def test_encode_refuses_arrays_and_values_that_are_not_plain_data():
     msg = engine_core_request(1)
-    pixels_field = msg.encoder_inputs[0]
+    pixels_field = next(iter(msg.encoder_inputs.values()))
     # bypass the message's own check to reach the codec's: numpy would pickle an object array
     msgspec.structs.force_setattr(
         pixels_field, "pixel_values", np.empty(pixels_field.pixel_values.shape, dtype=object)
@@ -119,7 +122,7 @@ def test_encode_refuses_arrays_and_values_that_are_not_plain_data():
         encode(msg)
     big_seed = SamplingParams()
     msgspec.structs.force_setattr(big_seed, "seed", 2**64)  # past its own check
-    msg = EngineCoreRequest("r", [], [], [], big_seed, None, 0, None, None, 0.0)
+    msg = EngineCoreRequest("r", [], [], {}, big_seed, None, 0, None, None, 0.0)
     with pytest.raises(WireError, match="cannot encode EngineCoreRequest"):
         encode(msg)
 

@@ -3,6 +3,8 @@ pixels, its SamplingParams, updates with logprobs and failures, the core's stats
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import numpy as np
 import pytest
@@ -10,9 +12,9 @@ import pytest
 from mmserve.errors import FailureKind, InvalidRequestError, RequestFailure
 from mmserve.metrics import EngineMetrics, SchedulerStats, record_scheduler_stats
 from mmserve.multimodal import (
+    EncoderInput,
     MultiModalFeature,
     PlaceholderRange,
-    ProcessedImage,
     ProcessedPrompt,
 )
 from mmserve.sampling_params import SamplingParams
@@ -22,9 +24,7 @@ from mmserve.structured_output.params import StructuredOutputParams
 from mmserve.wire import (
     EngineCoreOutputs,
     EngineCoreRequest,
-    WireEncoderInput,
     WireError,
-    convert,
     decode,
     encode,
 )
@@ -41,96 +41,99 @@ def _through_wire(msg):
 # ---------------------------------------------------------------- a request's items
 
 
-def _image(identifier: str, offset: int, length: int, seed: int) -> MultiModalFeature:
-    """An image item with pixels: grid (1, 2, 2 * length), 4 * length patches merged 2x2."""
+def _image(
+    identifier: str, offset: int, length: int, seed: int
+) -> tuple[MultiModalFeature, EncoderInput]:
+    """An image item and its pixels: grid (1, 2, 2 * length), 4 * length patches merged 2x2."""
     feature = image(identifier, offset, length)
     rng = np.random.default_rng(seed)
     pixels = rng.standard_normal((4 * length, PIXEL_WIDTH)).astype(np.float32)
-    return MultiModalFeature(
-        feature.identifier,
-        feature.modality,
-        feature.placeholder,
-        ProcessedImage(pixels, feature.grid_thw),
-        feature.grid_thw,
-    )
+    return feature, EncoderInput(pixels, feature.grid_thw)
 
 
 def _prompt() -> ProcessedPrompt:
-    a, b = _image("a" * 64, 2, 4, seed=1), _image("b" * 64, 8, 3, seed=2)
-    again = MultiModalFeature(a.identifier, a.modality, PlaceholderRange(12, 4), a.data, a.grid_thw)
+    (a, a_pixels), (b, b_pixels) = _image("a" * 64, 2, 4, seed=1), _image("b" * 64, 8, 3, seed=2)
+    again = msgspec.structs.replace(a, placeholder=PlaceholderRange(12, 4))
     return ProcessedPrompt(
         prompt_token_ids=list(range(20)),
         mm_features=[a, b, again],
         mrope_positions=positions(20, delta=-6),
         mrope_position_delta=-6,
         prompt="not sent",
+        mm_data={a.identifier: a_pixels, b.identifier: b_pixels},
     )
 
 
 def test_a_request_round_trips_with_one_pixel_frame_per_distinct_item():
     params = SamplingParams(temperature=0.5, seed=2**63 - 1, stop=["x"], stop_token_ids=[9])
-    msg = convert.request_to_wire(
-        "r1", _prompt(), params, arrival_time_s=7.5, cache_salt="s", eos_token_ids=(2,)
-    )
-    assert [i.identifier for i in msg.encoder_inputs] == ["a" * 64, "b" * 64]  # a is sent once
+    msg = EngineCoreRequest.of("r1", _prompt(), params, arrival_time_s=7.5, cache_salt="s")
+    msg = msgspec.structs.replace(msg, eos_token_ids=(2,))
+    assert list(msg.encoder_inputs) == ["a" * 64, "b" * 64]  # a is sent once
     assert len(encode(msg)) == 1 + 2 + 1  # header, two pixel frames, positions
 
-    add = convert.request_from_wire(_through_wire(msg))
+    got_msg = _through_wire(msg)
+    got = got_msg.prompt()
     original = _prompt()
-    assert (add.request_id, add.params, add.cache_salt) == ("r1", params, "s")
-    assert type(add.params) is SamplingParams  # the value itself, no twin
-    assert (add.eos_token_ids, add.arrival_time_s) == ((2,), 7.5)
-    assert add.prompt.prompt_token_ids == original.prompt_token_ids
-    np.testing.assert_array_equal(add.prompt.mrope_positions, original.mrope_positions)
-    assert add.prompt.mrope_position_delta == -6
-    for got, want in zip(add.prompt.mm_features, original.mm_features, strict=True):
-        assert (got.identifier, got.modality, got.placeholder, got.grid_thw) == (
-            want.identifier,
-            want.modality,
-            want.placeholder,
-            want.grid_thw,
-        )
-        np.testing.assert_array_equal(got.data.pixel_values, want.data.pixel_values)
-        assert got.data.grid_thw == want.data.grid_thw
+    assert (got_msg.request_id, got_msg.sampling_params, got_msg.cache_salt) == ("r1", params, "s")
+    assert type(got_msg.sampling_params) is SamplingParams  # the value itself, no twin
+    assert (got_msg.eos_token_ids, got_msg.arrival_time_s) == ((2,), 7.5)
+    assert got.prompt_token_ids == original.prompt_token_ids
+    np.testing.assert_array_equal(got.mrope_positions, original.mrope_positions)
+    assert got.mrope_position_delta == -6
+    assert got.mm_features == original.mm_features  # the specs themselves, no twin
+    assert type(got.mm_features[0]) is MultiModalFeature
+    assert list(got.mm_data) == list(original.mm_data)
+    for identifier, want in original.mm_data.items():
+        np.testing.assert_array_equal(got.mm_data[identifier].pixel_values, want.pixel_values)
+        assert got.mm_data[identifier].grid_thw == want.grid_thw
 
 
 def test_a_video_crosses_with_its_modality_and_seconds_per_temporal_patch():
     rng = np.random.default_rng(3)
     pixels = rng.standard_normal((2 * 2 * 4, PIXEL_WIDTH)).astype(np.float32)
-    video = MultiModalFeature(
-        "v" * 64, "video", PlaceholderRange(2, 4), ProcessedImage(pixels, (2, 2, 4), 1.0), (2, 2, 4)
-    )
-    prompt = ProcessedPrompt(list(range(10)), [video], positions(10), 0)
-    msg = convert.request_to_wire("r", prompt, SamplingParams(), arrival_time_s=0.0)
-    (got,) = convert.request_from_wire(_through_wire(msg)).prompt.mm_features
-    assert (got.modality, got.grid_thw, got.data.second_per_grid_t) == ("video", (2, 2, 4), 1.0)
-    np.testing.assert_array_equal(got.data.pixel_values, pixels)
+    video = MultiModalFeature("v" * 64, "video", PlaceholderRange(2, 4), (2, 2, 4))
+    data = {video.identifier: EncoderInput(pixels, (2, 2, 4), 1.0)}
+    prompt = ProcessedPrompt(list(range(10)), [video], positions(10), 0, mm_data=data)
+    msg = EngineCoreRequest.of("r", prompt, SamplingParams(), arrival_time_s=0.0)
+    got_prompt = _through_wire(msg).prompt()
+    (got,) = got_prompt.mm_features
+    got_pixels = got_prompt.mm_data[got.identifier]
+    assert (got.modality, got.grid_thw, got_pixels.second_per_grid_t) == ("video", (2, 2, 4), 1.0)
+    np.testing.assert_array_equal(got_pixels.pixel_values, pixels)
     for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="second_per_grid_t"):
+            EncoderInput(pixels, (2, 2, 4), bad)
+        forged = EncoderInput(pixels, (2, 2, 4), 1.0)
+        msgspec.structs.force_setattr(forged, "second_per_grid_t", bad)  # past its own check
+        forged_msg = msgspec.structs.replace(msg)
+        msgspec.structs.force_setattr(forged_msg, "encoder_inputs", {video.identifier: forged})
         with pytest.raises(WireError, match="second_per_grid_t"):
-            WireEncoderInput("v" * 64, "video", (2, 2, 4), pixels, bad)
+            _through_wire(forged_msg)
 
 
 def test_items_the_engine_holds_travel_without_pixels():
-    msg = convert.request_to_wire(
-        "r1", _prompt(), SamplingParams(), arrival_time_s=0.0, held_identifiers={"a" * 64}
+    prompt = _prompt()
+    held = {k: v for k, v in prompt.mm_data.items() if k != "a" * 64}
+    msg = EngineCoreRequest.of(
+        "r1", dataclasses.replace(prompt, mm_data=held), SamplingParams(), arrival_time_s=0.0
     )
     assert len(encode(msg)) == 1 + 1 + 1
-    add = convert.request_from_wire(_through_wire(msg))
-    assert [f.data is None for f in add.prompt.mm_features] == [True, False, True]
+    got = _through_wire(msg).prompt()
+    assert [f.identifier in got.mm_data for f in got.mm_features] == [False, True, False]
 
 
 def test_a_text_only_prompt_without_positions_keeps_them_absent():
     prompt = ProcessedPrompt(prompt_token_ids=[1, 2, 3])
-    msg = convert.request_to_wire("r", prompt, SamplingParams(), arrival_time_s=0.0)
+    msg = EngineCoreRequest.of("r", prompt, SamplingParams(), arrival_time_s=0.0)
     assert len(encode(msg)) == 1
-    assert convert.request_from_wire(_through_wire(msg)).prompt.mrope_positions is None
+    assert _through_wire(msg).prompt().mrope_positions is None
 
 
 # ------------------------------------------------------------------- sampling params
 
 
 def _request(params: SamplingParams) -> EngineCoreRequest:
-    return EngineCoreRequest("r", [1], [], [], params, None, 0, (), None, 0.0)
+    return EngineCoreRequest("r", [1], [], {}, params, None, 0, (), None, 0.0)
 
 
 def test_sampling_params_cross_as_themselves_with_every_field():

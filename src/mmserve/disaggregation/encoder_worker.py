@@ -43,7 +43,7 @@ from mmserve.disaggregation.protocol import (
 )
 from mmserve.disaggregation.vision_stage import VisionStage
 from mmserve.grid import grid_num_patches
-from mmserve.multimodal import ProcessedImage
+from mmserve.multimodal import EncoderInput
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class _Waiter:
 class _Job:
     key: str
     waiters: list[_Waiter] = field(default_factory=list)
-    processed: ProcessedImage | None = None
+    processed: EncoderInput | None = None
 
     def has_waiters(self) -> bool:
         return any(not w.is_finished for w in self.waiters)

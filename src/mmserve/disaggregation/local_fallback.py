@@ -12,25 +12,24 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 from PIL import Image
 
 from mmserve.disaggregation.protocol import content_digest
 from mmserve.errors import InvalidRequestError
-from mmserve.multimodal import ProcessedImage, RemoteItem
+from mmserve.multimodal import EncoderInput, RemoteItem
 from mmserve.processing.http_fetch import fetch_url
 from mmserve.processing.image_processor import ImageProcessorConfig, process_image
 from mmserve.processing.media import MediaLoader
 
 
 class LocalFallback:
-    """RemoteItem -> ProcessedImage, blocking: run it on a worker thread, never the engine's."""
+    """RemoteItem -> EncoderInput, blocking: run it on a worker thread, never the engine's."""
 
     def __init__(self, media_loader: MediaLoader, image_config: ImageProcessorConfig) -> None:
         self.media_loader = media_loader
         self.image_config = image_config
 
-    def process(self, item: RemoteItem) -> ProcessedImage:
+    def process(self, item: RemoteItem) -> EncoderInput:
         """The item's pixels; InvalidRequestError (the input's fault) when it cannot be made
         or is not the image that was planned."""
         image = self._load(item)
@@ -53,11 +52,11 @@ class LocalFallback:
         if item.source == "rgb":
             assert item.payload is not None and item.rgb_size is not None
             width, height = item.rgb_size
-            pixels = np.frombuffer(item.payload, dtype=np.uint8).reshape(height, width, 3)
+            pixels = item.payload.reshape(height, width, 3)
             return Image.fromarray(pixels, mode="RGB")
         if item.source == "bytes":
             assert item.payload is not None
-            return self.media_loader.load_image(item.payload)
+            return self.media_loader.load_image(item.payload.tobytes())
         assert item.url is not None
         data = fetch_url(item.url, self.media_loader.fetch_policy)
         if content_digest(data) != item.content_digest:

@@ -1,7 +1,7 @@
 """The encoder's CPU stage: an item's media bytes (sent, fetched, or kept from a plan) -> its
 patches, under the same URL policy and decode limits as `serve`, with the same error messages.
 
-    EncodeItem ──read──> bytes ──digest/key──> (cache?) ──decode + process──> ProcessedImage
+    EncodeItem ──read──> bytes ──digest/key──> (cache?) ──decode + process──> EncoderInput
     plan(url)  ──fetch──> bytes ──keep by digest──> header size ──smart_resize──> grid
 """
 
@@ -22,7 +22,7 @@ from mmserve.errors import (
     MediaFetchBusyError,
     MediaFetchRefusedError,
 )
-from mmserve.multimodal import ProcessedImage
+from mmserve.multimodal import EncoderInput
 from mmserve.processing.http_fetch import AsyncFetcher
 from mmserve.processing.image_processor import ImageProcessorConfig, get_grid_thw, process_image
 from mmserve.processing.media import MediaLoader
@@ -99,7 +99,7 @@ class MediaStage:
         kept = self._plans.get(_plan_key(item.url, item.content_digest))
         return kept if kept is not None else await self._fetch(item.url)
 
-    async def process(self, item: EncodeItem, data: bytes) -> ProcessedImage:
+    async def process(self, item: EncodeItem, data: bytes) -> EncoderInput:
         """Decode (file bytes) or wrap (RGB) the image and turn it into patches, as the local
         path does; the grid must be the item's. Raises ItemError."""
         cfg = self.config_for(item.min_pixels, item.max_pixels)

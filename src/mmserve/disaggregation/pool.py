@@ -159,9 +159,9 @@ class RemoteEncoderPool:
 
     # ------------------------------------------------------------ EncoderSource
 
-    def submit(self, request_id: str, feature: MultiModalFeature) -> None:
-        if not isinstance(feature.data, RemoteItem):
-            raise TypeError(f"the encoder pool encodes RemoteItems, got {type(feature.data)}")
+    def submit(self, request_id: str, feature: MultiModalFeature, item: RemoteItem) -> None:
+        if not isinstance(item, RemoteItem):
+            raise TypeError(f"the encoder pool encodes RemoteItems, got {type(item)}")
         with self._lock:
             if feature.identifier in self._live:
                 return
@@ -170,7 +170,7 @@ class RemoteEncoderPool:
             self._live_per_request[request_id] += 1
             item_index = self._items_sent[request_id]
             self._items_sent[request_id] += 1
-            p = PendingItem(request_id, item_index, feature, submission)
+            p = PendingItem(request_id, item_index, feature, item, submission)
             if self._io_failure is not None:
                 self._fail_locked(p, RequestFailure(self._io_failure, FailureKind.INTERNAL))
                 return

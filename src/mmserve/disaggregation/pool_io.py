@@ -175,7 +175,7 @@ class PoolIO:
         item = p.item
         p.attempt = next(self.attempts)
         p.tried.add(link.url)
-        frames = encode_message(_encode_item(p), item.payload or b"", self.config.secret)
+        frames = encode_message(_encode_item(p), item.payload_bytes, self.config.secret)
         try:
             link.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:

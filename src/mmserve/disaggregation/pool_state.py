@@ -32,6 +32,7 @@ class PendingItem:
     request_id: str
     item_index: int  # its ordinal among the request's items in the pool at once (for logs)
     feature: MultiModalFeature
+    item: RemoteItem  # where its bytes are
     generation: int  # the engine side's submission number (a result of an older one is dropped)
     attempt: int = 0
     encoder: EncoderLink | None = None
@@ -39,11 +40,6 @@ class PendingItem:
     deadline_s: float = math.inf
     tried: set[str] = field(default_factory=set)
     last_error: str = ""
-
-    @property
-    def item(self) -> RemoteItem:
-        assert isinstance(self.feature.data, RemoteItem)
-        return self.feature.data
 
     def describe(self) -> str:
         return (

@@ -12,7 +12,7 @@ from mmserve.disaggregation.embedding_dtypes import DTYPE_NAMES
 from mmserve.grid import grid_num_tokens
 from mmserve.models.qwen2_vl_vision import VisionTransformer
 from mmserve.models.vision_metadata import check_vision_inputs
-from mmserve.multimodal import ProcessedImage
+from mmserve.multimodal import EncoderInput
 
 
 class VisionStage:
@@ -29,7 +29,7 @@ class VisionStage:
         self.hidden_size = tower.config.out_dim
         self.merge = tower.config.spatial_merge_size
 
-    def encode(self, images: Sequence[ProcessedImage]) -> list[CachedEmbedding]:
+    def encode(self, images: Sequence[EncoderInput]) -> list[CachedEmbedding]:
         """One forward over all `images` (attention never crosses items); blocks the caller."""
         grids = [tuple(img.grid_thw) for img in images]
         # [total_patches, C * T * P * P], the items concatenated in order

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from mmserve.execution.model_runner import ModelRunner
+from mmserve.multimodal import ItemData
 from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 
@@ -15,6 +17,17 @@ class Executor(Protocol):
     rank) or behind a remote encoder: the scheduler and the engine loop are the same for all.
     Steps arrive in order, one at a time, from one thread.
     """
+
+    def add_mm_data(self, request_id: str, data: Mapping[str, ItemData]) -> None:
+        """A new request's item data by identifier (pixels, or remote items for the encoder
+        pool), handed over when the engine adds the request: the executor side owns it from
+        here (the scheduler's request holds only specs), keeps it until the request's prefill
+        has passed each item, then bounded for a re-encode after a preemption."""
+        ...
+
+    def free_mm_data(self, request_ids: Iterable[str]) -> None:
+        """These requests are finished: drop the item data only they held."""
+        ...
 
     def execute(
         self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
@@ -60,6 +73,12 @@ class InProcessExecutor:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.is_shut_down = False
+
+    def add_mm_data(self, request_id: str, data: Mapping[str, ItemData]) -> None:
+        self.runner.add_mm_data(request_id, data)
+
+    def free_mm_data(self, request_ids: Iterable[str]) -> None:
+        self.runner.free_mm_data(request_ids)
 
     def execute(
         self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None

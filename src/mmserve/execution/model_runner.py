@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -12,7 +11,8 @@ from torch import nn
 from mmserve.config.scheduler import SchedulerConfig
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.encoder.intake import RemoteItemIntake, RemoteResults
-from mmserve.execution.encoder.runner import EncoderRunner
+from mmserve.execution.encoder.pixels import ItemDataStore
+from mmserve.execution.encoder.runner import EncodeJob, EncoderRunner
 from mmserve.execution.encoder.source import EncoderSource
 from mmserve.execution.graphs.capture import GraphFactory
 from mmserve.execution.graphs.decode import DecodeGraphs
@@ -24,7 +24,7 @@ from mmserve.execution.sample.sampler import make_device_generator
 from mmserve.execution.sample.step import sample_step
 from mmserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from mmserve.layers.attention.buffers import BatchLimits
-from mmserve.multimodal import MultiModalFeature, ProcessedImage, RemoteItem
+from mmserve.multimodal import EncoderInput, ItemData, MultiModalFeature
 from mmserve.scheduling.outputs import GrammarOutput, Logprobs, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -57,9 +57,11 @@ class ModelRunner:
         attention_backend: AttentionBackend | None = None,
         limits: BatchLimits | None = None,
         encoder_source: EncoderSource | None = None,
+        item_data: ItemDataStore | None = None,
     ) -> None:
         """`encoder_source` encodes remote items (a disaggregated server); without one a
-        remote item fails its requests."""
+        remote item fails its requests. `item_data` holds the items' pixels (see
+        encoder/pixels.py); None: one that keeps nothing for a re-encode."""
         self.model = model
         self.kv_caches = kv_caches
         self.encoder = encoder_runner
@@ -76,6 +78,15 @@ class ModelRunner:
         self.encoder_source = encoder_source
         hidden_size = model.config.text.hidden_size if encoder_source is not None else 0
         self.remote = RemoteItemIntake(encoder_source, encoder_runner, hidden_size)
+        self.item_data = item_data if item_data is not None else ItemDataStore(capacity_bytes=0)
+
+    def add_mm_data(self, request_id: str, data: Mapping[str, ItemData]) -> None:
+        """A new request's item data (pixels or remote items), by identifier."""
+        self.item_data.add(request_id, data)
+
+    def free_mm_data(self, request_ids: Iterable[str]) -> None:
+        """The requests are finished: what only they held of item data goes."""
+        self.item_data.release(request_ids)
 
     @torch.inference_mode()
     def execute(
@@ -83,8 +94,19 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         """`grammar_output` masks what the structured requests may sample (the engine core
         computes it after scheduling)."""
+        output = self._execute(so, grammar_output)
+        for request_id, num_tokens in so.num_scheduled_tokens.items():
+            state = self.states.get(request_id)
+            if state is not None:  # its data waits, bounded, in case of a preemption
+                end = state.num_computed_tokens + num_tokens
+                self.item_data.pass_items(request_id, state.mm_features, end)
+        return output
+
+    def _execute(
+        self, so: SchedulerOutput, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput:
         self._update_states(so)
-        not_sent = self.remote.submit(so.remote_encoder_inputs)
+        not_sent = self.remote.submit(so.remote_encoder_inputs, self.item_data.get)
         collected = self.remote.collect()
         results = RemoteResults(collected.arrived, {**collected.failed, **not_sent})
         errors: dict[str, RequestFailure] = {}
@@ -211,8 +233,7 @@ class ModelRunner:
             self.states[new.request_id] = RequestState(
                 new.request_id,
                 list(new.token_ids),
-                # a remote item's bytes went to the source (in `remote_encoder_inputs`)
-                [_without_remote(f) for f in new.mm_features],
+                list(new.mm_features),
                 list(new.block_ids),
                 new.num_computed_tokens,
                 payload,
@@ -238,7 +259,7 @@ class ModelRunner:
     def _encode(self, so: SchedulerOutput, errors: dict[str, RequestFailure]) -> None:
         """Run every scheduled item through the vision tower in as few calls as possible."""
         features = [
-            (request_id, self.states[request_id].mm_features[i])
+            (request_id, self._with_pixels(self.states[request_id].mm_features[i]))
             for request_id, item_idxs in so.scheduled_encoder_inputs.items()
             for i in item_idxs
         ]
@@ -246,7 +267,6 @@ class ModelRunner:
             return
         try:
             self.encoder.encode([f for _, f in features])
-            self._drop_encoded_pixels(so)
         except Exception as exc:  # noqa: BLE001 - the retry below finds the item at fault
             # One bad item must fail only its own request: retry item by item. The traceback
             # is logged once, by the item that fails again.
@@ -261,14 +281,11 @@ class ModelRunner:
                         FailureKind.INTERNAL,
                     )
 
-    def _drop_encoded_pixels(self, so: SchedulerOutput) -> None:
-        """An encoded item's embeddings are in the encoder cache: the request's state needs
-        its pixels no more (a preempted request comes back with them, from the scheduler)."""
-        for request_id, item_idxs in so.scheduled_encoder_inputs.items():
-            features = self.states[request_id].mm_features
-            for i in item_idxs:
-                if features[i].data is not None:
-                    features[i] = dataclasses.replace(features[i], data=None)
+    def _with_pixels(self, feature: MultiModalFeature) -> EncodeJob:
+        """The item and its pixels; None pixels when they are gone (a bug: the scheduler asks
+        the store before it schedules a re-encode), which fails the item's request."""
+        data = self.item_data.get(feature.identifier)
+        return EncodeJob(feature, data if isinstance(data, EncoderInput) else None)
 
     # ----------------------------------------------------------------------------- splice
 
@@ -332,24 +349,21 @@ class ModelRunner:
         the item; the scheduler frees the entry as usual.
         """
         emb = self.encoder_cache.get(feature.identifier)
-        if emb is not None or not isinstance(feature.data, ProcessedImage):
+        if emb is not None or feature.is_remote:
             return emb
+        job = self._with_pixels(feature)
+        if job.pixels is None:
+            return None
         logger.warning(
             "item %s is not in the encoder cache; encoding it now", feature.identifier[:16]
         )
         try:
-            self.encoder.encode([feature])
+            self.encoder.encode([job])
         except Exception as exc:  # noqa: BLE001 - fails the request that needs the item
             raise SpliceError(
                 f"encoding multimodal item failed: {type(exc).__name__}", FailureKind.INTERNAL
             ) from exc
         return self.encoder_cache.get(feature.identifier)
-
-
-def _without_remote(feature: MultiModalFeature) -> MultiModalFeature:
-    if isinstance(feature.data, RemoteItem):
-        return dataclasses.replace(feature, data=None)
-    return feature
 
 
 def _output(

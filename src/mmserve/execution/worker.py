@@ -25,6 +25,7 @@ from torch import nn
 from mmserve.config.scheduler import CPU_KV_CACHE_BYTES
 from mmserve.execution.encoder.cache import EncoderCache
 from mmserve.execution.encoder.graphs import make_encoder_embed
+from mmserve.execution.encoder.pixels import ItemDataStore
 from mmserve.execution.encoder.runner import EncoderRunner
 from mmserve.execution.encoder.source import EncoderSource
 from mmserve.execution.graphs.capture import cuda_graph_factory
@@ -68,6 +69,7 @@ class WorkerConfig:
     max_patches_per_call: int  # the encoder's per-step budget, in input patches
     encoder_cache_bytes: int  # what the encoder cache holds when full
     max_logprobs: int
+    mm_reencode_cache_bytes: int  # item data kept to encode an item again after a preemption
     # the KV cache: the first of these that is set sizes it (`Worker.profile`)
     block_size: int
     num_gpu_blocks_override: int | None = None
@@ -257,6 +259,7 @@ class Worker:
             attention_backend=backend,
             limits=self.batch_limits(),
             encoder_source=self.encoder_source,
+            item_data=ItemDataStore(cfg.mm_reencode_cache_bytes),
         )
         return runner, encoder_cuda_graph
 

@@ -15,7 +15,7 @@ from PIL import Image
 
 from mmserve.errors import InvalidRequestError
 from mmserve.grid import grid_num_tokens
-from mmserve.multimodal import ProcessedImage
+from mmserve.multimodal import EncoderInput
 
 MAX_ASPECT_RATIO = 200
 # Per-request (and server-wide) overridable keys; everything else is fixed by the checkpoint.
@@ -230,7 +230,7 @@ def _value_table(cfg: ImageProcessorConfig) -> np.ndarray:
     return ((levels32 - mean) / std).astype(np.float32)
 
 
-def process_image(image: Image.Image, cfg: ImageProcessorConfig) -> ProcessedImage:
+def process_image(image: Image.Image, cfg: ImageProcessorConfig) -> EncoderInput:
     """Resize, rescale, normalise and patchify one image.
 
     Output rows follow the merge order the vision tower expects (2x2 merge blocks contiguous)
@@ -258,7 +258,7 @@ def process_image(image: Image.Image, cfg: ImageProcessorConfig) -> ProcessedIma
         with ThreadPoolExecutor(max_workers=3) as pool:
             for future in [pool.submit(fill, c, ch) for c, ch in enumerate(channels)]:
                 future.result()
-    return ProcessedImage(
+    return EncoderInput(
         pixel_values=out.reshape(grid_h * grid_w, 3 * t * p * p), grid_thw=(1, grid_h, grid_w)
     )
 

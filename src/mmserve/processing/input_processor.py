@@ -13,7 +13,7 @@ from typing import Any
 from mmserve.config.multimodal import MultimodalConfig
 from mmserve.errors import InvalidRequestError, PromptTooLongError, TooManyItemsError
 from mmserve.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_NAMESPACE, Hasher
-from mmserve.multimodal import ProcessedPrompt
+from mmserve.multimodal import EncoderInput, ItemData, ProcessedPrompt
 from mmserve.processing.chat import ChatImage, check_user_text, parse_chat_messages
 from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.item_loading import ImageInput, ItemLoader, VideoInput
@@ -228,7 +228,7 @@ class InputProcessor:
                 param="messages",
             )
         resolved = [self.resolver.resolve(plan, cfg, namespace) for plan in plans]
-        expanded, features = expand_pads(
+        expanded, features, mm_data = expand_pads(
             input_ids, [pos for pos, _ in pads], resolved, self.pad_ids
         )
         videos_done = [f for f in features if f.modality == "video"]
@@ -239,9 +239,7 @@ class InputProcessor:
             video_token_id=self.token_ids.video_token_id,
             spatial_merge_size=self.image_config.merge_size,
             video_grid_thw=[f.grid_thw for f in videos_done],
-            second_per_grid_ts=[
-                f.data.second_per_grid_t or 1.0 if f.data is not None else 1.0 for f in videos_done
-            ],
+            second_per_grid_ts=[_seconds_per_grid_t(mm_data[f.identifier]) for f in videos_done],
             tokens_per_second=self.tokens_per_second,
         )
         return ProcessedPrompt(
@@ -250,6 +248,7 @@ class InputProcessor:
             mrope_positions=mrope.positions,
             mrope_position_delta=mrope.delta,
             prompt=prompt,
+            mm_data=mm_data,
         )
 
     def process_generate_input(
@@ -378,3 +377,8 @@ class InputProcessor:
 
 def _items(parts: Sequence[ChatImage], loaded: Sequence[Any]) -> list[PromptItem]:
     return [PromptItem(p.modality, x, p.uuid) for p, x in zip(parts, loaded, strict=True)]
+
+
+def _seconds_per_grid_t(data: ItemData) -> float:
+    """A video's seconds per temporal patch (1.0 where the item does not say)."""
+    return (data.second_per_grid_t or 1.0) if isinstance(data, EncoderInput) else 1.0

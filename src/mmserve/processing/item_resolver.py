@@ -7,7 +7,7 @@ from typing import Any
 
 from mmserve.errors import InvalidRequestError, UnknownMediaUUIDError
 from mmserve.hashing import ContentKey, Hasher, claimed_content_key, mm_item_identity
-from mmserve.multimodal import ProcessedImage, RemoteItem
+from mmserve.multimodal import EncoderInput, RemoteItem
 from mmserve.processing.modalities import (
     EXIF_IMAGE_UNIQUE_ID,
     EXIF_SUB_IFD,
@@ -45,7 +45,7 @@ class ItemPlan:
 class ResolvedItem:
     identifier: str
     modality: str
-    data: ProcessedImage | RemoteItem
+    data: EncoderInput | RemoteItem
     grid_thw: tuple[int, int, int]
     num_tokens: int
 

@@ -18,7 +18,7 @@ from PIL import Image
 
 from mmserve.grid import grid_num_tokens
 from mmserve.hashing import ITEM_DOMAIN, ContentKey, claimed_content_key, pixel_content_key
-from mmserve.multimodal import ProcessedImage, RemoteItem
+from mmserve.multimodal import EncoderInput, RemoteItem
 from mmserve.processing.image_processor import ImageProcessorConfig, get_grid_thw, process_image
 from mmserve.processing.processor_cache import UUIDRecord
 from mmserve.processing.video_decode import DecodedVideo
@@ -61,7 +61,7 @@ class Modality(Protocol):
 
     def process(
         self, item: Any, planned: Planned, cfg: ProcessingConfig
-    ) -> ProcessedImage | RemoteItem: ...
+    ) -> EncoderInput | RemoteItem: ...
 
 
 def exif_image_id(image: Image.Image) -> str | None:
@@ -111,7 +111,7 @@ class ImageModality:
             item.mode, item.size, item.tobytes(), bytes(palette) if palette else None
         )
 
-    def process(self, item: Image.Image, planned: Planned, cfg: ProcessingConfig) -> ProcessedImage:
+    def process(self, item: Image.Image, planned: Planned, cfg: ProcessingConfig) -> EncoderInput:
         return process_image(item, cfg.image)
 
 
@@ -142,9 +142,7 @@ class VideoModality:
             return ("frames", meta.total_frames, meta.width, meta.height, item.content)
         return ("video-bytes", item.content)
 
-    def process(
-        self, item: DecodedVideo, planned: Planned, cfg: ProcessingConfig
-    ) -> ProcessedImage:
+    def process(self, item: DecodedVideo, planned: Planned, cfg: ProcessingConfig) -> EncoderInput:
         assert planned.detail is not None
         return process_video(item.frames, planned.detail, cfg.image)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmserve.errors import InvalidRequestError
-from mmserve.multimodal import MultiModalFeature, PlaceholderRange
+from mmserve.multimodal import ItemData, MultiModalFeature, PlaceholderRange, RemoteItem
 from mmserve.processing.item_resolver import ResolvedItem
 
 
@@ -85,14 +85,16 @@ def expand_pads(
     pad_positions: Sequence[int],
     items: Sequence[ResolvedItem],
     pad_ids: Mapping[str, int],
-) -> tuple[list[int], list[MultiModalFeature]]:
-    """Replace each single pad by its item's num_tokens copies; record the ranges.
+) -> tuple[list[int], list[MultiModalFeature], dict[str, ItemData]]:
+    """Replace each single pad by its item's num_tokens copies; record the ranges. Returns
+    the expanded ids, the item specs and each item's data by identifier.
 
     ids:       ... <vs> <pad> <ve> ...           one pad per item
     expanded:  ... <vs> <pad> x num_tokens <ve>  PlaceholderRange(offset, num_tokens)
     """
     expanded: list[int] = []
     features: list[MultiModalFeature] = []
+    data: dict[str, ItemData] = {}
     prev = 0
     for pos, item in zip(pad_positions, items, strict=True):
         expanded += input_ids[prev:pos]
@@ -103,10 +105,11 @@ def expand_pads(
                 identifier=item.identifier,
                 modality=item.modality,
                 placeholder=placeholder,
-                data=item.data,
                 grid_thw=item.grid_thw,
+                is_remote=isinstance(item.data, RemoteItem),
             )
         )
+        data[item.identifier] = item.data
         prev = pos + 1
     expanded += input_ids[prev:]
-    return expanded, features
+    return expanded, features, data

@@ -7,11 +7,11 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from mmserve.multimodal import ProcessedImage, RemoteItem
+from mmserve.multimodal import EncoderInput, RemoteItem
 
 GIB = 1 << 30
 # What an entry costs beyond its pixel buffer and its key: the ndarray objects (the array and
-# the view it is reshaped into), the ProcessedImage and its grid tuple, the OrderedDict node.
+# the view it is reshaped into), the EncoderInput and its grid tuple, the OrderedDict node.
 # tracemalloc measures ~400 bytes on CPython 3.11 (tests/processing/test_processor_cache.py).
 CACHE_ENTRY_OVERHEAD_BYTES = 512
 # The same for a UUID record: key tuple, UUIDRecord with its two ints, the OrderedDict node
@@ -30,7 +30,7 @@ class CacheStats:
     hits: int = 0
 
 
-CachedItem = ProcessedImage | RemoteItem  # a remote item: what a disaggregated server planned
+CachedItem = EncoderInput | RemoteItem  # a remote item: what a disaggregated server planned
 
 
 def cache_entry_bytes(identifier: str, item: CachedItem) -> int:
@@ -41,7 +41,7 @@ def cache_entry_bytes(identifier: str, item: CachedItem) -> int:
 
 
 class ProcessorCache:
-    """An LRU of ProcessedImage (or RemoteItem) by identity, bounded by what entries really hold.
+    """An LRU of EncoderInput (or RemoteItem) by identity, bounded by what entries really hold.
 
     An entry costs `cache_entry_bytes`: the pixel buffer (all of it, when the array is a view),
     the key and a fixed per-entry overhead. A capacity of 0 disables the cache: every get is a

@@ -25,7 +25,7 @@ from PIL import Image
 
 from mmserve.errors import EncoderUnavailableError
 from mmserve.hashing import ContentKey, content_digest
-from mmserve.multimodal import ProcessedImage, RemoteItem
+from mmserve.multimodal import EncoderInput, RemoteItem
 from mmserve.processing.decode_budget import RequestDecodeBudget
 from mmserve.processing.image_processor import ImageProcessorConfig, get_grid_thw, to_rgb
 from mmserve.processing.media import MediaLoader
@@ -103,7 +103,7 @@ class RemoteImageModality:
 
     def process(
         self, item: Any, planned: Planned, cfg: ProcessingConfig
-    ) -> ProcessedImage | RemoteItem:
+    ) -> EncoderInput | RemoteItem:
         if not isinstance(item, RemoteImage):
             return self.local.process(item, planned, cfg)
         return RemoteItem(

@@ -18,7 +18,7 @@ import numpy as np
 
 from mmserve.errors import InvalidRequestError
 from mmserve.grid import grid_num_tokens
-from mmserve.multimodal import ProcessedImage
+from mmserve.multimodal import EncoderInput
 from mmserve.processing.image_processor import ImageProcessorConfig, smart_resize
 from mmserve.processing.video_resize import resize_frames
 from mmserve.processing.video_sampling import (
@@ -111,7 +111,7 @@ def _value_table(cfg: ImageProcessorConfig) -> np.ndarray:
     return np.ascontiguousarray(table, dtype=np.float32).ravel()
 
 
-def process_video(frames: np.ndarray, plan: VideoPlan, cfg: ImageProcessorConfig) -> ProcessedImage:
+def process_video(frames: np.ndarray, plan: VideoPlan, cfg: ImageProcessorConfig) -> EncoderInput:
     """[n, H, W, 3] uint8 sampled frames -> patches [grid_t * grid_h * grid_w, C * T * P * P]."""
     assert frames.dtype == np.uint8 and frames.ndim == 4 and frames.shape[3] == 3, frames.shape
     assert frames.shape[0] == plan.num_frames, (frames.shape, plan.num_frames)
@@ -127,6 +127,6 @@ def process_video(frames: np.ndarray, plan: VideoPlan, cfg: ImageProcessorConfig
     channel = np.arange(3, dtype=np.intp).reshape(1, 1, 1, 1, 1, 3, 1, 1, 1) * 256
     values = _value_table(cfg)[blocks + channel]  # float32, same shape
     rows = values.reshape(grid_t * grid_h * grid_w, 3 * t * p * p)
-    return ProcessedImage(
+    return EncoderInput(
         pixel_values=rows, grid_thw=plan.grid_thw, second_per_grid_t=plan.second_per_grid_t
     )

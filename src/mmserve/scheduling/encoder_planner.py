@@ -22,7 +22,7 @@ output resident before the step runs:
   if it cannot have them now, the window is cut to end at `offset` (text before the image
   still runs), or to zero tokens when the request already stands at (or, after a prefix-cache
   hit, inside) the item. Other requests go on.
-- Remote items (`data` a RemoteItem, a disaggregated server) go to the encoder source, not
+- Remote items (`is_remote`, a disaggregated server) go to the encoder source, not
   the local vision tower: they take cache bytes but no patch budget, and stay in flight until
   the runner reports them arrived. An item in flight (or sent this step) blocks the window at
   its offset exactly like "no space"; every remote item the window reaches is sent in the
@@ -45,9 +45,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from mmserve.multimodal import MultiModalFeature, RemoteItem
+from mmserve.multimodal import MultiModalFeature
 from mmserve.scheduling.encoder_cache_manager import EncoderCacheManager
-from mmserve.scheduling.pixel_store import PixelStore
+from mmserve.scheduling.item_data import ItemDataHolder, PixelsGone
 from mmserve.scheduling.request import Request
 
 
@@ -66,17 +66,13 @@ class EncoderPlan(NamedTuple):
     is_waiting_on_arrival: bool = False
 
 
-def is_remote(request: Request, item_idx: int) -> bool:
-    return isinstance(request.mm_features[item_idx].data, RemoteItem)
-
-
 def plan_encoder_inputs(
     request: Request,
     num_computed: int,
     num_new: int,
     *,
     manager: EncoderCacheManager,
-    pixel_store: PixelStore | None,
+    item_data: ItemDataHolder | None,
     patch_budget: int,
     disable_chunked_mm_input: bool,
 ) -> EncoderPlan:
@@ -84,7 +80,7 @@ def plan_encoder_inputs(
 
     `patch_budget` is the input patches the step's local encoder may still process (remote
     items need none). An item another request sent this step is in flight already. Raises
-    `PixelsGone` when a preempted request needs pixels the store evicted.
+    `PixelsGone` when a preempted request needs pixels the executor side evicted.
 
     A remote item that gets its space is sent now and cuts the window at its offset (text
     before it runs); the loop goes on over the rest of the window, so every remote item the
@@ -111,7 +107,7 @@ def plan_encoder_inputs(
             manager.check_and_update_cache(request, item_idx)
             cut = start if cut is None else cut
             continue
-        remote = isinstance(feature.data, RemoteItem)
+        remote = feature.is_remote
         if cut is not None and not remote:
             break  # beyond an item not arrived: only more remote items are worth starting now
         if cut is None and (
@@ -127,11 +123,11 @@ def plan_encoder_inputs(
                 break  # the window already ends before this item
             # Text before the item still runs; at (or inside) the item: nothing this step.
             return EncoderPlan(max(0, start - num_computed), to_encode)
-        if feature.data is None and feature.identifier in request.stashed_pixels:
-            # stashed only when there is a store (see PixelStore.stash_consumed)
-            assert pixel_store is not None
-            pixel_store.restore(request, item_idx)
-            remote = is_remote(request, item_idx)
+        if feature.identifier in request.passed_items:
+            # passed only when there is a store (see Scheduler.update_from_output)
+            assert item_data is not None
+            if not item_data.holds(feature.identifier):
+                raise PixelsGone(feature.identifier)
         to_encode.append(item_idx)
         identifiers.add(feature.identifier)
         num_bytes_to_schedule += manager.item_bytes(request, item_idx)
@@ -180,7 +176,7 @@ def reserve_encoder_inputs(
     num_local_patches = 0
     for item_idx in item_idxs:
         feature = request.mm_features[item_idx]
-        if is_remote(request, item_idx):
+        if feature.is_remote:
             manager.allocate(request, item_idx, is_remote=True)
             remote_inputs.setdefault(request.request_id, []).append(feature)
         else:

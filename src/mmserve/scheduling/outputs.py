@@ -91,9 +91,9 @@ class SchedulerOutput:
     `num_computed_tokens`. A request gets sampled tokens only when its step reaches the end
     of its known tokens.
 
-    `remote_encoder_inputs` carries whole features (their `data` a `RemoteItem`), not item
-    indexes: a request may send an item while it schedules no token (it stands at the item),
-    so the runner may hold no state for it.
+    `remote_encoder_inputs` carries item specs, not item indexes: a request may send an item
+    while it schedules no token (it stands at the item), so the runner may hold no state for
+    it (the executor side holds its `RemoteItem` by identifier since the request was added).
     """
 
     scheduled_new_reqs: list[NewRequestData]

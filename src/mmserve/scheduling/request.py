@@ -68,8 +68,9 @@ class Request:
     # until then. Reported on its first update, then `is_schedule_time_reported`.
     first_scheduled_time_s: float | None = None
     is_schedule_time_reported: bool = False
-    # identifiers whose pixels moved to the scheduler's PixelStore once the prefill passed them
-    stashed_pixels: set[str] = field(default_factory=set)
+    # identifiers of items its prefill has passed: their data waits, bounded, on the executor
+    # side (`ItemDataHolder`) in case a preemption needs them encoded again
+    passed_items: set[str] = field(default_factory=set)
 
     @property
     def num_prompt_tokens(self) -> int:

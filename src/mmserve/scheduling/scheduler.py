@@ -19,6 +19,7 @@ from mmserve.scheduling.encoder_planner import (
     plan_encoder_inputs,
     reserve_encoder_inputs,
 )
+from mmserve.scheduling.item_data import ItemDataHolder, PixelsGone
 from mmserve.scheduling.kv_cache_manager import KVCacheManager
 from mmserve.scheduling.outputs import (
     ModelRunnerOutput,
@@ -26,7 +27,6 @@ from mmserve.scheduling.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
-from mmserve.scheduling.pixel_store import PixelsGone, PixelStore
 from mmserve.scheduling.request import Request, RequestStatus, check_stop
 from mmserve.scheduling.step_plan import StepPlan
 
@@ -43,21 +43,22 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         encoder_cache_manager: EncoderCacheManager,
         *,
-        pixel_store: PixelStore | None = None,
+        item_data: ItemDataHolder | None = None,
         eos_token_ids: Iterable[int] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """The managers are built by the caller (`engine.core.build`) from the same configs.
-        `pixel_store`: None keeps each item's pixels with its request until the request
-        finishes; a store takes them once the prefill has passed the item (see
-        pixel_store.py). `clock` stamps each request's first schedule (the queue-time metric):
+        `item_data`: the executor side's store of the items' pixels (the request holds only
+        specs), asked whether a passed item can be encoded again after a preemption; None:
+        every item can (its pixels stay until the request finishes). `clock` stamps each
+        request's first schedule (the queue-time metric):
         the front end's clock, `time.monotonic`."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.eos_token_ids = tuple(eos_token_ids)
         self.kv_cache_manager = kv_cache_manager
         self.encoder_cache_manager = encoder_cache_manager
-        self.pixel_store = pixel_store
+        self.item_data = item_data
         self.requests: dict[str, Request] = {}  # unfinished only
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -234,7 +235,7 @@ class Scheduler:
             num_computed,
             num_new,
             manager=self.encoder_cache_manager,
-            pixel_store=self.pixel_store,
+            item_data=self.item_data,
             patch_budget=step.encoder_patch_budget,
             disable_chunked_mm_input=self.scheduler_config.disable_chunked_mm_input,
         )
@@ -302,8 +303,8 @@ class Scheduler:
                 continue
             self.kv_cache_manager.cache_blocks(request)
             free_consumed_encoder_inputs(request, self.encoder_cache_manager)
-            if self.pixel_store is not None:
-                self.pixel_store.stash_consumed(request)
+            if self.item_data is not None:
+                self._mark_passed_items(request)
             new_token_ids = self._append_sampled(request, runner_output)
             if request.is_finished:
                 finished.append(request)
@@ -340,6 +341,15 @@ class Scheduler:
         self.waiting = deque(r for r in self.waiting if r.request_id not in failing)
         return [self._fail(self.requests[rid], failure) for rid, failure in failing.items()]
 
+    @staticmethod
+    def _mark_passed_items(request: Request) -> None:
+        """Items the prefill has passed are encoded again only after a preemption, from what
+        the executor side keeps (bounded) of their data."""
+        for feature in request.mm_features:
+            if feature.placeholder.end > request.num_computed_tokens:
+                break  # items are sorted by offset
+            request.passed_items.add(feature.identifier)
+
     def _take_schedule_time(self, request: Request) -> float | None:
         """The first-scheduled time on the request's first update, None on every later one."""
         if request.is_schedule_time_reported:
@@ -362,7 +372,5 @@ class Scheduler:
         """Free everything a finished request holds; the runner hears of it next step."""
         self.kv_cache_manager.free(request)
         self.encoder_cache_manager.free(request)
-        if self.pixel_store is not None and request.stashed_pixels:
-            self.pixel_store.release(request.request_id, request.stashed_pixels)
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)

@@ -6,7 +6,7 @@ docs/wire.md for each message, the frame layout and what decoding checks.
 """
 
 from mmserve.wire.codec import ALLOWED_DTYPES, MESSAGE_TAGS, Message, decode, encode
-from mmserve.wire.common import WireEncoderInput, WireError, WireMMFeature, WireRemoteItem
+from mmserve.wire.common import WireError
 from mmserve.wire.engine_core import (
     EngineCoreAbort,
     EngineCoreOutputs,
@@ -26,10 +26,7 @@ __all__ = [
     "EngineCoreShutdown",
     "EngineDead",
     "Message",
-    "WireEncoderInput",
     "WireError",
-    "WireMMFeature",
-    "WireRemoteItem",
     "decode",
     "encode",
 ]

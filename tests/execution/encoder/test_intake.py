@@ -9,8 +9,8 @@ import torch
 from mmserve.errors import FailureKind
 from mmserve.execution.encoder.cache import EncoderCache
 from mmserve.execution.encoder.intake import RemoteItemIntake
-from mmserve.execution.encoder.runner import EncoderRunner
-from mmserve.multimodal import MultiModalFeature, PlaceholderRange, ProcessedImage, RemoteItem
+from mmserve.execution.encoder.runner import EncodeJob, EncoderRunner
+from mmserve.multimodal import EncoderInput, MultiModalFeature, PlaceholderRange, RemoteItem
 from tests.support.fake_encoder_source import FakeEncoderSource
 
 HIDDEN = 3
@@ -30,18 +30,22 @@ def _setup(embeddings: torch.Tensor | None = None):
 
 
 def _feature(identifier: str) -> MultiModalFeature:
-    item = RemoteItem("bytes", b"img", None, None, 3136, 1 << 20, GRID, "d" * 64)
-    return MultiModalFeature(identifier, "image", PlaceholderRange(3, 2), item, GRID)
+    return MultiModalFeature(identifier, "image", PlaceholderRange(3, 2), GRID, is_remote=True)
 
 
-def _pixels(grid=GRID) -> ProcessedImage:
-    return ProcessedImage(np.arange(16, dtype=np.float32).reshape(8, 2), grid)
+def _remote_item(identifier: str) -> RemoteItem:
+    """Every item's bytes, as the executor side's store hands them to the intake."""
+    return RemoteItem("bytes", b"img", None, None, 3136, 1 << 20, GRID, "d" * 64)
+
+
+def _pixels(grid=GRID) -> EncoderInput:
+    return EncoderInput(np.arange(16, dtype=np.float32).reshape(8, 2), grid)
 
 
 def test_embeddings_are_checked_moved_to_the_cache_dtype_and_reported_once() -> None:
     encoder, source, intake = _setup(torch.ones(2, HIDDEN, dtype=torch.float64))
     source.register("a", _pixels())
-    assert intake.submit({"r1": [_feature("a")], "r2": [_feature("a")]}) == {}
+    assert intake.submit({"r1": [_feature("a")], "r2": [_feature("a")]}, _remote_item) == {}
     assert source.submitted == [("r1", "a")]  # pending: not sent twice
     results = intake.collect()
     assert results.arrived == ["a"] and not results.failed
@@ -52,7 +56,7 @@ def test_embeddings_of_the_wrong_shape_or_dtype_fail_the_item_and_stay_out() -> 
     for bad in (torch.ones(3, HIDDEN), torch.ones(2, HIDDEN + 1), torch.ones(2, HIDDEN).int()):
         encoder, source, intake = _setup(bad)
         source.register("a", _pixels())
-        intake.submit({"r": [_feature("a")]})
+        intake.submit({"r": [_feature("a")]}, _remote_item)
         results = intake.collect()
         assert not results.arrived and "a" not in encoder.cache
         failure = results.failed["a"]
@@ -66,7 +70,7 @@ def test_fallback_pixels_are_encoded_here_and_a_wrong_grid_fails() -> None:
     source.register("a", _pixels())
     source.register("b", _pixels((1, 4, 2)))
     source.fallback = {"a", "b"}
-    intake.submit({"r": [_feature("a"), _feature("b")]})
+    intake.submit({"r": [_feature("a"), _feature("b")]}, _remote_item)
     results = intake.collect()
     # the local tower's answer: rows 0 and 1 of the pixels' first column, widened
     assert results.arrived == ["a"]
@@ -78,7 +82,7 @@ def test_a_cancelled_item_is_cancelled_at_the_source_and_its_late_reply_dropped(
     encoder, source, intake = _setup()
     source.answers_after_cancel = True
     source.register("a", _pixels())
-    intake.submit({"r": [_feature("a")]})
+    intake.submit({"r": [_feature("a")]}, _remote_item)
     intake.cancel(["a", "never-sent"])
     assert source.cancelled == ["a"]  # only what is pending goes to the source
     results = intake.collect()
@@ -91,7 +95,7 @@ def test_without_a_source_a_remote_item_fails_with_an_internal_error() -> None:
         _embed_rows, EncoderCache(torch.device("cpu"), torch.float32), max_patches_per_call=64
     )
     intake = RemoteItemIntake(None, encoder, HIDDEN)
-    failed = intake.submit({"r": [_feature("a")]})
+    failed = intake.submit({"r": [_feature("a")]}, _remote_item)
     assert failed["a"].kind is FailureKind.INTERNAL
     assert "encoder pool" in failed["a"].message and "request r" in failed["a"].message
     intake.wait(10.0)  # nothing in flight: returns at once
@@ -101,4 +105,4 @@ def test_without_a_source_a_remote_item_fails_with_an_internal_error() -> None:
 def test_a_local_encode_refuses_a_remote_item() -> None:
     encoder, _, _ = _setup()
     with pytest.raises(RuntimeError, match="no pixels"):
-        encoder.encode([_feature("a")])
+        encoder.encode([EncodeJob(_feature("a"), None)])

@@ -8,14 +8,16 @@ import numpy as np
 import torch
 
 from mmserve.execution.encoder.cache import EncoderCache
-from mmserve.execution.encoder.runner import EncoderRunner
+from mmserve.execution.encoder.runner import EncodeJob, EncoderRunner
 from mmserve.metrics import EngineMetrics
-from mmserve.multimodal import MultiModalFeature, PlaceholderRange, ProcessedImage
+from mmserve.multimodal import EncoderInput, MultiModalFeature, PlaceholderRange
 
 
-def _feature(identifier: str, pixels: np.ndarray) -> MultiModalFeature:
-    data = ProcessedImage(pixels, (1, 2, 2))
-    return MultiModalFeature(identifier, "image", PlaceholderRange(0, 1), data, (1, 2, 2))
+def _feature(identifier: str, pixels: np.ndarray) -> EncodeJob:
+    data = EncoderInput(pixels, (1, 2, 2))
+    return EncodeJob(
+        MultiModalFeature(identifier, "image", PlaceholderRange(0, 1), (1, 2, 2)), data
+    )
 
 
 def test_a_read_only_array_is_encoded_in_place_without_a_warning():
@@ -40,8 +42,9 @@ def test_a_read_only_array_is_encoded_in_place_without_a_warning():
 def _item(identifier: str, modality: str, grid: tuple[int, int, int], seed: int):
     t, h, w = grid
     pixels = np.random.default_rng(seed).standard_normal((t * h * w, 3)).astype(np.float32)
-    data = ProcessedImage(pixels, grid, 1.0 if modality == "video" else None)
-    return MultiModalFeature(identifier, modality, PlaceholderRange(0, t * h * w // 4), data, grid)
+    data = EncoderInput(pixels, grid, 1.0 if modality == "video" else None)
+    feature = MultiModalFeature(identifier, modality, PlaceholderRange(0, t * h * w // 4), grid)
+    return EncodeJob(feature, data)
 
 
 def test_an_image_video_image_step_is_two_calls_scattered_back_by_identity():
@@ -69,9 +72,9 @@ def test_an_image_video_image_step_is_two_calls_scattered_back_by_identity():
     runner.encode(items)
     assert calls == [[(1, 4, 6), (1, 2, 2)], [(2, 4, 4)]]
     for item in items:
-        pixels = torch.from_numpy(item.data.pixel_values)
-        (alone,) = embed(pixels, [item.grid_thw])
-        assert torch.equal(runner.cache.get(item.identifier), alone), item.modality
+        pixels = torch.from_numpy(item.pixels.pixel_values)
+        (alone,) = embed(pixels, [item.feature.grid_thw])
+        assert torch.equal(runner.cache.get(item.feature.identifier), alone), item.feature.modality
     assert runner.cache.num_bytes == (6 + 8 + 1) * 3 * 4  # embeddings x width x float32
     snap = metrics.snapshot()
     assert snap.counters["encoder_forward_calls"] == 2

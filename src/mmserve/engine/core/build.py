@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import msgspec
 import torch
 
 from mmserve.config.engine import EngineConfig
@@ -25,7 +26,6 @@ from mmserve.metrics import EngineMetrics
 from mmserve.models.config import ModelConfig
 from mmserve.scheduling.encoder_cache_manager import EncoderCacheManager
 from mmserve.scheduling.kv_cache_manager import KVCacheManager
-from mmserve.scheduling.pixel_store import PixelStore
 from mmserve.scheduling.scheduler import Scheduler
 from mmserve.structured_output.compiler import GrammarCompiler
 from mmserve.structured_output.manager import StructuredOutputManager
@@ -71,7 +71,7 @@ def build_core(
         EncoderCacheManager(
             scheduler_config.effective_encoder_cache_bytes, scheduler_config.encoder_embed_bytes
         ),
-        pixel_store=PixelStore(int(config.multimodal.mm_reencode_cache_gb * (1 << 30))),
+        item_data=worker.runner.item_data,
         eos_token_ids=shape.eos_token_ids,
     )
     _log_encoder_budget(scheduler_config)
@@ -104,7 +104,7 @@ def build_core(
         worker.attention_backend,
         worker.layer_ops,
     )
-    resolved = dataclasses.replace(
+    resolved = msgspec.structs.replace(
         resolved,
         encoder_cuda_graph=worker.encoder_cuda_graph,
         cuda_graph_sizes=worker.cuda_graph_sizes,
@@ -133,6 +133,7 @@ def _worker_config(
         max_patches_per_call=sched.effective_encoder_patch_budget,
         encoder_cache_bytes=sched.effective_encoder_cache_bytes,
         max_logprobs=config.checkpoint.max_logprobs,
+        mm_reencode_cache_bytes=int(config.multimodal.mm_reencode_cache_gb * (1 << 30)),
         block_size=config.cache.block_size,
         num_gpu_blocks_override=config.cache.num_gpu_blocks_override,
         kv_cache_memory_bytes=config.cache.kv_cache_memory_bytes,

@@ -128,6 +128,8 @@ class EngineCore:
             cache_salt=cache_salt,
         )
         self.scheduler.add_request(request)
+        if prompt.mm_data:
+            self.executor.add_mm_data(request_id, prompt.mm_data)
         if matcher is not None:
             assert self.structured_output is not None
             self.structured_output.register(request_id, matcher)
@@ -144,6 +146,7 @@ class EngineCore:
         """Finish from outside a step (abort, stop string); unknown ids are ignored."""
         ids = list(request_ids)
         self.scheduler.finish_requests(ids, status)
+        self.executor.free_mm_data(ids)
         if self.structured_output is not None:
             self.structured_output.free(ids)
         self._record_stats()  # the core may go idle now: gauges must not stay stale
@@ -171,6 +174,9 @@ class EngineCore:
                 updates = self._stop_completed(updates, completed)
                 grammar.retain(self.scheduler.requests)
             self._record_stats()
+            finished = [u.request_id for u in updates if u.finish_status is not None]
+            if finished:
+                self.executor.free_mm_data(finished)
             self._wait_if_only_in_flight(scheduler_output, runner_output)
         except EngineDeadError:
             raise
@@ -214,6 +220,7 @@ class EngineCore:
         failure = RequestFailure("internal error in the engine step", FailureKind.INTERNAL)
         try:
             self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+            self.executor.free_mm_data(request_ids)
             if self.structured_output is not None:
                 self.structured_output.free(request_ids)
             self._record_stats()

@@ -36,7 +36,6 @@ from mmserve.scheduling.outputs import RequestUpdate
 from mmserve.scheduling.request import RequestStatus
 from mmserve.wire import codec
 from mmserve.wire.common import WireError
-from mmserve.wire.convert import request_from_wire
 from mmserve.wire.engine_core import (
     EngineCoreAbort,
     EngineCoreOutputs,
@@ -122,8 +121,9 @@ class CoreLoop:
         """Add the request the API process admitted; a refusal (a grammar this engine cannot
         compile, a bug) is its final update."""
         try:
-            add = request_from_wire(msg)
-            self.core.add_request(add.request_id, add.prompt, add.params, cache_salt=add.cache_salt)
+            self.core.add_request(
+                msg.request_id, msg.prompt(), msg.sampling_params, cache_salt=msg.cache_salt
+            )
         except EngineDeadError:
             raise
         except MMServeError as exc:

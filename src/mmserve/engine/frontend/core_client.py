@@ -37,11 +37,11 @@ from mmserve.scheduling.request import RequestStatus
 from mmserve.structured_output.compiler import check_structured_output
 from mmserve.wire import codec
 from mmserve.wire.common import WireError
-from mmserve.wire.convert import request_to_wire
 from mmserve.wire.engine_core import (
     EngineCoreAbort,
     EngineCoreOutputs,
     EngineCoreReady,
+    EngineCoreRequest,
     EngineCoreShutdown,
     EngineDead,
 )
@@ -163,7 +163,7 @@ class CoreClient:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if params.structured_outputs is not None:  # refused here, as in-process, not later
             check_structured_output(params.structured_outputs)
-        msg = request_to_wire(
+        msg = EngineCoreRequest.of(
             request_id, prompt, params, arrival_time_s=time.monotonic(), cache_salt=cache_salt
         )
         self._send(msg)

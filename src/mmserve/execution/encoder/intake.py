@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from mmserve.errors import FailureKind, RequestFailure
-from mmserve.execution.encoder.runner import EncoderRunner
+from mmserve.execution.encoder.runner import EncodeJob, EncoderRunner
 from mmserve.execution.encoder.source import EncoderArrival, EncoderSource
-from mmserve.multimodal import MultiModalFeature
+from mmserve.multimodal import ItemData, MultiModalFeature, RemoteItem
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +49,23 @@ class RemoteItemIntake:
             self.source.cancel(cancelled)
 
     def submit(
-        self, remote_inputs: Mapping[str, list[MultiModalFeature]]
+        self,
+        remote_inputs: Mapping[str, list[MultiModalFeature]],
+        item_data: Callable[[str], ItemData | None],
     ) -> dict[str, RequestFailure]:
-        """Send the step's remote items; without a source they fail at once (returned)."""
+        """Send the step's remote items (their `RemoteItem` from `item_data`); without a
+        source they fail at once (returned)."""
         failed: dict[str, RequestFailure] = {}
         for request_id, features in remote_inputs.items():
             for feature in features:
-                if self.source is None:
+                item = item_data(feature.identifier)
+                if not isinstance(item, RemoteItem):
+                    failed[feature.identifier] = RequestFailure(
+                        f"image item {feature.identifier[:16]} of request {request_id}: the "
+                        "engine no longer holds it to send to the encoder pool",
+                        FailureKind.INTERNAL,
+                    )
+                elif self.source is None:
                     failed[feature.identifier] = RequestFailure(
                         f"image item {feature.identifier[:16]} of request {request_id} is to be "
                         "encoded by an encoder pool, but this engine has none (a bug in how "
@@ -63,7 +73,7 @@ class RemoteItemIntake:
                         FailureKind.INTERNAL,
                     )
                 elif feature.identifier not in self.pending:
-                    self.source.submit(request_id, feature)
+                    self.source.submit(request_id, feature, item)
                     self.pending[feature.identifier] = feature
         return failed
 
@@ -116,7 +126,7 @@ class RemoteItemIntake:
                     f"planned {tuple(feature.grid_thw)}"
                 )
             try:
-                self.encoder.encode([dataclasses.replace(feature, data=arrival.pixels)])
+                self.encoder.encode([EncodeJob(feature, arrival.pixels)])
             except Exception as exc:  # noqa: BLE001 - fails the requests holding the item
                 logger.exception("encoding fallback pixels failed")
                 return f"encoding its fallback pixels failed: {type(exc).__name__}"

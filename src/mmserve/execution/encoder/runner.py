@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from mmserve.execution.encoder.cache import EncoderCache
 from mmserve.metrics import EngineMetrics
-from mmserve.multimodal import MultiModalFeature, ProcessedImage
+from mmserve.multimodal import EncoderInput, MultiModalFeature
+
+
+class EncodeJob(NamedTuple):
+    """One item to encode: its spec and its pixels (None when they are gone: an error)."""
+
+    feature: MultiModalFeature
+    pixels: EncoderInput | None
+
 
 # embed_multimodal(pixel_values [total_patches, C*T*P*P], grid_thw) -> one [n_i, hidden] per item
 EmbedFn = Callable[[torch.Tensor, list[tuple[int, int, int]]], list[torch.Tensor]]
@@ -33,54 +42,56 @@ class EncoderRunner:
         self._max_patches_per_call = max(1, max_patches_per_call)
         self._metrics = metrics
 
-    def encode(self, features: Sequence[MultiModalFeature]) -> None:
-        """Encode every feature not already cached, deduplicated by identifier.
+    def encode(self, jobs: Sequence[EncodeJob]) -> None:
+        """Encode every item not already cached, deduplicated by identifier.
 
         Items are grouped by modality (a batch never mixes modalities), then packed into calls
         of at most `max_patches_per_call` input patches (one item larger than that runs alone).
         """
-        todo: dict[str, MultiModalFeature] = {}
-        for f in features:
-            if f.identifier not in self.cache and f.identifier not in todo:
-                if not isinstance(f.data, ProcessedImage):
+        todo: dict[str, EncodeJob] = {}
+        for job in jobs:
+            identifier = job.feature.identifier
+            if identifier not in self.cache and identifier not in todo:
+                if job.pixels is None:
                     raise RuntimeError(
-                        f"encoder input for item {f.identifier[:16]} has no pixels to encode"
+                        f"encoder input for item {identifier[:16]} has no pixels to encode"
                     )
-                todo[f.identifier] = f
-        by_modality: dict[str, list[MultiModalFeature]] = {}
-        for f in todo.values():
-            by_modality.setdefault(f.modality, []).append(f)
+                todo[identifier] = job
+        by_modality: dict[str, list[EncodeJob]] = {}
+        for job in todo.values():
+            by_modality.setdefault(job.feature.modality, []).append(job)
         for group in by_modality.values():
             for batch in self._pack(group):
                 self._run(batch)
 
-    def _pack(self, group: list[MultiModalFeature]) -> list[list[MultiModalFeature]]:
-        batches: list[list[MultiModalFeature]] = []
-        current: list[MultiModalFeature] = []
+    def _pack(self, group: list[EncodeJob]) -> list[list[EncodeJob]]:
+        batches: list[list[EncodeJob]] = []
+        current: list[EncodeJob] = []
         patches = 0
-        for f in group:
-            n = f.data.num_patches  # type: ignore[union-attr]
+        for job in group:
+            n = job.feature.num_patches
             if current and patches + n > self._max_patches_per_call:
                 batches.append(current)
                 current, patches = [], 0
-            current.append(f)
+            current.append(job)
             patches += n
         if current:
             batches.append(current)
         return batches
 
-    def _run(self, batch: list[MultiModalFeature]) -> None:
-        arrays = [f.data.pixel_values for f in batch]  # type: ignore[union-attr]
+    def _run(self, batch: list[EncodeJob]) -> None:
+        pixels_of = [job.pixels for job in batch if job.pixels is not None]  # all, see encode
+        arrays = [p.pixel_values for p in pixels_of]
         # [total_patches, C * T * P * P]
         joined = np.concatenate(arrays, axis=0) if len(arrays) > 1 else arrays[0]
         pixels = _as_tensor(joined)
         pixels = pixels.to(device=self.cache.device, dtype=self.cache.dtype)
-        grids = [f.data.grid_thw for f in batch]  # type: ignore[union-attr]
+        grids = [p.grid_thw for p in pixels_of]
         outputs = self._embed(pixels, grids)
-        for f, emb in zip(batch, outputs, strict=True):
-            self.cache.put(f.identifier, emb)
+        for job, emb in zip(batch, outputs, strict=True):
+            self.cache.put(job.feature.identifier, emb)
         if self._metrics is not None:
-            modality = batch[0].modality  # a batch never mixes modalities
+            modality = batch[0].feature.modality  # a batch never mixes modalities
             self._metrics.inc("encoder_items_encoded", len(batch), modality=modality)
             self._metrics.inc("encoder_forward_calls", modality=modality)
 

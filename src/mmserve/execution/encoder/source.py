@@ -1,7 +1,7 @@
 """Where the runner gets embeddings it does not compute itself: the EncoderSource seam.
 
 A disaggregated server ships its images to a pool of `mmserve encode` servers; the runner
-hands those items (features whose `data` is a `RemoteItem`) to an `EncoderSource` and, at the
+hands those items (each a spec and its `RemoteItem`) to an `EncoderSource` and, at the
 start of every step, takes what has arrived. The runner never imports the pool: the factory
 wires an implementation in (`mmserve.disaggregation.pool.RemoteEncoderPool`).
 """
@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from mmserve.errors import RequestFailure
-from mmserve.multimodal import MultiModalFeature, ProcessedImage
+from mmserve.multimodal import EncoderInput, MultiModalFeature, RemoteItem
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +24,7 @@ class EncoderArrival:
 
     identifier: str
     embeddings: torch.Tensor | None = None  # [num_embeds, hidden], any device and dtype
-    pixels: ProcessedImage | None = None  # the pool could not encode it: encode these here
+    pixels: EncoderInput | None = None  # the pool could not encode it: encode these here
     encoder: str = ""  # who answered: an encoder's URL, or "local"
 
     def __post_init__(self) -> None:
@@ -47,9 +47,9 @@ class EncoderSource(Protocol):
     of its own and never blocks the caller on the network.
     """
 
-    def submit(self, request_id: str, feature: MultiModalFeature) -> None:
-        """Start encoding `feature` (its `data` a RemoteItem) for `request_id`. An identifier
-        already pending is not sent twice."""
+    def submit(self, request_id: str, feature: MultiModalFeature, item: RemoteItem) -> None:
+        """Start encoding the item of `feature` (`item` is where its bytes are) for
+        `request_id`. An identifier already pending is not sent twice."""
         ...
 
     def cancel(self, identifiers: Iterable[str]) -> None:
