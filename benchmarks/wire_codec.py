@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from mmserve.multimodal import EncoderInput, MultiModalFeature, PlaceholderRange  # noqa: E402
 from mmserve.sampling_params import SamplingParams  # noqa: E402
-from mmserve.scheduling.outputs import RequestUpdate  # noqa: E402
+from mmserve.updates import RequestUpdate  # noqa: E402
 from mmserve.wire import (  # noqa: E402
     EngineCoreOutputs,
     EngineCoreRequest,

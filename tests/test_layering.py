@@ -32,10 +32,10 @@ FOUNDATION = frozenset(
         "host_allocator",  # glibc malloc settings (ctypes): the API process and the CPU worker
         "metrics",
         "multimodal",
-        "outputs",
         "sampling_params",
         "serve_flags",
         "structured_output.params",  # a value type carried by SamplingParams
+        "updates",  # RequestUpdate, Logprobs, RequestStatus: what a step did to a request
         "wire",
     }
 )

@@ -12,7 +12,7 @@ from mmserve.metrics import (
     FinishedRequestStats,
     token_buckets,
 )
-from mmserve.scheduling.request import FINISH_REASONS
+from mmserve.updates import FINISH_REASONS
 
 
 def test_token_buckets_are_the_1_2_5_series_up_to_the_model_length():

@@ -18,8 +18,7 @@ from mmserve.errors import EngineDeadError
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.sampling_params import SamplingParams
-from mmserve.scheduling.outputs import RequestUpdate
-from mmserve.scheduling.request import RequestStatus
+from mmserve.updates import RequestStatus, RequestUpdate
 
 MAX_MODEL_LEN = 256
 ARGS = EngineConfig.from_kwargs(

@@ -16,7 +16,7 @@ from mmserve.engine.core.process import CoreLoop
 from mmserve.errors import EngineDeadError, PromptTooLongError
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.mrope import decode_positions
-from mmserve.scheduling.request import RequestStatus
+from mmserve.updates import RequestStatus
 from mmserve.wire import codec
 from mmserve.wire.engine_core import (
     EngineCoreOutputs,

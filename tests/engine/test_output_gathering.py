@@ -9,8 +9,7 @@ from mmserve.engine.frontend.outputs import Logprob, OutputKind
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.sampling_params import SamplingParams
-from mmserve.scheduling.outputs import Logprobs, RequestUpdate
-from mmserve.scheduling.request import RequestStatus
+from mmserve.updates import Logprobs, RequestStatus, RequestUpdate
 
 LENGTH, ERROR = RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ERROR
 CORE_IDS = ["p#0", "p#1"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.scheduling import Scheduler
-from mmserve.scheduling.request import RequestStatus
+from mmserve.updates import RequestStatus
 from tests.support.fake_runner import FakeRunner, make_request, make_scheduler, run_step
 
 EOS = 2

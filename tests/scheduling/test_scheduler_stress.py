@@ -12,7 +12,7 @@ import pytest
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import InvalidRequestError
 from mmserve.scheduling import Request
-from mmserve.scheduling.request import RequestStatus
+from mmserve.updates import RequestStatus
 from tests.support.fake_runner import FakeRunner, admit, make_request, make_scheduler, run_step
 
 EOS = 2

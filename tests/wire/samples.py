@@ -11,9 +11,8 @@ from mmserve.errors import FailureKind, RequestFailure
 from mmserve.metrics import SchedulerStats
 from mmserve.multimodal import EncoderInput, MultiModalFeature, PlaceholderRange, RemoteItem
 from mmserve.sampling_params import SamplingParams
-from mmserve.scheduling.outputs import Logprobs, RequestUpdate
-from mmserve.scheduling.request import RequestStatus
 from mmserve.structured_output.params import StructuredOutputParams
+from mmserve.updates import Logprobs, RequestStatus, RequestUpdate
 from mmserve.wire import (
     MESSAGE_TAGS,
     EngineCoreAbort,

@@ -12,8 +12,7 @@ import pytest
 
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.sampling_params import SamplingParams
-from mmserve.scheduling.outputs import RequestUpdate
-from mmserve.scheduling.request import RequestStatus
+from mmserve.updates import RequestStatus, RequestUpdate
 from mmserve.wire import (
     ALLOWED_DTYPES,
     EngineCoreOutputs,

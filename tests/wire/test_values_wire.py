@@ -18,9 +18,8 @@ from mmserve.multimodal import (
     ProcessedPrompt,
 )
 from mmserve.sampling_params import SamplingParams
-from mmserve.scheduling.outputs import Logprobs, RequestUpdate
-from mmserve.scheduling.request import RequestStatus
 from mmserve.structured_output.params import StructuredOutputParams
+from mmserve.updates import Logprobs, RequestStatus, RequestUpdate
 from mmserve.wire import (
     EngineCoreOutputs,
     EngineCoreRequest,

@@ -25,7 +25,8 @@ from mmserve.execution.sample.step import sample_step
 from mmserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from mmserve.layers.attention.buffers import BatchLimits
 from mmserve.multimodal import EncoderInput, ItemData, MultiModalFeature
-from mmserve.scheduling.outputs import GrammarOutput, Logprobs, ModelRunnerOutput, SchedulerOutput
+from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from mmserve.updates import Logprobs
 
 logger = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@ from mmserve.scheduling.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
-    RequestUpdate,
     SchedulerOutput,
     SchedulerStats,
 )
-from mmserve.scheduling.request import Request, RequestStatus
+from mmserve.scheduling.request import Request
 from mmserve.scheduling.scheduler import Scheduler
+from mmserve.updates import RequestStatus, RequestUpdate
 
 __all__ = [
     "CachedRequestData",

@@ -2,37 +2,10 @@
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 from mmserve.multimodal import MultiModalFeature
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
-    FINISHED_STOPPED = "finished_stopped"
-    FINISHED_LENGTH = "finished_length"
-    FINISHED_ABORTED = "finished_aborted"
-    FINISHED_ERROR = "finished_error"
-
-    @property
-    def is_finished(self) -> bool:
-        return self.value.startswith("finished")
-
-
-# The OpenAI finish_reason of each finished status (what outputs and the wire carry).
-FINISH_REASONS: Mapping[RequestStatus, str] = MappingProxyType(
-    {
-        RequestStatus.FINISHED_STOPPED: "stop",
-        RequestStatus.FINISHED_LENGTH: "length",
-        RequestStatus.FINISHED_ABORTED: "abort",
-        RequestStatus.FINISHED_ERROR: "error",
-    }
-)
+from mmserve.updates import RequestStatus
 
 
 @dataclass(slots=True)

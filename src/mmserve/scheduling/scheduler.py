@@ -21,14 +21,10 @@ from mmserve.scheduling.encoder_planner import (
 )
 from mmserve.scheduling.item_data import ItemDataHolder, PixelsGone
 from mmserve.scheduling.kv_cache_manager import KVCacheManager
-from mmserve.scheduling.outputs import (
-    ModelRunnerOutput,
-    RequestUpdate,
-    SchedulerOutput,
-    SchedulerStats,
-)
-from mmserve.scheduling.request import Request, RequestStatus, check_stop
+from mmserve.scheduling.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from mmserve.scheduling.request import Request, check_stop
 from mmserve.scheduling.step_plan import StepPlan
+from mmserve.updates import RequestStatus, RequestUpdate
 
 logger = logging.getLogger(__name__)
 

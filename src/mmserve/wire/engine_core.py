@@ -9,7 +9,7 @@ from mmserve.config.scheduler import SchedulerConfig
 from mmserve.metrics import SchedulerStats
 from mmserve.multimodal import EncoderInput, MultiModalFeature, ProcessedPrompt, RemoteItem
 from mmserve.sampling_params import SamplingParams
-from mmserve.scheduling.outputs import RequestUpdate
+from mmserve.updates import RequestUpdate
 from mmserve.wire.common import (
     Identifier,
     RequestId,

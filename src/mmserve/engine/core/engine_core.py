@@ -21,15 +21,11 @@ from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.mrope import decode_positions
 from mmserve.sampling_params import SamplingParams
 from mmserve.scheduling.admission import bounded_max_tokens
-from mmserve.scheduling.outputs import (
-    GrammarOutput,
-    ModelRunnerOutput,
-    RequestUpdate,
-    SchedulerOutput,
-)
-from mmserve.scheduling.request import Request, RequestStatus
+from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from mmserve.scheduling.request import Request
 from mmserve.scheduling.scheduler import Scheduler
 from mmserve.structured_output.manager import StructuredOutputManager
+from mmserve.updates import RequestStatus, RequestUpdate
 
 logger = logging.getLogger(__name__)
 

@@ -32,8 +32,7 @@ from mmserve.engine.core.engine_core import EngineCore
 from mmserve.engine.shape import resolve_shape
 from mmserve.errors import EngineDeadError, FailureKind, MMServeError, RequestFailure
 from mmserve.metrics import CORE_COUNTERS, CORE_GAUGES, EngineMetrics, SchedulerStats
-from mmserve.scheduling.outputs import RequestUpdate
-from mmserve.scheduling.request import RequestStatus
+from mmserve.updates import RequestStatus, RequestUpdate
 from mmserve.wire import codec
 from mmserve.wire.common import WireError
 from mmserve.wire.engine_core import (

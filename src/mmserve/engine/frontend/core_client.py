@@ -32,9 +32,8 @@ from mmserve.errors import EngineDeadError
 from mmserve.metrics import EngineMetrics, record_scheduler_stats
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.sampling_params import SamplingParams
-from mmserve.scheduling.outputs import RequestUpdate
-from mmserve.scheduling.request import RequestStatus
 from mmserve.structured_output.compiler import check_structured_output
+from mmserve.updates import RequestStatus, RequestUpdate
 from mmserve.wire import codec
 from mmserve.wire.common import WireError
 from mmserve.wire.engine_core import (

@@ -18,7 +18,7 @@ from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.sampling_params import INT64_MIN, SamplingParams, check_seed
 from mmserve.scheduling.admission import bounded_max_tokens, validate_request
-from mmserve.scheduling.request import RequestStatus
+from mmserve.updates import RequestStatus
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mmserve.engine.frontend.detokenizer import DecodeFn
 from mmserve.engine.frontend.outputs import Logprob, TokenLogprobs
-from mmserve.scheduling.outputs import Logprobs
+from mmserve.updates import Logprobs
 
 
 def decode_logprobs(lp: Logprobs, decode: DecodeFn) -> tuple[list[TokenLogprobs], float]:

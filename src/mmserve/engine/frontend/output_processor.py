@@ -25,8 +25,7 @@ from mmserve.engine.frontend.request_timing import RequestTimes
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.sampling_params import SamplingParams
-from mmserve.scheduling.outputs import RequestUpdate
-from mmserve.scheduling.request import FINISH_REASONS
+from mmserve.updates import FINISH_REASONS, RequestUpdate
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,7 @@ from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.sampling_params import SamplingParams
-from mmserve.scheduling.outputs import RequestUpdate
-from mmserve.scheduling.request import RequestStatus
+from mmserve.updates import RequestStatus, RequestUpdate
 
 
 class EngineClient(Protocol):

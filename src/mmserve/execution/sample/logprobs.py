@@ -17,7 +17,7 @@ import torch
 from mmserve.errors import RequestFailure
 from mmserve.execution.host_copy import to_device
 from mmserve.execution.sample.rows import SamplingRow
-from mmserve.scheduling.outputs import Logprobs
+from mmserve.updates import Logprobs
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from mmserve.errors import RequestFailure
 from mmserve.execution.sample.logprobs import logprob_table, raw_logprobs, unpack_logprobs
 from mmserve.execution.sample.rows import SamplingRow
 from mmserve.execution.sample.sampler import resolve_draw, sample_on_device
-from mmserve.scheduling.outputs import Logprobs
+from mmserve.updates import Logprobs
 
 
 @dataclass(frozen=True)
