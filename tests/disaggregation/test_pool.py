@@ -107,8 +107,11 @@ def wait_until(check, timeout_s: float = 10.0) -> bool:
 def test_embeddings_arrive_exactly_and_are_counted(fakes, pools, dtype):
     (a,) = fakes(1)
     a.behaviour.dtype = dtype
+    # The answer waits, so the first item is still pending when the second submit comes (a
+    # local round trip can otherwise finish between the two calls, and the item is sent again).
+    a.behaviour.reply_delay_s = 1.0
     metrics = EngineMetrics()
-    pool = pools([a], metrics=metrics)
+    pool = pools([a], metrics=metrics, timeout_s=10.0)
     pool.submit("r1", *remote(1))
     pool.submit("r1", *remote(1))  # already pending: not sent twice
     assert pool.num_pending() == 1
