@@ -32,6 +32,7 @@ FOUNDATION = frozenset(
         "host_allocator",  # glibc malloc settings (ctypes): the API process and the CPU worker
         "metrics",
         "multimodal",
+        "routing",  # rendezvous hashing bounded by load: encoder pools (and replicas)
         "sampling_params",
         "serve_flags",
         "structured_output.params",  # a value type carried by SamplingParams

@@ -46,6 +46,7 @@ from mmserve.disaggregation.protocol import (
 )
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.metrics import EngineMetrics
+from mmserve.routing import choose_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -155,13 +156,21 @@ class PoolIO:
         self.pending[p.feature.identifier] = p
         self._dispatch(p, time.monotonic(), is_retry=False)
 
-    def _choose(self, exclude: set[str]) -> EncoderLink | None:
-        """The healthy encoder with the least input patches in front of a new item."""
-        candidates = [ln for ln in self.links if ln.is_healthy and ln.url not in exclude]
-        return min(candidates, key=lambda ln: ln.load, default=None)
+    def _choose(self, p: PendingItem) -> EncoderLink | None:
+        """The healthy, untried encoder ranked first for p's identity (rendezvous hashing), so
+        that every language server sends one picture to the encoder that has cached it, unless
+        that encoder carries more than its share of the input patches in flight."""
+        candidates = [ln for ln in self.links if ln.is_healthy and ln.url not in p.tried]
+        chosen = choose_bounded(
+            p.feature.identifier,
+            [ln.url for ln in candidates],
+            [ln.load for ln in candidates],
+            p.item.num_patches,
+        )
+        return None if chosen is None else candidates[chosen]
 
     def _dispatch(self, p: PendingItem, now: float, *, is_retry: bool) -> None:
-        while (link := self._choose(p.tried)) is not None:
+        while (link := self._choose(p)) is not None:
             if is_retry:
                 self.metrics.inc("remote_encoder_retries")
             if self._send(p, link, now):

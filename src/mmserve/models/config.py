@@ -38,6 +38,8 @@ class VisionConfig:
     fullatt_block_indexes: tuple[int, ...] = ()
     tokens_per_second: float | None = None
     rope_theta: float = 10000.0
+    # vision blocks whose outputs feed DeepStack mergers (Qwen3-VL); empty: no DeepStack
+    deepstack_visual_indexes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.model_type not in ("qwen2_vl", "qwen2_5_vl"):
@@ -141,6 +143,20 @@ class ModelConfig:
     @property
     def spatial_merge_size(self) -> int:
         return self.vision.spatial_merge_size
+
+    @property
+    def deepstack_levels(self) -> int:
+        """How many extra per-layer embeddings the vision tower returns per token besides the
+        main one (Qwen3-VL's DeepStack; 0 for Qwen2-VL and Qwen2.5-VL)."""
+        return len(self.vision.deepstack_visual_indexes)
+
+    @property
+    def mm_embedding_width(self) -> int:
+        """Values per row of an item's encoder output: the main embedding then every DeepStack
+        level, concatenated along the last dimension ([tokens, hidden * (1 + levels)]). The
+        encoder cache, its byte ledger, the encode/prefill wire and the pool carry rows of this
+        width; only the model splits them."""
+        return self.text.hidden_size * (1 + self.deepstack_levels)
 
 
 def _rope_dict(text: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

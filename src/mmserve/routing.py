@@ -1,0 +1,47 @@
+"""Content routing: send an item to the node most likely to hold it, unless that node is busy.
+
+Rendezvous (highest-random-weight) hashing ranks the nodes for a key: every sender ranks them
+the same way without talking to the others, and removing a node moves only the keys it was
+first for. A picture sent by two language servers therefore meets the same encoder, whose
+embedding cache answers the second request. Load bounds the affinity: the first-ranked node
+is skipped while it carries more than its fair share (plus slack) of the work in flight, so
+a burst of one hot key cannot queue behind a single node while others idle.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import blake3
+
+LOAD_SLACK = 0.25  # a node may carry up to 1.25x the mean load (counting the new item) first
+
+
+def _weight(key: str, node: str) -> int:
+    digest = blake3.blake3(f"{len(key)}:{key}|{node}".encode()).digest(length=8)
+    return int.from_bytes(digest, "big")
+
+
+def rendezvous_order(key: str, nodes: Sequence[str]) -> list[int]:
+    """Indices of `nodes`, most preferred for `key` first (ties cannot depend on order)."""
+    return sorted(range(len(nodes)), key=lambda i: (-_weight(key, nodes[i]), nodes[i]))
+
+
+def choose_bounded(key: str, nodes: Sequence[str], loads: Sequence[int], cost: int) -> int | None:
+    """The index of the node to send a `cost`-sized item with `key` to, or None if no nodes.
+
+    The highest-ranked node whose load after taking the item stays within the bound
+    ceil((1 + LOAD_SLACK) * (total load + cost) / len(nodes)); an idle node is always within
+    it. The least-loaded node always satisfies the bound, so a choice is always made."""
+    if len(nodes) != len(loads):
+        raise ValueError(f"{len(nodes)} nodes but {len(loads)} loads")
+    if not nodes:
+        return None
+    cost = max(cost, 0)
+    bound = math.ceil((1 + LOAD_SLACK) * (sum(loads) + cost) / len(nodes))
+    order = rendezvous_order(key, nodes)
+    for i in order:
+        if loads[i] == 0 or loads[i] + cost <= bound:
+            return i
+    return min(order, key=lambda i: loads[i])
