@@ -73,3 +73,41 @@ def test_the_input_processor_passes_kwargs_through_the_same_check() -> None:
     assert info.value.param == "chat_template_kwargs.add_generation_prompt"
     prompt, _, _ = processor.render_chat(messages, chat_template_kwargs={"add_vision_id": True})
     assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_continue_final_message_leaves_the_last_message_open(toy_tokenizer: Tokenizer) -> None:
+    messages = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "The colour is"},
+    ]
+    closed = toy_tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    opened = toy_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    assert closed.endswith("The colour is<|im_end|>\n")
+    assert opened == closed[: -len("<|im_end|>\n")]
+
+
+def test_continue_final_message_excludes_the_generation_prompt(toy_tokenizer: Tokenizer) -> None:
+    messages = [{"role": "assistant", "content": "x"}]
+    with pytest.raises(InvalidRequestError) as info:
+        toy_tokenizer.apply_chat_template(messages, continue_final_message=True)
+    assert info.value.param == "continue_final_message"
+    parts = [{"role": "user", "content": [{"type": "image"}]}]  # no text to continue
+    with pytest.raises(InvalidRequestError) as info:
+        toy_tokenizer.apply_chat_template(
+            parts, add_generation_prompt=False, continue_final_message=True
+        )
+    assert info.value.param == "continue_final_message"
+
+
+def test_encode_adds_special_tokens_only_when_asked() -> None:
+    model = tokenizers.models.WordLevel({"a": 0, "[UNK]": 1, "<s>": 2}, unk_token="[UNK]")
+    raw = tokenizers.Tokenizer(model)
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    raw.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 2)]
+    )
+    tok = Tokenizer(raw)
+    assert tok.encode("a a") == [0, 0]
+    assert tok.encode("a a", add_special_tokens=True) == [2, 0, 0]

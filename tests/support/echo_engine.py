@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from mmserve.engine.frontend.outputs import CompletionOutput, OutputKind, RequestOutput
@@ -28,6 +28,23 @@ INTERNAL_MARKER = "FAIL-INTERNALLY"  # the engine fails the request at the secon
 KNOWN_PROCESSOR_KWARGS = {"max_pixels", "min_pixels"}
 
 
+class ByteTokenizer:
+    """One token per UTF-8 byte; IMAGE_TOKEN_ID is the one special token (decoded as "")."""
+
+    vocab_size = IMAGE_TOKEN_ID + 1
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in token_ids if i < 256).decode(errors="replace")
+
+    def id_to_token(self, token_id: int) -> str | None:
+        if token_id == IMAGE_TOKEN_ID:
+            return "<image>"
+        return bytes([token_id]).decode("latin-1") if 0 <= token_id < 256 else None
+
+
 class EchoEngine:
     """Deterministic engine with per-token sleeps; records namespaces, aborts and shutdown."""
 
@@ -37,6 +54,9 @@ class EchoEngine:
         self.max_logprobs = 20
         self.sampling_defaults: dict = {}
         self.metrics = EngineMetrics()
+        self.tokenizer = ByteTokenizer()
+        # (add_generation_prompt, continue_final_message) as each process_chat received them
+        self.chat_flags: list[tuple[bool, bool]] = []
         self.token_delay_s = token_delay_s
         self.namespaces: list[str] = []
         self.sampling_params: list[SamplingParams] = []  # as each generate() received them
@@ -57,8 +77,11 @@ class EchoEngine:
         multi_modal_uuids: dict[str, list[str | None]] | None = None,
         namespace: str = "default",
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> ProcessedPrompt:
         self.namespaces.append(namespace)
+        self.chat_flags.append((add_generation_prompt, continue_final_message))
         unknown = set(mm_processor_kwargs or {}) - KNOWN_PROCESSOR_KWARGS
         if unknown:
             raise InvalidRequestError(

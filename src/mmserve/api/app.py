@@ -33,10 +33,24 @@ from mmserve.api.generation import (
     stream_events,
     until_disconnect,
 )
-from mmserve.api.json_body import parse_json_body
+from mmserve.api.json_body import read_json_body
 from mmserve.api.prometheus import build_registry, render
 from mmserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from mmserve.api.responses import (
+    new_response_id,
+    parse_responses_request,
+    renamed_params,
+    to_chat_request,
+)
+from mmserve.api.responses_output import ResponsesFormat
+from mmserve.api.responses_stream import response_events
 from mmserve.api.status import report_status
+from mmserve.api.tokenize import (
+    detokenize,
+    parse_detokenize_request,
+    parse_tokenize_request,
+    tokenize,
+)
 from mmserve.api.unsupported import refuse_unsupported_fields
 from mmserve.config.server import ServerConfig
 from mmserve.engine.frontend.outputs import OutputKind
@@ -51,10 +65,6 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 # Status 499 (nginx's "client closed request"): nobody reads it, but the access log should not
 # show a disconnect as a success or as a server error.
 _CLIENT_GONE_STATUS = 499
-# Bodies over this are parsed in a worker thread. json.loads itself holds the GIL, but the
-# checking walk after it does not, so the event loop streams tokens to others meanwhile
-# (measured on 1M token ids: the loop's longest stall 0.42 s inline, 0.21-0.38 s threaded).
-_PARSE_IN_THREAD_BYTES = 1 << 20
 
 
 def create_app(
@@ -152,17 +162,60 @@ def create_app(
 
         return await _answer(run)
 
-    def _check_before_processing(body: SamplingFields) -> SamplingParams:
-        """Refuse what needs no prompt to refuse, before any image is fetched or decoded."""
-        if body.model is not None and body.model not in names:
+    @v1.post("/responses")
+    async def responses(request: Request, namespace: str = Depends(request_namespace)):
+        async def run() -> Response:
+            with renamed_params():
+                body = parse_responses_request(await read_json_body(request))
+                chat = to_chat_request(body)
+                params = _check_before_processing(chat)
+                prompt = await until_disconnect(
+                    request,
+                    engine.process_chat(
+                        [m.model_dump(exclude_none=True) for m in chat.messages],
+                        mm_processor_kwargs=chat.mm_processor_kwargs,
+                        namespace=namespace,
+                        chat_template_kwargs=chat.chat_template_kwargs,
+                    ),
+                )
+                fmt = ResponsesFormat(body, primary, params, new_response_id())
+                return await _generate(request, chat, params, prompt, fmt, response_events)
+
+        return await _answer(run)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request, namespace: str = Depends(request_namespace)):
+        async def run() -> Response:
+            body = parse_tokenize_request(await read_json_body(request))
+            _check_model(body.model)
+            answer = await until_disconnect(request, tokenize(engine, body, namespace))
+            return JSONResponse(answer)
+
+        return await _answer(run)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        async def run() -> Response:
+            body = parse_detokenize_request(await read_json_body(request))
+            _check_model(body.model)
+            return JSONResponse(await detokenize(engine, body))
+
+        return await _answer(run)
+
+    def _check_model(model: str | None) -> None:
+        if model is not None and model not in names:
             served = ", ".join(repr(n) for n in names)
             raise APIError(
                 404,
-                f"the model {body.model[:100]!r} does not exist; this server serves "
+                f"the model {model[:100]!r} does not exist; this server serves "
                 f"{served} (see GET /v1/models)",
                 code="model_not_found",
                 param="model",
             )
+
+    def _check_before_processing(body: SamplingFields) -> SamplingParams:
+        """Refuse what needs no prompt to refuse, before any image is fetched or decoded."""
+        _check_model(body.model)
         # Every sampling range is checked here; the bound by the prompt's length comes later.
         params = body.to_sampling_params(body.requested_max_tokens, engine.sampling_defaults)
         if params.logprobs is not None and params.logprobs > engine.max_logprobs:
@@ -180,7 +233,8 @@ def create_app(
         body: SamplingFields,
         requested: SamplingParams,
         prompt: ProcessedPrompt,
-        fmt: ResponseFormat,
+        fmt: ResponseFormat | ResponsesFormat,
+        events: Callable[..., AsyncIterator[str]] = stream_events,
     ) -> Response:
         params = sampling_params_for(
             body,
@@ -212,7 +266,7 @@ def create_app(
                 await close_outputs(outputs)
                 raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(stream_events(outputs, first, fmt, include_usage, params.n))
+        return SSEResponse(events(outputs, first, fmt, include_usage, params.n))
 
     @app.get("/health")
     async def health() -> Response:
@@ -244,11 +298,7 @@ async def _answer(run: Callable[[], Any]) -> Response:
 
 async def _parse(request: Request, model: type[BodyT]) -> BodyT:
     """JSON with limits, then types, then fields we would otherwise silently ignore."""
-    raw = await request.body()
-    if len(raw) > _PARSE_IN_THREAD_BYTES:
-        data = await asyncio.to_thread(parse_json_body, raw)
-    else:
-        data = parse_json_body(raw)
+    data = await read_json_body(request)
     try:
         body = model.model_validate(data)
     except ValidationError as exc:

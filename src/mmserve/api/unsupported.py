@@ -57,9 +57,9 @@ def refuse_unsupported_fields(body: dict[str, Any]) -> None:
     """Raise InvalidRequestError for the first listed field that holds a value that matters."""
     for field, neutral in UNSUPPORTED_FIELDS.items():
         value = _lookup(body, field)
-        if value is None or any(_same_json_value(value, n) for n in neutral):
+        if value is None or any(same_json_value(value, n) for n in neutral):
             continue
-        if field == "best_of" and _same_json_value(value, body.get("n", 1)):
+        if field == "best_of" and same_json_value(value, body.get("n", 1)):
             continue  # best_of == n returns every sample drawn: what n alone does
         hint = f"omit it or send {json.dumps(neutral[0])}" if neutral else "omit it"
         raise InvalidRequestError(
@@ -78,7 +78,7 @@ def _lookup(body: dict[str, Any], dotted: str) -> Any:
     return value
 
 
-def _same_json_value(value: Any, neutral: Any) -> bool:
+def same_json_value(value: Any, neutral: Any) -> bool:
     # In Python True == 1 and False == 0; in JSON they are different values.
     if isinstance(value, bool) or isinstance(neutral, bool):
         return value is neutral

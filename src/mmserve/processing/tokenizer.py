@@ -104,9 +104,12 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of text; special-token strings in it become their ids (as in HF)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of text; special-token strings in it become their ids (as in HF).
+
+        `add_special_tokens`: also what the tokenizer's post-processor adds (a BOS, for
+        tokenizers that have one; nothing for Qwen's)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -116,13 +119,23 @@ class Tokenizer:
         messages: Sequence[dict[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Render messages (already normalised by `processing.chat`) with the chat template.
 
         `template_kwargs` (the request's chat_template_kwargs) are extra template variables,
         e.g. {"add_vision_id": true}; they may not set what the renderer passes itself.
+        `continue_final_message`: end the prompt right after the last message's text, open
+        for the model to continue it (what transformers and vLLM do); it excludes
+        `add_generation_prompt`.
         """
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true; send "
+                "add_generation_prompt: false to continue the final message",
+                param="continue_final_message",
+            )
         if self._template is None:
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions (or LLM.generate) with a "
@@ -130,7 +143,7 @@ class Tokenizer:
             )
         extra = _checked_template_kwargs(template_kwargs)
         try:
-            return self._template.render(
+            rendered = self._template.render(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
@@ -152,6 +165,24 @@ class Tokenizer:
                 f"request; {detail}",
                 param="chat_template_kwargs" if extra else "messages",
             ) from None
+        return _open_final_message(rendered, messages) if continue_final_message else rendered
+
+
+def _open_final_message(rendered: str, messages: Sequence[dict[str, Any]]) -> str:
+    """`rendered` cut right after the final message's text (its last text part), so that
+    whatever the template closes the message with (an end-of-turn token) is left out."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if p.get("type") == "text"]
+        content = texts[-1] if texts else None
+    if not content or not isinstance(content, str) or content.strip() not in rendered:
+        raise InvalidRequestError(
+            "continue_final_message needs a final message that ends with text the chat "
+            "template renders; end the messages with a message that has text content",
+            param="continue_final_message",
+        )
+    final = content if content in rendered else content.strip()
+    return rendered[: rendered.rindex(final) + len(final)]
 
 
 def _checked_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:

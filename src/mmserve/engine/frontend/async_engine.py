@@ -94,6 +94,7 @@ class AsyncLLMEngine:
         self.max_logprobs = engine.max_logprobs
         self.sampling_defaults = engine.sampling_defaults
         self.metrics = engine.metrics
+        self.tokenizer = engine.input_processor.tokenizer
         self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
@@ -116,6 +117,8 @@ class AsyncLLMEngine:
         multi_modal_uuids: dict[str, list[str | None]] | None = None,
         namespace: str = DEFAULT_NAMESPACE,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> ProcessedPrompt:
         self._raise_if_dead()  # no media fetch or decode for a request that cannot run
         if multi_modal_uuids:
@@ -124,7 +127,9 @@ class AsyncLLMEngine:
             messages,
             mm_processor_kwargs=mm_processor_kwargs,
             namespace=namespace,
+            add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
+            continue_final_message=continue_final_message,
         )
 
     async def process_prompt(

@@ -3,7 +3,7 @@ front end drives (`CoreLike`: an engine core in this process or in an engine pro
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, Protocol
 
 from mmserve.config.scheduler import CacheConfig, SchedulerConfig
@@ -12,6 +12,19 @@ from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.sampling_params import SamplingParams
 from mmserve.updates import RequestStatus, RequestUpdate
+
+
+class TextTokenizer(Protocol):
+    """The checkpoint's tokenizer, as /tokenize and /detokenize use it."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
+
+    def id_to_token(self, token_id: int) -> str | None: ...
 
 
 class EngineClient(Protocol):
@@ -41,6 +54,7 @@ class EngineClient(Protocol):
     # SamplingParams fields for those a request leaves out (--generation-config)
     sampling_defaults: dict[str, Any]
     metrics: EngineMetrics
+    tokenizer: TextTokenizer
 
     async def process_chat(
         self,
@@ -50,6 +64,8 @@ class EngineClient(Protocol):
         multi_modal_uuids: dict[str, list[str | None]] | None = None,
         namespace: str = "default",
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> ProcessedPrompt: ...
 
     async def process_prompt(
