@@ -186,6 +186,7 @@ async def test_text_format_asks_for_structured_output(
         ({"text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema"),
         ({"text": {"format": {"type": "json_schema", "schema": {"type": 5}}}}, None),
         ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
         ({"model": "other"}, "model"),
     ],
 )

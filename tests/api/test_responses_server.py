@@ -160,3 +160,12 @@ def test_tokenize_continues_the_final_message(server) -> None:
     )
     assert both.status_code == 400
     assert both.json()["error"]["param"] == "continue_final_message"
+
+
+def test_errors_from_the_chat_path_name_the_input_item(server) -> None:
+    given = [{"role": "user", "content": [{"type": "input_text", "text": "<|image_pad|>"}]}]
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client.responses.create(model=model_of(server), input=given, instructions="Be.")
+    body = info.value.body
+    assert body["param"] == "input"  # type: ignore[index]
+    assert "input[0]" in body["message"] and "messages" not in body["message"]  # type: ignore[index]

@@ -165,8 +165,9 @@ def create_app(
     @v1.post("/responses")
     async def responses(request: Request, namespace: str = Depends(request_namespace)):
         async def run() -> Response:
-            with renamed_params():
+            with renamed_params() as names:
                 body = parse_responses_request(await read_json_body(request))
+                names.num_instruction_messages = int(body.instructions is not None)
                 chat = to_chat_request(body)
                 params = _check_before_processing(chat)
                 prompt = await until_disconnect(

@@ -16,7 +16,6 @@ import contextlib
 import json
 import re
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -70,6 +69,12 @@ def parse_responses_request(data: dict[str, Any]) -> ResponsesRequest:
         reason = REFUSAL_REASONS.get(field, "it is not supported by this server")
         hint = f"omit it or send {json.dumps(neutral[0])}" if neutral else "omit it"
         raise InvalidRequestError(f"{field} cannot be served: {reason}; {hint}", param=field)
+    if body.text is not None and body.text.verbosity not in (None, "medium"):
+        raise InvalidRequestError(
+            "text.verbosity cannot be served: this model has no verbosity control; omit it "
+            'or send "medium"',
+            param="text.verbosity",
+        )
     if body.tools:
         raise InvalidRequestError(
             "tools (function calling) are not supported by this server yet; omit tools",
@@ -106,13 +111,10 @@ def to_chat_request(body: ResponsesRequest) -> ResponsesChatRequest:
         "chat_template_kwargs": body.chat_template_kwargs,
         "response_format": _response_format(body),
     }
-    with renamed_params():
-        try:
-            return ResponsesChatRequest.model_validate(
-                {k: v for k, v in chat.items() if v is not None}
-            )
-        except ValidationError as exc:
-            raise validation_error(exc.errors()) from None
+    try:
+        return ResponsesChatRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
 
 
 def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
@@ -130,24 +132,33 @@ def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
-@contextlib.contextmanager
-def renamed_params() -> Iterator[None]:
-    """Errors raised on the chat path, re-pointed at the Responses fields they came from."""
-    try:
-        yield
-    except InvalidRequestError as exc:
-        param = _renamed(exc.param)
-        if param == exc.param:
-            raise
+class renamed_params(contextlib.AbstractContextManager):  # noqa: N801 (used as a `with`)
+    """Errors raised on the chat path, re-pointed at the Responses fields they came from.
+
+    `num_instruction_messages` (1 once the body has `instructions`) lets `messages[k]` in an
+    error's text become the `input[k - 1]` the client sent."""
+
+    def __init__(self) -> None:
+        self.num_instruction_messages = 0
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        if isinstance(exc, InvalidRequestError | APIError):
+            param = _renamed(exc.param)
+            if param != exc.param:
+                raise self._renamed_error(exc, param) from None
+
+    def _renamed_error(self, exc: InvalidRequestError | APIError, param: str | None) -> Exception:
         message = exc.message
-        for chat_name, name in _PARAM_NAMES[:-1]:  # messages[i] indexes differ: left alone
+        for chat_name, name in _PARAM_NAMES[:-1]:
             message = re.sub(rf"\b{re.escape(chat_name)}\b", name, message)
-        raise type(exc)(message, param=param) from None
-    except APIError as exc:
-        param = _renamed(exc.param)
-        if param == exc.param:
-            raise
-        raise APIError(exc.status_code, exc.message, code=exc.code, param=param) from None
+        message = re.sub(r"\bmessages\[(\d+)\]", self._input_index, message)
+        if isinstance(exc, APIError):
+            return APIError(exc.status_code, message, code=exc.code, param=param)
+        return type(exc)(message, param=param)
+
+    def _input_index(self, match: re.Match[str]) -> str:
+        k = int(match.group(1)) - self.num_instruction_messages
+        return "instructions" if k < 0 else f"input[{k}]"
 
 
 def _renamed(param: str | None) -> str | None:
