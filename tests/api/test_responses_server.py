@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import random
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import jsonschema
@@ -12,8 +15,9 @@ import openai
 import pytest
 
 from mmserve.config.model import bundled_toy_model_dir
+from tests.api.hostile import example, healthy, png_data_url
 from tests.support.grammar import SCHEMA
-from tests.support.harness import Server, data_url
+from tests.support.harness import Server, data_url, wait_until_idle
 from tests.support.toy_examples import ToyQuestion, held_out
 
 MAX_TOKENS = 48
@@ -169,3 +173,82 @@ def test_errors_from_the_chat_path_name_the_input_item(server) -> None:
     body = info.value.body
     assert body["param"] == "input"  # type: ignore[index]
     assert "input[0]" in body["message"] and "messages" not in body["message"]  # type: ignore[index]
+
+
+RESPONSES_FIELDS = [
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
+    "text", "tools", "tool_choice", "store", "previous_response_id", "metadata", "background",
+    "include", "truncation", "top_logprobs", "reasoning", "stream_options", "top_k", "seed",
+    "mm_processor_kwargs", "cache_salt", "user",
+]  # fmt: skip
+INPUT_PATHS = [
+    ("input", 0), ("input", 0, "role"), ("input", 0, "type"), ("input", 0, "content"),
+    ("input", 0, "content", 0), ("input", 0, "content", 0, "type"),
+    ("input", 0, "content", 0, "image_url"), ("input", 0, "content", 0, "detail"),
+    ("input", 0, "content", 1, "text"), ("text", "format"), ("text", "format", "type"),
+    ("text", "format", "schema"),
+]  # fmt: skip
+TOKENIZE_FIELDS = [
+    "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+    "continue_final_message", "return_token_strs", "chat_template_kwargs", "tokens",
+]  # fmt: skip
+POOL: list[Any] = [
+    None, True, False, 0, -1, 1, 2**63, 1e308, 0.5, "", "x", "<|image_pad|>", "\u0000",
+    "data:image/png;base64,!!", "http://127.0.0.1:1/x.png", "input_image", "json_schema",
+    [], [1, -1], [{"type": "input_text"}], {}, {"type": "json_schema"}, {"a": [None]},
+]  # fmt: skip
+
+
+def _set(body: dict, path: tuple, value: Any) -> None:
+    node: Any = body
+    for key in path[:-1]:
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return  # an earlier mutation replaced this branch
+    if isinstance(node, dict) or (isinstance(node, list) and path[-1] < len(node)):
+        node[path[-1]] = value
+
+
+def _fuzz_cases(rng: random.Random, image: str) -> list[tuple[str, dict]]:
+    cases = []
+    for _ in range(96):
+        if rng.random() < 0.7:
+            path = "/v1/responses"
+            parts = [
+                {"type": "input_image", "image_url": image},
+                {"type": "input_text", "text": "What is in the image?"},
+            ]
+            body: dict = {
+                "input": [{"role": "user", "content": parts}],
+                "max_output_tokens": 4,
+                "text": {"format": {"type": "json_schema", "name": "a", "schema": SCHEMA}},
+            }
+            fields: list[tuple] = [(f,) for f in RESPONSES_FIELDS] + INPUT_PATHS
+        else:
+            path = rng.choice(["/tokenize", "/detokenize"])
+            body = {"prompt": "a red"} if path == "/tokenize" else {"tokens": [1, 2]}
+            fields = [(f,) for f in TOKENIZE_FIELDS]
+        for field in rng.sample(fields, rng.randint(1, 3)):
+            _set(body, field, rng.choice(POOL))
+        cases.append((path, body))
+    return cases
+
+
+def test_fuzzed_fields_never_give_a_5xx(server) -> None:
+    image = png_data_url(example("red_circle"))
+    cases = _fuzz_cases(random.Random(20261203), image)
+
+    def send(case: tuple[str, dict]) -> tuple[int, str]:
+        resp = httpx.post(server.url + case[0], json=case[1], timeout=120)
+        return resp.status_code, resp.text
+
+    statuses: dict[int, int] = {}
+    with ThreadPoolExecutor(4) as pool:
+        for case, (status, answer) in zip(cases, pool.map(send, cases), strict=True):
+            statuses[status] = statuses.get(status, 0) + 1
+            assert status < 500, (case, status, answer[:300])
+            assert '"code": "internal_error"' not in answer, (case, answer[:300])
+    assert healthy(server)
+    assert statuses.get(200, 0) >= 10 and sum(statuses.values()) - statuses[200] >= 30, statuses
+    wait_until_idle(server.url, timeout_s=60)
