@@ -75,7 +75,8 @@ class VisionConfig:
         bad = [i for i in self.deepstack_visual_indexes if not 0 <= i < self.depth]
         if bad:
             raise ValueError(
-                f"vision deepstack_visual_indexes {bad} are not blocks of a depth-{self.depth} tower"
+                f"vision deepstack_visual_indexes {bad} are not blocks of a "
+                f"depth-{self.depth} tower"
             )
 
     @property

@@ -79,7 +79,8 @@ class Qwen3DecoderLayer(Qwen2DecoderLayer):
 
 
 class Qwen3Model(nn.Module):
-    """Token embedding, Qwen3 decoder layers, the final norm (no LM head); `ops` as in Qwen2Model."""
+    """Token embedding, Qwen3 decoder layers, the final norm (no LM head); `ops` as in
+    Qwen2Model."""
 
     def __init__(self, config: TextConfig, ops: LayerOps | None = None) -> None:
         super().__init__()
