@@ -149,3 +149,11 @@ def test_rows_of_the_wrong_width_are_refused_by_name(pair) -> None:
     ids = torch.tensor([1, config.image_token_id, 2])
     with pytest.raises(ValueError, match="rows have 64 values, this model's are 256"):
         model.embed_input_ids(ids, torch.zeros(1, 64), torch.tensor([1]))
+
+
+def test_encoder_cuda_graphs_are_refused_for_the_qwen3_tower(qwen3_vl_dir) -> None:
+    """Their static buffers hold the Qwen2 tower's metadata only: refused by name, not run."""
+    from mmserve import LLM
+
+    with pytest.raises(ValueError, match="not Qwen3VisionTransformer. Drop the flag"):
+        LLM(model=str(qwen3_vl_dir), device="cpu", enable_encoder_cuda_graph=True)
