@@ -60,6 +60,68 @@ def test_the_hub_layout_parses_too_and_bad_vision_fields_are_named(qwen3_vl_dir)
             parse_model_config(bad)
 
 
+# Qwen3-VL-8B-Instruct's config.json as the hub publishes it (transformers 4.57 layout)
+HUB_8B = {
+    "architectures": ["Qwen3VLForConditionalGeneration"],
+    "image_token_id": 151655,
+    "model_type": "qwen3_vl",
+    "text_config": {
+        "bos_token_id": 151643,
+        "dtype": "bfloat16",
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "max_position_embeddings": 262144,
+        "model_type": "qwen3_vl_text",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "mrope_interleaved": True,
+            "mrope_section": [24, 20, 20],
+            "rope_type": "default",
+        },
+        "rope_theta": 5000000,
+        "tie_word_embeddings": False,
+        "vocab_size": 151936,
+    },
+    "tie_word_embeddings": False,
+    "video_token_id": 151656,
+    "vision_config": {
+        "deepstack_visual_indexes": [8, 16, 24],
+        "depth": 27,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 1152,
+        "in_channels": 3,
+        "intermediate_size": 4304,
+        "model_type": "qwen3_vl",
+        "num_heads": 16,
+        "num_position_embeddings": 2304,
+        "out_hidden_size": 4096,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+    "vision_end_token_id": 151653,
+    "vision_start_token_id": 151652,
+}
+
+
+def test_the_8b_hub_config_is_read_with_its_real_shapes() -> None:
+    config = parse_model_config(HUB_8B, {"eos_token_id": [151645, 151643]})
+    text, vision = config.text, config.vision
+    assert (text.head_dim, text.num_key_value_heads, text.rope_theta) == (128, 8, 5e6)
+    assert text.mrope_section == (24, 20, 20) and text.mrope_interleaved and text.qk_norm
+    assert vision.head_dim == 72 and vision.position_table_side == 48
+    assert vision.hidden_act == "gelu_pytorch_tanh" and vision.mlp_hidden_dim == 4304
+    assert config.deepstack_levels == 3 and config.mm_embedding_width == 4096 * 4
+    assert config.eos_token_ids == (151645, 151643) and not config.tie_word_embeddings
+    assert config.dtype == "bfloat16"
+
+
 @pytest.mark.parametrize(
     ("section", "head_dim"), [((6, 3, 3), 24), ((24, 20, 20), 128), ((4, 4, 4), 24)]
 )

@@ -70,14 +70,6 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(out.to(x.dtype).reshape(n, -1))
 
 
-class Qwen3DecoderLayer(Qwen2DecoderLayer):
-    """The Qwen2 pre-norm block (same norms, SwiGLU MLP, fused residual) with Qwen3 attention."""
-
-    def __init__(self, config: TextConfig, ops: LayerOps) -> None:
-        super().__init__(config, ops)
-        self.self_attn = Qwen3Attention(config, ops)
-
-
 class Qwen3Model(nn.Module):
     """Token embedding, Qwen3 decoder layers, the final norm (no LM head); `ops` as in
     Qwen2Model."""
@@ -88,7 +80,11 @@ class Qwen3Model(nn.Module):
         ops = ops or TorchLayerOps()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [Qwen3DecoderLayer(config, ops) for _ in range(config.num_hidden_layers)]
+            # the Qwen2 pre-norm block (norms, SwiGLU MLP, fused residual), Qwen3 attention
+            [
+                Qwen2DecoderLayer(config, ops, Qwen3Attention)
+                for _ in range(config.num_hidden_layers)
+            ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary = MRotaryEmbedding(

@@ -94,7 +94,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         embeds[mm_index] = mm_embeds[:, :hidden]
         if self.config.deepstack_levels:
             # [num_mm, L * hidden] -> [L, num_mm, hidden]
-            levels = mm_embeds[:, hidden:].view(-1, self.config.deepstack_levels, hidden)
+            levels = mm_embeds[:, hidden:].reshape(-1, self.config.deepstack_levels, hidden)
             self._deepstack = DeepstackInputs(mm_index, levels.transpose(0, 1))
         return embeds
 
