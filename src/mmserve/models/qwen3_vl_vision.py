@@ -70,9 +70,9 @@ def position_table_taps(
     `interpolate(mode="bilinear", align_corners=True)`). Taps in order (h0 w0, h0 w1, h1 w0,
     h1 w1)."""
     rows_cols = vision_hw_positions(grid_thw, merge, "cpu")  # [num_patches, 2]
-    sizes = torch.tensor(
-        [[h, w] for t, h, w in grid_thw for _ in range(t * h * w)], dtype=torch.int64
-    ).view(-1, 2)
+    counts = torch.tensor([t * h * w for t, h, w in grid_thw], dtype=torch.int64)
+    sizes = torch.tensor([[h, w] for _, h, w in grid_thw], dtype=torch.int64).view(-1, 2)
+    sizes = sizes.repeat_interleave(counts, dim=0)  # [num_patches, 2]: its item's (h, w)
     h_taps, h_weights = _axis_taps(rows_cols[:, 0], sizes[:, 0], side)
     w_taps, w_weights = _axis_taps(rows_cols[:, 1], sizes[:, 1], side)
     index = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
