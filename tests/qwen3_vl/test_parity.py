@@ -74,17 +74,20 @@ def test_a_prefix_cache_hit_answers_as_a_miss(qwen3_vl_dir, qwen3_oracle):
 
 
 def test_many_images_under_a_small_encoder_budget(qwen3_vl_dir, qwen3_oracle):
-    """Six images of up to 16 tokens, a cache of 16 slots and 32 tokens a step: items wait
-    for budget and space, are encoded one by one, chunks slice them; answers unchanged."""
-    images = [random_image(64 + 16 * (i % 3), 64 + 32 * (i % 2), seed=20 + i) for i in range(6)]
+    """Six images of 80 to 100 tokens, an encoder cache floored at the largest item (no two
+    images fit it at once) and 32 tokens a step: items wait for budget and space, are encoded
+    one at a time, chunks slice them; answers unchanged."""
+    sizes = [(320, 256), (320, 288), (288, 320), (320, 320), (256, 320), (300, 300)]
+    images = [random_image(w, h, seed=20 + i) for i, (w, h) in enumerate(sizes)]
     prompt = chat("Look:" + "".join(f"{IMG}{i}" for i in range(len(images))))
     args = {
         "max_num_batched_tokens": 32,
-        "encoder_cache_size": 16,
-        "mm_processor_kwargs": {"max_pixels": 128 * 128},  # at most 16 tokens an item
+        "encoder_cache_size": 16,  # floored at the largest item the server accepts
+        "mm_processor_kwargs": {"max_pixels": 320 * 320},
+        "limit_mm_per_prompt": {"image": 6, "video": 0},  # the floor: the largest image
     }
     with LLM(model=str(qwen3_vl_dir), **args) as llm:
-        assert llm.config.encoder_cache_slots == 16
+        assert llm.config.encoder_cache_slots < 2 * 80, "two images must not fit at once"
         outs = llm.generate([_request(prompt, images), _request(prompt, images[::-1])], GREEDY)
         counters = llm.engine.metrics.snapshot().counters
     assert outs[0].outputs[0].token_ids == qwen3_oracle.greedy(prompt, images, NUM_TOKENS)
