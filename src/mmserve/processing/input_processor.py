@@ -13,7 +13,7 @@ from typing import Any
 from mmserve.config.multimodal import MultimodalConfig
 from mmserve.errors import InvalidRequestError, PromptTooLongError, TooManyItemsError
 from mmserve.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_NAMESPACE, Hasher
-from mmserve.multimodal import EncoderInput, ItemData, ProcessedPrompt
+from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.chat import ChatImage, check_user_text, parse_chat_messages
 from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.item_loading import ImageInput, ItemLoader, VideoInput
@@ -35,6 +35,7 @@ from mmserve.processing.video_inputs import (
     largest_item_tokens,
     load_video_config,
     offline_video,
+    seconds_per_grid_t,
     split_processor_kwargs,
 )
 from mmserve.processing.video_sampling import VideoConfig
@@ -239,7 +240,7 @@ class InputProcessor:
             video_token_id=self.token_ids.video_token_id,
             spatial_merge_size=self.image_config.merge_size,
             video_grid_thw=[f.grid_thw for f in videos_done],
-            second_per_grid_ts=[_seconds_per_grid_t(mm_data[f.identifier]) for f in videos_done],
+            second_per_grid_ts=[seconds_per_grid_t(mm_data[f.identifier]) for f in videos_done],
             tokens_per_second=self.tokens_per_second,
         )
         return ProcessedPrompt(
@@ -384,8 +385,3 @@ class InputProcessor:
 
 def _items(parts: Sequence[ChatImage], loaded: Sequence[Any]) -> list[PromptItem]:
     return [PromptItem(p.modality, x, p.uuid) for p, x in zip(parts, loaded, strict=True)]
-
-
-def _seconds_per_grid_t(data: ItemData) -> float:
-    """A video's seconds per temporal patch (1.0 where the item does not say)."""
-    return (data.second_per_grid_t or 1.0) if isinstance(data, EncoderInput) else 1.0
