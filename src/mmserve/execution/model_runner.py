@@ -19,6 +19,7 @@ from mmserve.execution.graphs.decode import DecodeGraphs
 from mmserve.execution.input_batch import InputBuffers, SpliceError, StepBatch, prepare_batch
 from mmserve.execution.request_state import RequestState, RunnerPayload
 from mmserve.execution.sample.bitmask import sampling_bitmask
+from mmserve.execution.sample.prompt_logprobs import join_rows, prompt_logprob_rows
 from mmserve.execution.sample.rows import SamplingRow
 from mmserve.execution.sample.sampler import make_device_generator
 from mmserve.execution.sample.step import sample_step
@@ -136,11 +137,18 @@ class ModelRunner:
                 batch.mm_index,
                 batch.mm_embeds,
             )
+        self._prompt_logprobs(so, batch, hidden)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, Logprobs] = {}
         if batch.sample_request_ids:
             self._sample(batch, hidden, grammar_output, errors, sampled, logprobs)
-        return _output(sampled, errors, logprobs, results)
+        output = _output(sampled, errors, logprobs, results)
+        for request_id in sampled:
+            state = self.states[request_id]
+            if state.prompt_logprob_chunks is not None:
+                output.prompt_logprobs[request_id] = self._joined(state)
+                state.prompt_logprob_chunks = None
+        return output
 
     def wait_for_encoder(self, timeout_s: float) -> None:
         """Block until the encoder source has something for an item in flight, or timeout."""
@@ -200,6 +208,32 @@ class ModelRunner:
             if i in step.logprobs:
                 logprobs[request_id] = step.logprobs[i]
 
+    def _prompt_logprobs(self, so: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor) -> None:
+        """The rows of prompt logprobs that this step's windows cover, for the requests that
+        asked (only those: the others' prompt logits are never computed)."""
+        offset = 0
+        for request_id in batch.request_ids:
+            num_tokens = so.num_scheduled_tokens[request_id]
+            state = self.states[request_id]
+            chunks = state.prompt_logprob_chunks
+            # the window's tokens were scheduled from num_computed_tokens (not yet advanced)
+            start = state.num_computed_tokens
+            last = min(start + num_tokens, state.payload.num_prompt_tokens - 1)
+            if chunks is not None and last > start:
+                rows = hidden[offset : offset + last - start]  # [last - start, hidden]
+                targets = state.token_ids[start + 1 : last + 1]
+                k = int(state.payload.sampling_params.prompt_logprobs or 0)
+                chunks.append(prompt_logprob_rows(self.model.compute_logits, rows, targets, k))
+            offset += num_tokens
+
+    def _joined(self, state: RequestState) -> Logprobs:
+        chunks = state.prompt_logprob_chunks or []
+        if chunks:
+            return join_rows(chunks)
+        k = int(state.payload.sampling_params.prompt_logprobs or 0)  # a one-token prompt
+        empty = torch.zeros(0, 1, device=self.device)
+        return prompt_logprob_rows(self.model.compute_logits, empty, [], k)
+
     def _scrub_kv(self, state: RequestState) -> None:
         """Zero the KV blocks a failed request wrote itself.
 
@@ -231,6 +265,12 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             payload = new.payload
             assert isinstance(payload, RunnerPayload), type(payload)
+            # Prompt logprobs once, from a fresh prefill: the scheduler never lends such a
+            # request cached blocks, and a resumed one (tokens past its prompt) sent them.
+            wants = payload.sampling_params.prompt_logprobs is not None and (
+                len(new.token_ids) == payload.num_prompt_tokens
+            )
+            assert not wants or new.num_computed_tokens == 0, "prompt logprobs need a full prefill"
             self.states[new.request_id] = RequestState(
                 new.request_id,
                 list(new.token_ids),
@@ -239,6 +279,7 @@ class ModelRunner:
                 new.num_computed_tokens,
                 payload,
                 first_own_block_idx=new.num_computed_tokens // self.block_size,
+                prompt_logprob_chunks=[] if wants else None,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.states[cached.request_id]

@@ -19,7 +19,9 @@ from mmserve.execution.host_copy import to_device
 from mmserve.execution.sample.rows import SamplingRow
 
 
-def apply_token_masks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> dict[int, RequestFailure]:
+def apply_token_masks(
+    logits: torch.Tensor, rows: Sequence[SamplingRow]
+) -> dict[int, RequestFailure]:
     """Mask each row's disallowed tokens in `logits` ([num_rows, vocab] float32) in place.
 
     Returns the rows whose allowed ids fall outside the vocabulary (validation refuses them
