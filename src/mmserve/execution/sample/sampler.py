@@ -2,9 +2,10 @@
 
 Order: min_tokens bans EOS, then logit_bias and penalties (only rows that have some), then
 allowed_token_ids and bad_words (`masks.py`), then a grammar's bitmask, then greedy rows take
-the argmax and random rows draw by race (temperature, min-p, top-k, top-p; see `noise.py`). Everything the host decides (which rows are
-greedy, their parameters, their keys) is sent with non-blocking copies; the only read back is one
-`[3, num_rows]` copy of tokens and flags (`sample`), logprobs joined to it by `step.py`.
+the argmax and random rows draw by race (temperature, min-p, top-k, top-p; see `noise.py`).
+Everything the host decides (which rows are greedy, their parameters, their keys) is sent with
+non-blocking copies; the only read back is one `[3, num_rows]` copy of tokens and flags
+(`sample`), logprobs joined to it by `step.py`.
 
 A row that cannot be sampled (parameters that slipped past validation, NaN or +inf logits, a
 draw of a token of zero probability) gets a `RequestFailure` instead of a token; the other rows
