@@ -296,6 +296,7 @@ class InputProcessor:
         *,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> tuple[str, list[ChatImage]]:
         """Chat messages -> (prompt text, its image and video parts in order)."""
         parsed = parse_chat_messages(messages, self.reserved_tokens)
@@ -303,6 +304,7 @@ class InputProcessor:
             parsed.messages,
             add_generation_prompt=add_generation_prompt,
             template_kwargs=chat_template_kwargs,
+            continue_final_message=continue_final_message,
         )
         return prompt, parsed.images
 
@@ -330,9 +332,12 @@ class InputProcessor:
         namespace: str = DEFAULT_NAMESPACE,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> ProcessedPrompt:
         """HTTP chat: media fetched concurrently, CPU work off the event loop."""
-        prompt, parts = self._render_checked(messages, add_generation_prompt, chat_template_kwargs)
+        prompt, parts = self._render_checked(
+            messages, add_generation_prompt, chat_template_kwargs, continue_final_message
+        )
         cfg = self.request_config(mm_processor_kwargs)  # a bad kwarg fails before any fetch
         loaded = await self.items.aload_parts(parts, cfg, self.media_loader.new_decode_budget())
         return await asyncio.to_thread(
@@ -346,12 +351,14 @@ class InputProcessor:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool,
         chat_template_kwargs: Mapping[str, Any] | None,
+        continue_final_message: bool = False,
     ) -> tuple[str, list[ChatImage]]:
         """render_chat_parts, then the item limits (before any media is fetched)."""
         prompt, parts = self.render_chat_parts(
             messages,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
+            continue_final_message=continue_final_message,
         )
         counts = {"image": 0, "video": 0}
         for part in parts:

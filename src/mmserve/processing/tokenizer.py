@@ -117,12 +117,26 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """Render messages (already normalised by `processing.chat`) with the chat template.
 
         `template_kwargs` (the request's chat_template_kwargs) are extra template variables,
         e.g. {"add_vision_id": true}; they may not set what the renderer passes itself.
+        `continue_final_message` ends the prompt right after the last message's text (no
+        end-of-turn, no generation prompt), as Hugging Face's `apply_chat_template` does.
         """
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidRequestError(
+                    "continue_final_message and add_generation_prompt cannot both be true; "
+                    "send add_generation_prompt: false",
+                    param="continue_final_message",
+                )
+            rendered = self.apply_chat_template(
+                messages, add_generation_prompt=False, template_kwargs=template_kwargs
+            )
+            return _cut_after_final_message(rendered, messages)
         if self._template is None:
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions (or LLM.generate) with a "
@@ -152,6 +166,23 @@ class Tokenizer:
                 f"request; {detail}",
                 param="chat_template_kwargs" if extra else "messages",
             ) from None
+
+
+def _cut_after_final_message(rendered: str, messages: Sequence[dict[str, Any]]) -> str:
+    """`rendered` up to the end of the last message's text (its last text part)."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        content = texts[-1] if texts else None
+    final = content.strip() if isinstance(content, str) else ""
+    end = rendered.rfind(final) if final else -1
+    if end < 0:
+        raise InvalidRequestError(
+            "continue_final_message needs a last message with text that the chat template "
+            "renders; send a final (assistant) message with text content",
+            param="continue_final_message",
+        )
+    return rendered[: end + len(final)]
 
 
 def _checked_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
