@@ -150,7 +150,7 @@ async def stream_events(
                 num_tokens[c.index] = c.num_tokens
                 if c.finish_reason is not None:
                     yield _event(fmt.chunk(c, c.finish_reason, output))
-                elif c.delta_text or c.logprobs:
+                elif c.delta_text or c.logprobs or (fmt.returns_token_ids and c.delta_token_ids):
                     yield _event(fmt.chunk(c, None, output))
             if output.finished:
                 if include_usage:
