@@ -231,3 +231,20 @@ def test_bad_values_are_400s_naming_the_field(server: Server, extra: dict, param
     with pytest.raises(openai.BadRequestError) as info:
         _chat(server, [{"role": "user", "content": "hi"}], **extra)
     assert info.value.body["param"] == param  # type: ignore[index]
+
+
+def test_a_request_chat_template_needs_the_trust_flag(
+    model_dir: Path, tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    own = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    log = tmp_path_factory.mktemp("trusted") / "server.log"
+    srv = Server(model_dir, log, "--trust-request-chat-template")
+    try:
+        out = _chat(srv, [{"role": "user", "content": "hi"}], chat_template=own,
+                    return_token_ids=True)  # fmt: skip
+        assert out["prompt_token_ids"] == tokenizer.encode("<user>hi")
+        with pytest.raises(openai.BadRequestError) as info:
+            _chat(srv, [{"role": "user", "content": "hi"}], chat_template="{% for %}")
+        assert info.value.body["param"] == "chat_template"  # type: ignore[index]
+    finally:
+        srv.stop()

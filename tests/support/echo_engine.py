@@ -59,6 +59,7 @@ class EchoEngine:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> ProcessedPrompt:
         self.namespaces.append(namespace)
         unknown = set(mm_processor_kwargs or {}) - KNOWN_PROCESSOR_KWARGS

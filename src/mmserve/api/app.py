@@ -58,6 +58,7 @@ _PARSE_IN_THREAD_BYTES = 1 << 20
 # Fields of the unsupported list that one endpoint implements (vLLM has them on that one).
 _CHAT_ONLY_FIELDS = frozenset({"add_generation_prompt", "continue_final_message"})
 _COMPLETION_ONLY_FIELDS = frozenset({"echo"})
+_TRUSTED = frozenset({"chat_template"})  # with --trust-request-chat-template
 
 
 def create_app(
@@ -69,6 +70,7 @@ def create_app(
     http_body_timeout_s: float = ServerConfig.http_body_timeout,  # the flag's default
     status_interval_s: float | None = 5.0,
     shutdown_timeout_s: float = ServerConfig.engine_shutdown_timeout_s,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """An app serving `engine` under `served_model_name` (one name or several: clients may send
     any, answers carry the first); it shuts the engine down on exit."""
@@ -119,7 +121,10 @@ def create_app(
     @v1.post("/chat/completions")
     async def chat_completions(request: Request, namespace: str = Depends(request_namespace)):
         async def run() -> Response:
-            body = await _parse(request, ChatCompletionRequest, _CHAT_ONLY_FIELDS)
+            supported = (
+                _CHAT_ONLY_FIELDS | _TRUSTED if trust_request_chat_template else _CHAT_ONLY_FIELDS
+            )
+            body = await _parse(request, ChatCompletionRequest, supported)
             params = _check_before_processing(body)
             add_generation_prompt, continue_final_message = body.render_choice()
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -133,6 +138,7 @@ def create_app(
                     chat_template_kwargs=body.chat_template_kwargs,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
+                    chat_template=body.chat_template,
                 ),
             )
             fmt = ChatFormat(

@@ -211,6 +211,7 @@ class ChatCompletionRequest(SamplingFields):
     mm_processor_kwargs: dict[str, Any] | None = None
     multi_modal_uuids: dict[str, list[str | None]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # with --trust-request-chat-template only
     add_generation_prompt: bool | None = None  # None: true (unless continuing)
     continue_final_message: bool | None = None
     logprobs: bool | None = None

@@ -62,6 +62,8 @@ def refuse_unsupported_fields(
         if field == "best_of" and _same_json_value(value, body.get("n", 1)):
             continue  # best_of == n returns every sample drawn: what n alone does
         hint = f"omit it or send {json.dumps(neutral[0])}" if neutral else "omit it"
+        if field == "chat_template":
+            hint = "omit it, or start the server with --trust-request-chat-template (as in vLLM)"
         raise InvalidRequestError(
             f"{field} is not supported by this server, and ignoring it would change the "
             f"answer; {hint}",

@@ -297,6 +297,7 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> tuple[str, list[ChatImage]]:
         """Chat messages -> (prompt text, its image and video parts in order)."""
         parsed = parse_chat_messages(messages, self.reserved_tokens)
@@ -305,6 +306,7 @@ class InputProcessor:
             add_generation_prompt=add_generation_prompt,
             template_kwargs=chat_template_kwargs,
             continue_final_message=continue_final_message,
+            chat_template=chat_template,
         )
         return prompt, parsed.images
 
@@ -318,7 +320,11 @@ class InputProcessor:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> ProcessedPrompt:
         """Offline `LLM.chat` (and any sync caller): render, load media, process."""
-        prompt, parts = self._render_checked(messages, add_generation_prompt, chat_template_kwargs)
+        prompt, parts = self._render_checked(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         cfg = self.request_config(mm_processor_kwargs)
         budget = self.media_loader.new_decode_budget()
         loaded = [self.items.load_part(part, cfg, budget) for part in parts]
@@ -333,10 +339,15 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> ProcessedPrompt:
         """HTTP chat: media fetched concurrently, CPU work off the event loop."""
         prompt, parts = self._render_checked(
-            messages, add_generation_prompt, chat_template_kwargs, continue_final_message
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
         )
         cfg = self.request_config(mm_processor_kwargs)  # a bad kwarg fails before any fetch
         loaded = await self.items.aload_parts(parts, cfg, self.media_loader.new_decode_budget())
@@ -347,19 +358,11 @@ class InputProcessor:
     # ---- helpers ------------------------------------------------------------------------
 
     def _render_checked(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool,
-        chat_template_kwargs: Mapping[str, Any] | None,
-        continue_final_message: bool = False,
+        self, messages: Sequence[Mapping[str, Any]], **render: Any
     ) -> tuple[str, list[ChatImage]]:
-        """render_chat_parts, then the item limits (before any media is fetched)."""
-        prompt, parts = self.render_chat_parts(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=chat_template_kwargs,
-            continue_final_message=continue_final_message,
-        )
+        """render_chat_parts (with `render`, its keywords), then the item limits (before any
+        media is fetched)."""
+        prompt, parts = self.render_chat_parts(messages, **render)
         counts = {"image": 0, "video": 0}
         for part in parts:
             counts[part.modality] += 1

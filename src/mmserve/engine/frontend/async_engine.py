@@ -118,6 +118,7 @@ class AsyncLLMEngine:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> ProcessedPrompt:
         self._raise_if_dead()  # no media fetch or decode for a request that cannot run
         if multi_modal_uuids:
@@ -129,6 +130,7 @@ class AsyncLLMEngine:
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
             continue_final_message=continue_final_message,
+            chat_template=chat_template,
         )
 
     async def process_prompt(

@@ -52,6 +52,7 @@ class EngineClient(Protocol):
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> ProcessedPrompt: ...
 
     async def process_prompt(
