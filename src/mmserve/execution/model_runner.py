@@ -19,7 +19,7 @@ from mmserve.execution.graphs.decode import DecodeGraphs
 from mmserve.execution.input_batch import InputBuffers, SpliceError, StepBatch, prepare_batch
 from mmserve.execution.request_state import RequestState, RunnerPayload
 from mmserve.execution.sample.bitmask import sampling_bitmask
-from mmserve.execution.sample.prompt_logprobs import join_rows, prompt_logprob_rows
+from mmserve.execution.sample.prompt_logprobs import add_window_rows, take_prompt_logprobs
 from mmserve.execution.sample.rows import SamplingRow
 from mmserve.execution.sample.sampler import make_device_generator
 from mmserve.execution.sample.step import sample_step
@@ -137,17 +137,16 @@ class ModelRunner:
                 batch.mm_index,
                 batch.mm_embeds,
             )
-        self._prompt_logprobs(so, batch, hidden)
+        add_window_rows(self.model.compute_logits, hidden, batch.request_ids, so, self.states)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, Logprobs] = {}
         if batch.sample_request_ids:
             self._sample(batch, hidden, grammar_output, errors, sampled, logprobs)
         output = _output(sampled, errors, logprobs, results)
-        for request_id in sampled:
-            state = self.states[request_id]
-            if state.prompt_logprob_chunks is not None:
-                output.prompt_logprobs[request_id] = self._joined(state)
-                state.prompt_logprob_chunks = None
+        for request_id in sampled:  # the prompt's rows go with the first token
+            rows = take_prompt_logprobs(self.model.compute_logits, self.states[request_id])
+            if rows is not None:
+                output.prompt_logprobs[request_id] = rows
         return output
 
     def wait_for_encoder(self, timeout_s: float) -> None:
@@ -207,32 +206,6 @@ class ModelRunner:
             sampled[request_id] = [token]
             if i in step.logprobs:
                 logprobs[request_id] = step.logprobs[i]
-
-    def _prompt_logprobs(self, so: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor) -> None:
-        """The rows of prompt logprobs that this step's windows cover, for the requests that
-        asked (only those: the others' prompt logits are never computed)."""
-        offset = 0
-        for request_id in batch.request_ids:
-            num_tokens = so.num_scheduled_tokens[request_id]
-            state = self.states[request_id]
-            chunks = state.prompt_logprob_chunks
-            # the window's tokens were scheduled from num_computed_tokens (not yet advanced)
-            start = state.num_computed_tokens
-            last = min(start + num_tokens, state.payload.num_prompt_tokens - 1)
-            if chunks is not None and last > start:
-                rows = hidden[offset : offset + last - start]  # [last - start, hidden]
-                targets = state.token_ids[start + 1 : last + 1]
-                k = int(state.payload.sampling_params.prompt_logprobs or 0)
-                chunks.append(prompt_logprob_rows(self.model.compute_logits, rows, targets, k))
-            offset += num_tokens
-
-    def _joined(self, state: RequestState) -> Logprobs:
-        chunks = state.prompt_logprob_chunks or []
-        if chunks:
-            return join_rows(chunks)
-        k = int(state.payload.sampling_params.prompt_logprobs or 0)  # a one-token prompt
-        empty = torch.zeros(0, 1, device=self.device)
-        return prompt_logprob_rows(self.model.compute_logits, empty, [], k)
 
     def _scrub_kv(self, state: RequestState) -> None:
         """Zero the KV blocks a failed request wrote itself.

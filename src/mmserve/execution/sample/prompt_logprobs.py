@@ -13,19 +13,61 @@ then the K most likely, and the prompt token's rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from mmserve.execution.request_state import RequestState
+from mmserve.scheduling.outputs import SchedulerOutput
 from mmserve.updates import Logprobs
+
+ComputeLogits = Callable[[torch.Tensor], torch.Tensor]  # [n, hidden] -> [n, vocab]
 
 # Rows of logits materialised at once: [rows, vocab] float32 (600 MB at Qwen2's vocab).
 _MAX_ROWS_PER_SLICE = 1024
 
 
+def add_window_rows(
+    compute_logits: ComputeLogits,
+    hidden: torch.Tensor,
+    request_ids: Sequence[str],
+    so: SchedulerOutput,
+    states: Mapping[str, RequestState],
+) -> None:
+    """Add the rows that this step's windows cover to the requests that asked (only those:
+    the others' prompt logits are never computed). `hidden` ([num_tokens, hidden]) holds
+    the windows of `request_ids` back to back, in that order."""
+    offset = 0
+    for request_id in request_ids:
+        num_tokens = so.num_scheduled_tokens[request_id]
+        state = states[request_id]
+        chunks = state.prompt_logprob_chunks
+        # the window starts at num_computed_tokens, as in `input_batch.prepare_batch`
+        start = state.num_computed_tokens
+        last = min(start + num_tokens, state.payload.num_prompt_tokens - 1)
+        if chunks is not None and last > start:
+            rows = hidden[offset : offset + last - start]  # [last - start, hidden]
+            targets = state.token_ids[start + 1 : last + 1]
+            k = int(state.payload.sampling_params.prompt_logprobs or 0)
+            chunks.append(prompt_logprob_rows(compute_logits, rows, targets, k))
+        offset += num_tokens
+
+
+def take_prompt_logprobs(compute_logits: ComputeLogits, state: RequestState) -> Logprobs | None:
+    """The whole prompt's rows of a request that asked and has not had them; None else."""
+    chunks = state.prompt_logprob_chunks
+    if chunks is None:
+        return None
+    state.prompt_logprob_chunks = None
+    if chunks:
+        return join_rows(chunks)
+    k = int(state.payload.sampling_params.prompt_logprobs or 0)  # a one-token prompt: no rows
+    return prompt_logprob_rows(compute_logits, torch.zeros(0, 1), [], k)
+
+
 def prompt_logprob_rows(
-    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    compute_logits: ComputeLogits,
     hidden: torch.Tensor,
     target_ids: Sequence[int],
     num_top: int,
