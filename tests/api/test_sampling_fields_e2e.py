@@ -200,7 +200,9 @@ def test_continue_final_message_and_no_generation_prompt(
 ) -> None:
     start = "The answer is"
     messages = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": start}]
-    cont = _chat(server, messages, continue_final_message=True, return_token_ids=True)
+    cont = _chat(server, messages, continue_final_message=True, add_generation_prompt=False,
+                 return_token_ids=True)  # fmt: skip
+    assert cont["choices"][0]["message"]["role"] == "assistant"
     ids = cont["prompt_token_ids"]
     assert tokenizer.decode(ids, skip_special_tokens=False).endswith(
         "<|im_start|>assistant\n" + start
@@ -210,11 +212,13 @@ def test_continue_final_message_and_no_generation_prompt(
     assert text.endswith(start + "<|im_end|>\n")
     default = _chat(server, messages[:1], return_token_ids=True)
     no_prompt = _chat(server, messages[:1], add_generation_prompt=False, return_token_ids=True)
+    assert no_prompt["choices"][0]["message"]["role"] == "user"  # vLLM's: the last message's
     suffix = tokenizer.encode("<|im_start|>assistant\n")
     assert default["prompt_token_ids"] == no_prompt["prompt_token_ids"] + suffix
-    with pytest.raises(openai.BadRequestError) as info:
-        _chat(server, messages, continue_final_message=True, add_generation_prompt=True)
-    assert info.value.body["param"] == "continue_final_message"  # type: ignore[index]
+    for both in ({"add_generation_prompt": True}, {}):  # true is its default, as in vLLM
+        with pytest.raises(openai.BadRequestError) as info:
+            _chat(server, messages, continue_final_message=True, **both)
+        assert info.value.body["param"] == "continue_final_message"  # type: ignore[index]
 
 
 @pytest.mark.parametrize(

@@ -146,6 +146,7 @@ def create_app(
                 primary,
                 num_top_logprobs=params.logprobs or 0,
                 prompt_token_ids=prompt.prompt_token_ids if body.return_token_ids else None,
+                role=body.response_role,
             )
             return await _generate(request, body, params, prompt, fmt)
 

@@ -80,17 +80,32 @@ class _Format:
 
 
 class ChatFormat(_Format):
-    """`chat.completion` and `chat.completion.chunk` objects for one request."""
+    """`chat.completion` and `chat.completion.chunk` objects for one request; `role` is the
+    answer's (vLLM's: the last message's when the request has no generation prompt)."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        *,
+        num_top_logprobs: int = 0,
+        prompt_token_ids: list[int] | None = None,
+        role: str = "assistant",
+    ) -> None:
+        super().__init__(
+            request_id, model, num_top_logprobs=num_top_logprobs, prompt_token_ids=prompt_token_ids
+        )
+        self.role = role
 
     def response(self, output: RequestOutput) -> dict[str, Any]:
         choices = []
         for c in _sorted(output):
             choice = {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": {"role": self.role, "content": c.text},
                 "finish_reason": c.finish_reason,
                 "logprobs": self._logprobs(c),
             }
@@ -112,7 +127,7 @@ class ChatFormat(_Format):
                 [
                     {
                         "index": i,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {"role": self.role, "content": ""},
                         "finish_reason": None,
                         "logprobs": None,
                     }

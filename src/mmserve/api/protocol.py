@@ -212,7 +212,7 @@ class ChatCompletionRequest(SamplingFields):
     multi_modal_uuids: dict[str, list[str | None]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # with --trust-request-chat-template only
-    add_generation_prompt: bool | None = None  # None: true (unless continuing)
+    add_generation_prompt: bool | None = None  # None: true
     continue_final_message: bool | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0)] | None = None
@@ -243,11 +243,16 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_tokens
 
     def render_choice(self) -> tuple[bool, bool]:
-        """(add_generation_prompt, continue_final_message). continue_final_message with
-        add_generation_prompt left out means no generation prompt; both sent true is a 400."""
-        if self.continue_final_message and self.add_generation_prompt is None:
-            return False, True
+        """(add_generation_prompt, continue_final_message); as in vLLM, continuing needs
+        add_generation_prompt: false (it defaults to true), else the render is a 400."""
         return self.add_generation_prompt is not False, bool(self.continue_final_message)
+
+    @property
+    def response_role(self) -> str:
+        """vLLM's: the assistant's, or without a generation prompt the last message's role."""
+        if self.add_generation_prompt is False:
+            return self.messages[-1].role
+        return "assistant"
 
 
 class CompletionRequest(SamplingFields):
