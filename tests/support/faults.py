@@ -68,7 +68,6 @@ def rewired(engine: LLMEngine, **parts: Any) -> LLMEngine:
         "scheduler": core.scheduler,
         "executor": core.executor,
         "metrics": core.metrics,
-        "max_model_len": core.max_model_len,
         "eos_token_ids": core.eos_token_ids,
     }
     core_parts.update({k: v for k, v in parts.items() if k in core_parts})
