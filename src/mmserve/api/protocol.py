@@ -183,7 +183,7 @@ class SamplingFields(_Body):
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
                 logit_bias=self.token_logit_bias(),
-                min_p=self.min_p or 0.0,
+                min_p=pick(self.min_p, "min_p", 0.0),
                 allowed_token_ids=None
                 if self.allowed_token_ids is None
                 else tuple(self.allowed_token_ids),
