@@ -77,6 +77,8 @@ def rewired(engine: LLMEngine, **parts: Any) -> LLMEngine:
         "output_processor": engine.output_processor,
         "metrics": engine.metrics,
         "max_model_len": engine.max_model_len,
+        "max_logprobs": engine.max_logprobs,
+        "sampling_defaults": engine.sampling_defaults,
     }
     kwargs.update({k: v for k, v in parts.items() if k not in core_parts})
     return LLMEngine(**kwargs)

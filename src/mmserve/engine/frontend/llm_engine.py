@@ -22,7 +22,6 @@ from mmserve.updates import RequestStatus
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 # The n core requests of a client request with n > 1 are "<request id>#<index>"; a client id
 # may not contain the separator, so a child id can never equal another request's id.
 CHILD_ID_SEPARATOR = "#"
@@ -45,7 +44,7 @@ class LLMEngine:
         output_processor: OutputProcessor,
         metrics: EngineMetrics,
         max_model_len: int,
-        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        max_logprobs: int,
         sampling_defaults: Mapping[str, Any] | None = None,
     ) -> None:
         """`sampling_defaults`: SamplingParams fields (by name) for those a client request
