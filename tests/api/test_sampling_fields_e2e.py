@@ -166,6 +166,9 @@ def test_echo_prepends_the_prompt_streamed_and_not(server: Server) -> None:
         model=model, prompt=PROMPT, stream=True, echo=True, **GREEDY
     )
     assert "".join(c.choices[0].text for c in stream if c.choices) == PROMPT + plain
+    ids = _complete(server, **GREEDY, return_token_ids=True)["choices"][0]["prompt_token_ids"]
+    from_ids = server.client.completions.create(model=model, prompt=ids, echo=True, **GREEDY)
+    assert from_ids.choices[0].text == PROMPT + plain  # a token prompt echoes its text
     with_logprobs = _complete(server, **GREEDY, echo=True, logprobs=2, return_token_ids=True)
     choice = with_logprobs["choices"][0]
     lp = choice["logprobs"]
