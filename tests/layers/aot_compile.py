@@ -120,8 +120,9 @@ def attention_cases(exhaustive: bool) -> list[Case]:
     """The paged attention and KV store specialisations the engine launches. By default the
     ones whose lowering differs: the 7B's (group 7 padded to 8, head 128, 8 warps, bf16),
     float32's IEEE dot, a masked head dim (80 in 128) with float16 and 32-token blocks,
-    group 4 at 4 warps (the 8192-element boundary), and the masked head dims 72 (in 128) and
-    24 (in 32) in bf16; `exhaustive`: every head dim, block size, dtype and group."""
+    group 4 at 4 warps (the 8192-element boundary), the masked head dims 72 (in 128) and
+    24 (in 32) in bf16, and the widest head start-up accepts (256); `exhaustive`: every head
+    dim, block size, dtype and group."""
     if exhaustive:
         grid = itertools.product(HEAD_DIMS, BLOCK_SIZES, GROUPS, TRITON_DTYPES)
         return [case for args in grid for case in _attention(*args)]
@@ -132,6 +133,7 @@ def attention_cases(exhaustive: bool) -> list[Case]:
         (128, 32, 4, torch.bfloat16),
         (72, 16, 4, torch.bfloat16),
         (24, 32, 1, torch.bfloat16),
+        (256, 16, 4, torch.bfloat16),  # MAX_HEAD_DIM: the widest head start-up accepts
     ]
     cases = [case for args in chosen for case in _attention(*args)]
     # the 7B's KV store (group 7 adds none above): bf16, 4 KV heads of 128

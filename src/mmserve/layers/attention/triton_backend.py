@@ -22,9 +22,10 @@ DUMMY_BLOCK = 0
 # New tokens of one sequence per query tile. Rows per tile are this times the query heads per
 # KV head (padded to a power of two); 16 keeps tl.dot's operands at least 16 wide.
 QUERY_TOKENS_PER_TILE = 16
-# The widest head the kernels take: a tile's float32 accumulator is rows x the head dim padded
-# to a power of two, and past 256 it no longer fits a program's registers (flash attention's
-# limit too). Any even head dim up to it runs, the tail of the pad masked (24 in 32, 72 in 128).
+# The widest head the kernels take: flash attention's limit, and the widest lowered for sm_90
+# in tests/layers/aot_compile.py. A tile's float32 accumulator is rows x the head dim padded to
+# a power of two; wider heads (no served model has them) would spill it, untested, so they are
+# refused. Any even head dim up to it runs, the pad's tail masked (24 in 32, 72 in 128).
 MAX_HEAD_DIM = 256
 
 
