@@ -1,10 +1,10 @@
 """Every GPU check and benchmark of mmserve in one run (< 9 minutes on one H200), one JSON out.
 
 Sections, in order: environment, measured peaks (bf16 GEMM, bandwidth), the 7B ViT on 1024^2
-and 4K images, the Qwen3-VL-8B-shaped ViT (head dim 72, patch 16, DeepStack mergers) on 1024^2,
+and 4K images, the Qwen3-VL-8B ViT (head dim 72, patch 16, DeepStack mergers) on 1024^2,
 the fused layer ops against torch's, random 2B/7B-shaped checkpoints, decode ms/step at batch
-1/8/64 against the weight-read limit (once per attention backend), the same for the
-Qwen3-VL-8B-shaped language model (suite/qwen3_vl.py says what stands in for what), greedy
+1/8/64 against the weight-read limit (once per attention backend), the same for a random
+Qwen3-VL checkpoint at 8B's language-model shape (suite/qwen3_vl.py), greedy
 parity with transformers, compare_hf.py at 7B shape, CUDA graphs against eager, every
 gpu-marked test (tests/models/test_gpu.py and others) in the time left, and a summary of the
 issue's goals. Each section is timed and guarded: one that fails

@@ -52,10 +52,9 @@ QWEN2_VL_7B: dict[str, Any] = {
         "num_heads": 16,
     },
 }
-# Qwen3-VL-8B-Instruct's shapes (config.json). Its vision tower (patch 16, head dim 72, GELU-tanh
-# MLP, three DeepStack mergers) is timed with the Qwen2-VL tower's blocks at these dims
-# (`qwen3_vl.py`): the Qwen3-VL classes are not on main yet. Its language model is timed as a
-# Qwen2-VL decoder of the 8B's shape (q/k/v biases instead of q/k norms: < 0.01% of the bytes).
+# Qwen3-VL-8B-Instruct's shapes (config.json), built with mmserve's Qwen3-VL classes: the
+# vision tower (VisionConfig fields: patch 16, 16 heads of 72, three DeepStack mergers) and the
+# language model's checkpoint (written by tests/support/factory.py, random weights).
 QWEN3_VL_8B_VISION: dict[str, Any] = {
     "depth": 27,
     "embed_dim": 1152,
@@ -65,6 +64,7 @@ QWEN3_VL_8B_VISION: dict[str, Any] = {
     "patch_size": 16,
     "hidden_act": "gelu_pytorch_tanh",
     "deepstack_visual_indexes": (8, 16, 24),
+    "num_position_embeddings": 2304,
 }
 QWEN3_VL_8B_LM: dict[str, Any] = {
     "text": {
@@ -74,21 +74,25 @@ QWEN3_VL_8B_LM: dict[str, Any] = {
         "num_hidden_layers": 36,
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
+        "head_dim": 128,
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 5e6,
             "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
         },
+        "tie_word_embeddings": False,
     },
-    # the factory's tiny tower, its merger widened to the LM: decode never runs it
-    "vision": {"hidden_size": 4096},
+    # the factory's tiny tower, its mergers widened to the LM: decode never runs it
+    "vision": {"out_hidden_size": 4096},
 }
 # Smoke stand-ins: the factory's tiny defaults, tied like the real 2B / deeper like the 7B, so
 # that every code path of the GPU run (checkpoint writing, both engines, the weight-byte
 # accounting of tied and untied heads) runs in seconds on a CPU.
 TINY_2B: dict[str, Any] = {"text": {"tie_word_embeddings": True}, "tie_word_embeddings": True}
 TINY_7B: dict[str, Any] = {"text": {"intermediate_size": 192, "num_hidden_layers": 3}}
-# Head dims that are not powers of two in the smoke run too: 24 in the tower and the LM.
+# Head dims that are not powers of two in the smoke run too: 24 in the tower and the LM (the
+# factory's tiny Qwen3-VL states head_dim 24 for 4 heads of a 64-wide model).
 TINY_Q3_VISION: dict[str, Any] = {
     **QWEN3_VL_8B_VISION,
     "depth": 3,
@@ -97,17 +101,10 @@ TINY_Q3_VISION: dict[str, Any] = {
     "mlp_hidden_dim": 64,
     "out_dim": 96,
     "deepstack_visual_indexes": (0, 1),
+    "num_position_embeddings": 16,
 }
 TINY_Q3_LM: dict[str, Any] = {
-    "text": {
-        "hidden_size": 96,
-        "intermediate_size": 192,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 4, 4]},
-    },
-    "vision": {"hidden_size": 96},
+    "text": {"intermediate_size": 192, "num_hidden_layers": 3, "tie_word_embeddings": False}
 }
 
 
@@ -216,8 +213,8 @@ GPU = Profile(
     #   compare_hf  a 7B mmserve and a 7B transformers run of 32 x 32 tokens      ~60 s
     #   graphs      one eager 7B engine (the graphs' run is decode's), the tower
     #               with graphs, two 2B engines on images                        ~60 s
-    #   vit_q3      the 8B-shaped tower (27 blocks of 1152) on 1024^2 x (1 + 3)   ~10 s
-    #   decode_q3   16.4 GB written in bf16, one 8B engine (triton + graphs),
+    #   vit_q3      the Qwen3-VL-8B tower (27 blocks of 1152) on 1024^2 x (1 + 3)  ~10 s
+    #   decode_q3   16.4 GB of Qwen3-VL-8B written in bf16, one engine (triton + graphs),
     #               3 batches x 2 x (4 + 36) steps                               ~70 s
     # ~450 s with the environment: the gpu tests get the rest, at least 30 s.
     estimates_s={

@@ -1,16 +1,13 @@
 """Qwen3-VL-8B-shaped rows: its vision tower on a 1024x1024 image, its language model's decode.
 
-Stand-ins, because the Qwen3-VL model classes are not on main yet (branch q3-model adds them):
+Both are mmserve's Qwen3-VL classes with random weights at Qwen3-VL-8B-Instruct's shapes:
 
-- The tower is the Qwen2-VL tower (`VisionTransformer`: LayerNorm, fc1 -> act -> fc2, rotary,
-  flash varlen attention on CUDA) at Qwen3-VL-8B's dims: 27 blocks of width 1152, 16 heads of
-  72, MLP 4304, GELU-tanh, patch 16 (a 1024x1024 image is 64x64 patches, 1,024 tokens). The
-  three DeepStack mergers (blocks 8, 16, 24) are Qwen2-VL `PatchMerger`s run on those blocks'
-  outputs by forward hooks: the same matmuls (4d -> 4d -> 4096 on every 2x2 group). Left out:
-  the learned position embedding's bilinear interpolation (elementwise, no matmul).
-- The language model is a Qwen2-VL decoder of the 8B's shape (hidden 4096, 36 layers, 32 query
-  heads over 8 KV heads of 128, MLP 12288, untied 151,936-row head): q/k/v biases where Qwen3
-  has q/k RMSNorms, the same bytes to 0.01%.
+- the tower (`Qwen3VisionTransformer`): 27 blocks of width 1152, 16 heads of 72, MLP 4304,
+  GELU-tanh, patch 16 (a 1024x1024 image is 64x64 patches, 1,024 tokens), the learned position
+  table resampled to the grid, and three DeepStack mergers (blocks 8, 16, 24);
+- the language model (a Qwen3-VL checkpoint written by the test factory, its vision tower
+  tiny): hidden 4096, 36 layers, 32 query heads over 8 KV heads of 128, q/k norms, MLP 12288,
+  an untied 151,936-row head, decoded through `LLM` as the 7B rows are.
 
 The decode limit here is the strict one: the bytes a decode step must read (every decoder
 weight and the LM head, one embedding row per token) over the measured bandwidth.
@@ -30,8 +27,8 @@ from benchmarks.suite.timing import best_seconds, release_memory
 from benchmarks.suite.vit import vit_flops
 from tests.support.factory import write_tiny_checkpoint
 
-from mmserve.models.config import VisionConfig
-from mmserve.models.qwen2_vl_vision import PatchMerger, VisionTransformer
+from mmserve.models.config import VisionConfig, load_model_config
+from mmserve.models.qwen3_vl_vision import Qwen3VisionTransformer
 from mmserve.processing.image_processor import smart_resize
 
 # Qwen3-VL's processor: shortest_edge 65,536 and longest_edge 16,777,216 pixels.
@@ -39,43 +36,23 @@ MIN_PIXELS, MAX_PIXELS = 65536, 16777216
 
 
 def q3_vision_config(shape: dict[str, Any]) -> VisionConfig:
-    return VisionConfig(model_type="qwen2_vl", **shape)
+    return VisionConfig(model_type="qwen3_vl", **shape)
 
 
 def deepstack_flops(cfg: VisionConfig, num_patches: int) -> int:
     """The DeepStack mergers' matmuls: per merger, 2 (N/4) 4d 4d + 2 (N/4) 4d o (as vit_flops'
-    final merger)."""
+    final merger, which with the blocks and the patch embedding is the same for Qwen3-VL)."""
     unit = cfg.spatial_merge_size**2
     rows, width = num_patches // unit, unit * cfg.embed_dim
     per_merger = 2 * rows * width * width + 2 * rows * width * cfg.out_dim
     return len(cfg.deepstack_visual_indexes) * per_merger
 
 
-class DeepStackTower(torch.nn.Module):
-    """The tower plus one merger per DeepStack block, run by a hook on that block's output;
-    forward returns the main embeddings and the levels, as Qwen3-VL's tower does."""
-
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.tower = VisionTransformer(cfg)
-        self.mergers = torch.nn.ModuleList(PatchMerger(cfg) for _ in cfg.deepstack_visual_indexes)
-        self.levels: list[torch.Tensor] = []
-        for merger, idx in zip(self.mergers, cfg.deepstack_visual_indexes, strict=True):
-            self.tower.blocks[idx].register_forward_hook(
-                lambda _mod, _args, out, merger=merger: self.levels.append(merger(out))
-            )
-
-    def forward(self, pixels: torch.Tensor, grid: list[tuple[int, int, int]]):
-        self.levels = []
-        main = self.tower(pixels, grid)  # [num_patches / 4, out_dim]
-        return main, self.levels  # levels: [num_patches / 4, out_dim] each
-
-
 def measure_vit_q3(profile: Profile, gemm_tflops: float | None) -> dict[str, Any]:
     cfg = q3_vision_config(profile.q3_vit_shape)
     dtype = getattr(torch, profile.dtype)
     with torch.device(profile.device):
-        model = DeepStackTower(cfg).to(dtype).eval()
+        tower = Qwen3VisionTransformer(cfg).to(dtype).eval()
     width, height = profile.q3_vit_image
     factor = cfg.patch_size * cfg.spatial_merge_size
     h, w = smart_resize(height, width, factor=factor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
@@ -83,10 +60,9 @@ def measure_vit_q3(profile: Profile, gemm_tflops: float | None) -> dict[str, Any
     num_patches = grid[1] * grid[2]
     pixels = torch.randn(num_patches, cfg.patch_input_dim, device=profile.device, dtype=dtype)
     with torch.inference_mode():
-        main, levels = model(pixels, [grid])
-        shapes = [list(main.shape), *(list(level.shape) for level in levels)]
+        shape = list(tower(pixels, [grid]).shape)  # [tokens, out_dim * (1 + levels)]
         seconds = best_seconds(
-            lambda model=model: model(pixels, [grid]), profile.vit_repeats, profile.device
+            lambda tower=tower: tower(pixels, [grid]), profile.vit_repeats, profile.device
         )
     flops = vit_flops(cfg, num_patches)
     flops["deepstack"] = deepstack_flops(cfg, num_patches)
@@ -97,7 +73,7 @@ def measure_vit_q3(profile: Profile, gemm_tflops: float | None) -> dict[str, Any
         "resized": f"{w}x{h}",
         "patches": num_patches,
         "tokens": num_patches // cfg.spatial_merge_size**2,
-        "output_shapes": shapes,  # main, then one per DeepStack level
+        "output_shape": shape,  # the main embedding and each DeepStack level, side by side
         "ms": seconds * 1e3,
         "flops": flops,
         "tflops": flops["total"] / seconds / 1e12,
@@ -106,8 +82,8 @@ def measure_vit_q3(profile: Profile, gemm_tflops: float | None) -> dict[str, Any
     if gemm_tflops:
         row["pct_of_gemm_peak"] = 100 * row["tflops"] / gemm_tflops
         row["pct_of_gemm_peak_linear_only"] = 100 * row["tflops_linear_only"] / gemm_tflops
-    attention = "varlen" if model.tower.uses_varlen(profile.device, dtype) else "reference"
-    del model
+    attention = "varlen" if tower.uses_varlen(profile.device, dtype) else "reference"
+    del tower
     release_memory(profile.device)
     fields = ("depth", "embed_dim", "num_heads", "head_dim", "mlp_hidden_dim", "out_dim")
     return {
@@ -117,8 +93,6 @@ def measure_vit_q3(profile: Profile, gemm_tflops: float | None) -> dict[str, Any
             "hidden_act": cfg.hidden_act,
             "deepstack_visual_indexes": list(cfg.deepstack_visual_indexes),
         },
-        "stand_in": "Qwen2-VL tower blocks at Qwen3-VL-8B dims + DeepStack mergers by hooks; "
-        "no position-embedding interpolation",
         "dtype": profile.dtype,
         "attention": attention,
         "weights": "random (torch default init)",
@@ -133,11 +107,12 @@ def decode_q3_section(profile: Profile, work_dir: Path, peaks: dict[str, Any]) -
     assert spec is not None and spec.overrides is not None
     path = work_dir / spec.name
     write_tiny_checkpoint(
-        path, "qwen2_vl", seed=8, dtype=profile.dtype, device=profile.device, **spec.overrides
+        path, "qwen3_vl", seed=8, dtype=profile.dtype, device=profile.device, **spec.overrides
     )
     release_memory(profile.device)
     try:
         ckpt = describe_checkpoint(path)
+        text = load_model_config(path).text
         gb_per_s = peaks.get("bandwidth", {}).get("gb_per_s")
         limit: dict[str, Any] = {
             "bandwidth_gb_per_s": gb_per_s,
@@ -152,18 +127,17 @@ def decode_q3_section(profile: Profile, work_dir: Path, peaks: dict[str, Any]) -
         run = measure_decode(profile, path, limit_ms, attention_backend=backend)
     finally:
         shutil.rmtree(path, ignore_errors=True)
-    text = spec.overrides["text"]
     return {
         "checkpoint": {
             "layers": ckpt["layers"],
             "hidden_size": ckpt["hidden_size"],
             "vocab_size": ckpt["vocab_size"],
-            "num_heads": text["num_attention_heads"],
-            "num_kv_heads": text["num_key_value_heads"],
-            "head_dim": text["hidden_size"] // text["num_attention_heads"],
+            "num_heads": text.num_attention_heads,
+            "num_kv_heads": text.num_key_value_heads,
+            "head_dim": text.head_dim,
             "weight_bytes": ckpt["weight_bytes"],
         },
-        "stand_in": "a Qwen2-VL decoder of this shape (q/k/v biases for Qwen3's q/k norms)",
+        "architecture": "Qwen3VLForConditionalGeneration",
         "weight_read_limit": limit,
         "steps": {"short": profile.decode_steps[0], "long": profile.decode_steps[1]},
         "backends": {backend: run},

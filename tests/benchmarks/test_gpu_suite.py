@@ -118,8 +118,8 @@ def test_the_qwen3_vl_rows_run_at_head_dims_that_are_not_powers_of_two(smoke: di
     vit = smoke["sections"]["vit_q3"]["result"]
     assert vit["tower"]["head_dim"] == 24 and vit["tower"]["patch_size"] == 16
     row = vit["images"][0]
-    # the main embeddings and one level per DeepStack merger, each [tokens, out_dim]
-    assert row["output_shapes"] == [[row["tokens"], 96]] * 3
+    # the main embedding and one level per DeepStack merger, side by side: [tokens, 3 x 96]
+    assert row["output_shape"] == [row["tokens"], 3 * 96]
     assert row["ms"] > 0 and row["flops"]["deepstack"] > 0
     assert row["flops"]["total"] == row["flops"]["linear"] + row["flops"]["attention"]
     decode = smoke["sections"]["decode_q3"]["result"]
@@ -250,28 +250,32 @@ def test_the_qwen3_vl_8b_rows_have_its_shapes() -> None:
     from benchmarks.suite.profile import GPU, QWEN3_VL_8B_LM
     from benchmarks.suite.qwen3_vl import MAX_PIXELS, MIN_PIXELS, q3_vision_config
 
+    from mmserve.models.config import parse_model_config
     from mmserve.processing.image_processor import smart_resize
 
     cfg = q3_vision_config(GPU.q3_vit_shape)
     assert (cfg.depth, cfg.embed_dim, cfg.num_heads, cfg.head_dim) == (27, 1152, 16, 72)
     assert cfg.patch_size == 16 and cfg.deepstack_visual_indexes == (8, 16, 24)
+    assert cfg.position_table_side == 48
     h, w = smart_resize(1024, 1024, factor=32, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     assert (h // 16) * (w // 16) == 4096  # patches: 1,024 tokens after the 2x2 merge
     ids = {token: 151643 + i for i, token in enumerate(SPECIAL_TOKENS)}
-    raw = tiny_config_dict("qwen2_vl", 448, ids, **QWEN3_VL_8B_LM)
-    config = transformers.Qwen2VLConfig(**{k: v for k, v in raw.items() if k != "architectures"})
-    text = config.text_config
+    raw = tiny_config_dict("qwen3_vl", 448, ids, **QWEN3_VL_8B_LM)
+    parsed = parse_model_config(raw)
+    assert parsed.architecture == "Qwen3VLForConditionalGeneration"
+    text = parsed.text
     assert (text.hidden_size, text.num_hidden_layers) == (4096, 36)
-    assert (text.num_attention_heads, text.num_key_value_heads) == (32, 8)
-    assert text.hidden_size // text.num_attention_heads == 128 and not config.tie_word_embeddings
+    assert (text.num_attention_heads, text.num_key_value_heads, text.head_dim) == (32, 8, 128)
+    assert text.mrope_section == (24, 20, 20) and not parsed.tie_word_embeddings
+    config = transformers.Qwen3VLConfig(**{k: v for k, v in raw.items() if k != "architectures"})
     with torch.device("meta"):
-        model = transformers.Qwen2VLForConditionalGeneration(config)
+        model = transformers.Qwen3VLForConditionalGeneration(config)
     per_step = sum(
         p.numel()
         for name, p in model.named_parameters()
         if "visual" not in name and "embed_tokens" not in name
     )
-    attention = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 4096 + 2 * 1024  # q, o, k, v, q/k/v biases
+    attention = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 2 * 128  # q, o, k, v, q/k norms
     layer = attention + 3 * 4096 * 12288 + 2 * 4096  # + MLP, two norms
     assert per_step == 36 * layer + 4096 + 151936 * 4096  # + final norm, untied head
     assert round(2 * per_step / 1e9, 1) == 15.1  # GB in bf16: 3.6 ms at 4.2 TB/s
