@@ -139,3 +139,37 @@ def test_a_qwen3_vl_8b_shaped_tower_on_cuda_varlen_and_graphs() -> None:
     scale = want.float().abs().amax().item()
     torch.testing.assert_close(got.float(), want.float(), atol=0.02 * scale, rtol=0)
     _graphs_match_eager(tower, device, cuda_graph_factory(device))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_qwen3_vl_tower_at_8b_width_on_varlen_matches_the_reference() -> None:
+    """mmserve's Qwen3-VL tower, two blocks at Qwen3-VL-8B's width (16 heads of 72, patch 16,
+    position table, a DeepStack level): flash varlen against the SDPA reference in bf16."""
+    from mmserve.models.qwen3_vl_vision import Qwen3VisionTransformer
+
+    cfg = VisionConfig(
+        model_type="qwen3_vl",
+        depth=2,
+        embed_dim=1152,
+        num_heads=16,
+        mlp_hidden_dim=4304,
+        out_dim=4096,
+        patch_size=16,
+        hidden_act="gelu_pytorch_tanh",
+        deepstack_visual_indexes=(0,),
+        num_position_embeddings=2304,
+    )
+    towers = []
+    for attention in ("varlen", "reference"):
+        torch.manual_seed(0)
+        towers.append(Qwen3VisionTransformer(cfg, attention).to("cuda", torch.bfloat16).eval())
+    fast, reference = towers
+    grids = [(1, 64, 64), (1, 10, 14)]  # a 1024x1024 image at patch 16, and a small one
+    n = sum(t * h * w for t, h, w in grids)
+    pixels = torch.randn(n, cfg.patch_input_dim, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got, want = fast(pixels, grids), reference(pixels, grids)
+    assert got.shape == (n // 4, 2 * 4096)
+    scale = want.float().abs().amax().item()
+    torch.testing.assert_close(got.float(), want.float(), atol=0.02 * scale, rtol=0)
