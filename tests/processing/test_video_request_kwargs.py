@@ -148,3 +148,20 @@ def test_size_is_transformers_spelling_of_min_and_max_pixels(processor: InputPro
         {"fps": 4},
         {"fps": "media_io_kwargs.video.fps"},
     )
+
+
+def test_server_wide_kwargs_meet_the_fps_flag(qwen2_vl_dir: Path) -> None:
+    def build(kwargs: dict, max_fps: float) -> InputProcessor:
+        loader = MediaLoader(MediaConfig(max_video_fps=max_fps))
+        return InputProcessor.from_pretrained(
+            qwen2_vl_dir, mm_processor_kwargs=kwargs, media_loader=loader
+        )
+
+    slow = build({"fps": 1}, 1.0)  # the server's own rate lowered to fit a low ceiling
+    assert (slow.video_config.fps, slow.video_config.max_fps) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="raise --max-video-fps"):
+        build({"fps": 4}, 2.0)
+    with pytest.raises(ValueError, match="num_frames is a request's choice"):
+        build({"num_frames": 8}, 30.0)
+    sized = build({"size": {"longest_edge": 3136}}, 30.0)
+    assert sized.video_config.max_pixels == sized.image_config.max_pixels == 3136

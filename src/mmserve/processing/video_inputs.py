@@ -160,8 +160,9 @@ def load_video_config(
     """The checkpoint's video_preprocessor_config.json (else qwen-vl-utils' defaults), with
     --mm-processor-kwargs' video keys over it and --max-video-fps as the requests' ceiling."""
     path = Path(model_dir) / VIDEO_CONFIG_FILE
-    cfg = VideoConfig.from_dict(json.loads(path.read_text())) if path.is_file() else VideoConfig()
-    return cfg.with_server_overrides(server_kwargs, max_fps)
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    cfg = VideoConfig.from_dict(raw)
+    return cfg.with_server_overrides(split_processor_kwargs(server_kwargs)[1], max_fps)
 
 
 def max_tokens_per_video(cfg: VideoConfig, image_cfg: ImageProcessorConfig) -> int:

@@ -74,12 +74,13 @@ class VideoConfig:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.max_fps) and self.max_fps > 0):
             raise ValueError(f"--max-video-fps must be a positive number, got {self.max_fps}")
-        for name in ("fps", "frames_fps"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and 0 < value <= self.max_fps):
-                raise ValueError(
-                    f"video {name} must be in (0, --max-video-fps {self.max_fps:g}], got {value}"
-                )
+        if not (math.isfinite(self.fps) and 0 < self.fps <= self.max_fps):
+            raise ValueError(
+                f"the video fps ({self.fps}) must be in (0, --max-video-fps {self.max_fps:g}]: "
+                "raise --max-video-fps or lower the video processor's fps"
+            )
+        if not (math.isfinite(self.frames_fps) and self.frames_fps > 0):
+            raise ValueError(f"video frames_fps must be a positive number, got {self.frames_fps}")
         for name in ("min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -99,7 +100,8 @@ class VideoConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> VideoConfig:
-        """From a video_preprocessor_config.json (transformers' names) or server overrides."""
+        """From a video_preprocessor_config.json (transformers' names). Its fps is checked
+        against --max-video-fps by `with_server_overrides`, after --mm-processor-kwargs."""
         size = raw.get("size") or {}
         kwargs: dict[str, Any] = {}
         min_pixels = raw.get("min_pixels") or size.get("shortest_edge")
@@ -113,6 +115,7 @@ class VideoConfig:
                 kwargs[name] = int(raw[name])
         if raw.get("fps") is not None:
             kwargs["fps"] = float(raw["fps"])
+            kwargs["max_fps"] = max(kwargs["fps"], DEFAULT_MAX_VIDEO_FPS)
         return cls(**kwargs)
 
     def with_server_overrides(
@@ -124,6 +127,11 @@ class VideoConfig:
         the per-frame bounds, so capping images never lets a frame grow past its video
         default (768 x 28 x 28 pixels). `max_fps`: --max-video-fps."""
         overrides = overrides or {}
+        if "num_frames" in overrides:
+            raise ValueError(
+                "--mm-processor-kwargs: num_frames is a request's choice; set the server's "
+                "fps and max_frames instead"
+            )
         picked = {k: v for k, v in overrides.items() if k in ("fps", "max_frames")}
         if overrides.get("total_pixels") is not None:
             picked["total_pixels"] = overrides["total_pixels"]
