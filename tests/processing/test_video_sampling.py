@@ -112,7 +112,9 @@ def test_the_ceiling_is_the_fps_flag_and_the_engine_rate_stays_under_it() -> Non
 
 def test_num_frames_samples_a_count_instead_of_a_rate() -> None:
     assert num_sampled_frames(300, 30.0, CFG.for_request({"num_frames": 8})) == 8
-    assert num_sampled_frames(300, 30.0, CFG.for_request({"num_frames": 7})) == 6  # pairs
+    assert num_sampled_frames(300, 30.0, CFG.for_request({"num_frames": 7})) == 8  # pairs
+    assert num_sampled_frames(300, 30.0, CFG.for_request({"num_frames": 9})) == 8  # half to even
+    assert num_sampled_frames(300, 30.0, CFG.for_request({"max_frames": 7, "num_frames": 7})) == 6
     assert num_sampled_frames(10, 30.0, CFG.for_request({"num_frames": 64})) == 10  # all it has
     # under the engine's min_frames too: a count is taken as asked
     assert num_sampled_frames(300, 30.0, CFG.for_request({"num_frames": 2})) == 2
@@ -153,3 +155,24 @@ def test_bad_values_name_their_field(key, bad) -> None:
     if key != "fps":  # counts and pixels are integers
         with pytest.raises(InvalidRequestError, match="must be a positive integer"):
             CFG.for_request({key: 4.5})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"fps": 4}, {"fps": 8}, {"fps": 30}, {"fps": 30, "max_frames": 10}, {"fps": 0.5},
+     {"num_frames": 12}, {"num_frames": 7}, {"num_frames": 9}, {"num_frames": 16}],
+)  # fmt: skip
+def test_frame_counts_match_transformers_sample_frames(kwargs) -> None:
+    """transformers' Qwen2VLVideoProcessor.sample_frames (qwen-vl-utils' counts) is the oracle
+    for how many frames a rate or a count keeps of a 2 s clip of 16 frames at 8 fps."""
+    from transformers import Qwen2VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    cfg = CFG.for_request(kwargs)
+    hf_kwargs = {k: v for k, v in kwargs.items() if k in ("fps", "num_frames", "max_frames")}
+    if "num_frames" not in hf_kwargs:
+        hf_kwargs.setdefault("fps", cfg.fps)
+    indices = Qwen2VLVideoProcessor().sample_frames(
+        VideoMetadata(total_num_frames=16, fps=8.0), **hf_kwargs
+    )
+    assert num_sampled_frames(16, 8.0, cfg) == len(indices)

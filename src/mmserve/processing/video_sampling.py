@@ -8,7 +8,7 @@ defaults (its `size`, `fps`, `min_frames`, `max_frames`, `max_video_tokens`).
              = clamp(nframes, min_frames, min(max_frames, total_frames))
              = floor to a multiple of FRAME_FACTOR     (two frames fold into one temporal patch)
     or, when a request gives num_frames (instead of fps):
-    nframes  = floor(min(num_frames, total_frames) to a multiple of FRAME_FACTOR
+    nframes  = min(round(num_frames / FRAME_FACTOR) * FRAME_FACTOR, the max_frames above)
     indices  = round(linspace(0, total_frames - 1, nframes))
     per-frame max pixels = max(min(max_pixels, total_pixels * FRAME_FACTOR // nframes),
                                int(min_pixels * 1.05))
@@ -43,12 +43,12 @@ VIDEO_TOTAL_PIXELS = int(128000 * 28 * 28 * 0.9)
 # A frame's cap never goes below 5% over the floor, however many frames share the budget.
 MIN_PIXELS_HEADROOM = 1.05
 VIDEO_KEYS = ("fps", "num_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels")
-# What the server's ceiling on each request key is called in a refusal.
+# Each request key with a ceiling: the VideoConfig field that holds it, its name in a refusal.
 _CEILINGS = {
-    "fps": "--max-video-fps",
-    "max_frames": "the server's max_frames",
-    "num_frames": "the server's max_frames",
-    "total_pixels": "the server's total_pixels",
+    "fps": ("max_fps", "--max-video-fps"),
+    "num_frames": ("max_frames", "the server's max_frames"),
+    "max_frames": ("max_frames", "the server's max_frames"),
+    "total_pixels": ("total_pixels", "the server's total_pixels"),
 }
 
 
@@ -171,16 +171,16 @@ class VideoConfig:
             return params.get(key, f"mm_processor_kwargs.{key}")
 
         values: dict[str, Any] = {}
-        for key in ("fps", "num_frames", "max_frames", "total_pixels"):
+        for key, (field, name) in _CEILINGS.items():
             if key not in kwargs:
                 continue
             value = _check_number(param(key), kwargs[key], integer=key != "fps")
-            ceiling = self.max_fps if key == "fps" else getattr(self, _CEILING_FIELD[key])
+            ceiling = getattr(self, field)
             if value > ceiling:
                 shown, limit = _show(value), _show(ceiling)
                 raise InvalidRequestError(
-                    f"{param(key)} is {shown}, over this server's limit of {limit} "
-                    f"({_CEILINGS[key]}) for videos; send at most {limit}",
+                    f"{param(key)} is {shown}, over this server's limit of {limit} ({name}) "
+                    f"for videos; send at most {limit}",
                     param=param(key),
                 )
             values[key] = value
@@ -214,14 +214,6 @@ class VideoConfig:
         return VideoConfig(**new)
 
 
-# The engine value each request key is bounded by (fps: max_fps).
-_CEILING_FIELD = {
-    "num_frames": "max_frames",
-    "max_frames": "max_frames",
-    "total_pixels": "total_pixels",
-}
-
-
 def _show(value: float) -> str:
     return str(value) if isinstance(value, int) else f"{value:g}"
 
@@ -237,11 +229,13 @@ def _check_number(param: str, value: Any, *, integer: bool) -> float | int:
 def num_sampled_frames(total_frames: int, video_fps: float, cfg: VideoConfig) -> int:
     """How many frames qwen-vl-utils' smart_nframes samples from a decoded video: at the rate
     `cfg.fps`, or a request's `num_frames` (no more than the video has), floored to pairs."""
+    max_frames = math.floor(min(cfg.max_frames, total_frames) / FRAME_FACTOR) * FRAME_FACTOR
     if cfg.num_frames is not None:
-        nframes = math.floor(min(cfg.num_frames, total_frames) / FRAME_FACTOR) * FRAME_FACTOR
+        # rounded to pairs as transformers and qwen-vl-utils round it (half to even); a count
+        # above what the video has keeps every frame it has, as vLLM's loader does
+        nframes = min(round(cfg.num_frames / FRAME_FACTOR) * FRAME_FACTOR, max_frames)
         return _checked_count(nframes, total_frames)
     min_frames = math.ceil(cfg.min_frames / FRAME_FACTOR) * FRAME_FACTOR
-    max_frames = math.floor(min(cfg.max_frames, total_frames) / FRAME_FACTOR) * FRAME_FACTOR
     wanted = total_frames / video_fps * cfg.fps
     nframes = min(min(max(wanted, min_frames), max_frames), total_frames)
     nframes = math.floor(nframes / FRAME_FACTOR) * FRAME_FACTOR
