@@ -60,8 +60,11 @@ class EchoEngine:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template: str | None = None,
+        media_io_kwargs: dict[str, Any] | None = None,
     ) -> ProcessedPrompt:
         self.namespaces.append(namespace)
+        if media_io_kwargs:
+            raise InvalidRequestError("the echo engine has no media", param="media_io_kwargs")
         unknown = set(mm_processor_kwargs or {}) - KNOWN_PROCESSOR_KWARGS
         if unknown:
             raise InvalidRequestError(

@@ -139,6 +139,7 @@ def create_app(
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
                     chat_template=body.chat_template,
+                    media_io_kwargs=body.media_io_kwargs,
                 ),
             )
             fmt = ChatFormat(

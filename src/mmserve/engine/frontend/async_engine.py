@@ -119,6 +119,7 @@ class AsyncLLMEngine:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template: str | None = None,
+        media_io_kwargs: dict[str, Any] | None = None,
     ) -> ProcessedPrompt:
         self._raise_if_dead()  # no media fetch or decode for a request that cannot run
         if multi_modal_uuids:
@@ -131,6 +132,7 @@ class AsyncLLMEngine:
             chat_template_kwargs=chat_template_kwargs,
             continue_final_message=continue_final_message,
             chat_template=chat_template,
+            media_io_kwargs=media_io_kwargs,
         )
 
     async def process_prompt(

@@ -53,6 +53,7 @@ class EngineClient(Protocol):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template: str | None = None,
+        media_io_kwargs: dict[str, Any] | None = None,
     ) -> ProcessedPrompt: ...
 
     async def process_prompt(
