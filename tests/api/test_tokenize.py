@@ -114,3 +114,11 @@ async def test_api_key_guards_tokenize_and_detokenize(engine: EchoEngine) -> Non
             assert_openai_error(await c.post(path, json=body), 401)
             auth = {"Authorization": "Bearer s3cret"}
             assert (await c.post(path, json=body, headers=auth)).status_code == 200
+
+
+async def test_a_request_chat_template_needs_the_server_to_trust_it(engine: EchoEngine) -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}
+    app = make_app(engine, trust_request_chat_template=True)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        assert (await c.post("/tokenize", json=body)).status_code == 200

@@ -75,30 +75,46 @@ def test_the_input_processor_passes_kwargs_through_the_same_check() -> None:
     assert prompt.endswith("<|im_start|>assistant\n")
 
 
-def test_continue_final_message_leaves_the_last_message_open(toy_tokenizer: Tokenizer) -> None:
-    messages = [
-        {"role": "user", "content": "Name a colour."},
-        {"role": "assistant", "content": "The colour is"},
-    ]
-    closed = toy_tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-    opened = toy_tokenizer.apply_chat_template(
-        messages, add_generation_prompt=False, continue_final_message=True
+CONTINUED = [
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": [{"type": "text", "text": "It is "}]},
+]
+
+
+def test_continue_final_message_ends_at_the_last_message_text(toy_tokenizer: Tokenizer) -> None:
+    closed = toy_tokenizer.apply_chat_template(CONTINUED, add_generation_prompt=False)
+    continued = toy_tokenizer.apply_chat_template(
+        CONTINUED, add_generation_prompt=False, continue_final_message=True
     )
-    assert closed.endswith("The colour is<|im_end|>\n")
-    assert opened == closed[: -len("<|im_end|>\n")]
-
-
-def test_continue_final_message_excludes_the_generation_prompt(toy_tokenizer: Tokenizer) -> None:
-    messages = [{"role": "assistant", "content": "x"}]
-    with pytest.raises(InvalidRequestError) as info:
-        toy_tokenizer.apply_chat_template(messages, continue_final_message=True)
-    assert info.value.param == "continue_final_message"
-    parts = [{"role": "user", "content": [{"type": "image"}]}]  # no text to continue
-    with pytest.raises(InvalidRequestError) as info:
-        toy_tokenizer.apply_chat_template(
-            parts, add_generation_prompt=False, continue_final_message=True
+    assert closed.startswith(continued) and continued.endswith("<|im_start|>assistant\nIt is")
+    assert closed[len(continued) :] == " <|im_end|>\n"  # what continuing leaves off
+    for params, param in (
+        ({"add_generation_prompt": True}, "continue_final_message"),
+        ({"add_generation_prompt": False}, "continue_final_message"),
+    ):
+        messages = (
+            CONTINUED
+            if params["add_generation_prompt"]
+            else CONTINUED[:1] + [{"role": "assistant", "content": []}]
         )
-    assert info.value.param == "continue_final_message"
+        with pytest.raises(InvalidRequestError) as info:
+            toy_tokenizer.apply_chat_template(messages, continue_final_message=True, **params)
+        assert info.value.param == param
+
+
+def test_a_request_chat_template_renders_in_the_sandbox(toy_tokenizer: Tokenizer) -> None:
+    own = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    messages = [{"role": "user", "content": "hi"}]
+    assert toy_tokenizer.apply_chat_template(messages, chat_template=own) == "[user] hi\n"
+    assert "<|im_start|>" in toy_tokenizer.apply_chat_template(messages)  # the model's, still
+    for bad in (
+        "{% for %}",  # does not compile
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",  # the sandbox refuses it
+        "{{ x }}" * 20_000,  # too long
+    ):
+        with pytest.raises(InvalidRequestError) as info:
+            toy_tokenizer.apply_chat_template(messages, chat_template=bad)
+        assert info.value.param == "chat_template"
 
 
 def test_encode_adds_special_tokens_only_when_asked() -> None:

@@ -79,9 +79,13 @@ class EchoEngine:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
+        media_io_kwargs: dict[str, Any] | None = None,
     ) -> ProcessedPrompt:
         self.namespaces.append(namespace)
         self.chat_flags.append((add_generation_prompt, continue_final_message))
+        if media_io_kwargs:
+            raise InvalidRequestError("the echo engine has no media", param="media_io_kwargs")
         unknown = set(mm_processor_kwargs or {}) - KNOWN_PROCESSOR_KWARGS
         if unknown:
             raise InvalidRequestError(
@@ -191,6 +195,9 @@ class EchoEngine:
 
     def is_healthy(self) -> bool:
         return self.healthy
+
+    def decode_tokens(self, token_ids: list[int]) -> str:
+        return bytes(token_ids).decode(errors="replace")
 
     async def shutdown(self, timeout_s: float = 20.0) -> None:
         self.shutdown_calls += 1

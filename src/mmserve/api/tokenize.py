@@ -50,6 +50,7 @@ class TokenizeChatRequest(_Strict):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
     multi_modal_uuids: dict[str, list[str | None]] | None = None
     tools: list[Any] | None = None
 
@@ -62,12 +63,14 @@ class DetokenizeRequest(_Strict):
 TokenizeRequest = TokenizePromptRequest | TokenizeChatRequest
 
 
-def parse_tokenize_request(data: dict[str, Any]) -> TokenizeRequest:
+def parse_tokenize_request(
+    data: dict[str, Any], *, trust_request_chat_template: bool = False
+) -> TokenizeRequest:
     """The prompt form or the chat form, told apart by `messages` (as vLLM does)."""
     model = TokenizeChatRequest if "messages" in data else TokenizePromptRequest
     body = _validated(model, data)
     if isinstance(body, TokenizeChatRequest):
-        _refuse_chat_options(body)
+        _refuse_chat_options(body, trust_request_chat_template)
     return body
 
 
@@ -84,11 +87,11 @@ def _validated(model: type[_Strict], data: dict[str, Any]) -> _Strict:
         raise validation_error(exc.errors()) from None
 
 
-def _refuse_chat_options(body: TokenizeChatRequest) -> None:
-    if body.chat_template is not None:
+def _refuse_chat_options(body: TokenizeChatRequest, trust_request_chat_template: bool) -> None:
+    if body.chat_template is not None and not trust_request_chat_template:
         raise InvalidRequestError(
-            "chat_template is not accepted: this server renders every prompt with the "
-            "model's own chat template (as chat completions do); omit chat_template",
+            "chat_template is accepted only by a server started with "
+            "--trust-request-chat-template (as chat completions); omit chat_template",
             param="chat_template",
         )
     if body.tools:
@@ -116,6 +119,8 @@ async def tokenize(engine: EngineClient, body: TokenizeRequest, namespace: str) 
             chat_template_kwargs=body.chat_template_kwargs,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
+            chat_template=body.chat_template,
+            media_io_kwargs=body.media_io_kwargs,
         )
         token_ids = list(prompt.prompt_token_ids)
     elif len(body.prompt) > _ENCODE_IN_THREAD_CHARS:
