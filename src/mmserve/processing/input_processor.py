@@ -30,6 +30,7 @@ from mmserve.processing.remote_planning import (
     remote_modalities,
 )
 from mmserve.processing.tokenizer import Tokenizer
+from mmserve.processing.video_groups import pad_pieces, plan_stamps, stamp_tokens
 from mmserve.processing.video_inputs import (
     DEFAULT_VIDEO_LIMIT,
     largest_item_tokens,
@@ -38,6 +39,7 @@ from mmserve.processing.video_inputs import (
     split_processor_kwargs,
 )
 from mmserve.processing.video_sampling import VideoConfig
+from mmserve.processing.video_timestamps import request_size_kwargs
 
 
 class InputProcessor:
@@ -165,10 +167,9 @@ class InputProcessor:
     def request_config(self, mm_processor_kwargs: Mapping[str, Any] | None) -> ProcessingConfig:
         """A request's mm_processor_kwargs applied to every modality's configuration."""
         image_kwargs, video_kwargs = split_processor_kwargs(mm_processor_kwargs)
-        return ProcessingConfig(
-            self.image_config.with_overrides(image_kwargs),
-            self.video_config.for_request(video_kwargs),
-        )
+        image = self.image_config.with_overrides(image_kwargs)  # checks `size` too
+        size = request_size_kwargs(image_kwargs.get("size"), self.video_config)
+        return ProcessingConfig(image, self.video_config.for_request({**size, **video_kwargs}))
 
     # ---- entry points -------------------------------------------------------------------
 
@@ -218,7 +219,8 @@ class InputProcessor:
         for _, modality in pads:  # prompt order
             item = next(queues[modality])
             plans.append(self.resolver.plan(item.data, item.uuid, cfg, namespace, modality))
-        num_tokens = len(input_ids) + sum(p.num_tokens - 1 for p in plans)
+        stamps = plan_stamps(plans, self.tokenizer.encode)  # timestamped videos' group texts
+        num_tokens = len(input_ids) + sum(p.num_tokens - 1 for p in plans) + stamp_tokens(stamps)
         if num_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt is {num_tokens} tokens ({num_tokens - len(input_ids) + len(plans)} "
@@ -228,8 +230,9 @@ class InputProcessor:
                 param="messages",
             )
         resolved = [self.resolver.resolve(plan, cfg, namespace) for plan in plans]
+        pieces = pad_pieces(resolved, stamps, self.token_ids, self.resolver.hasher)
         expanded, features, mm_data = expand_pads(
-            input_ids, [pos for pos, _ in pads], resolved, self.pad_ids
+            input_ids, [pos for pos, _ in pads], pieces, self.pad_ids
         )
         videos_done = [f for f in features if f.modality == "video"]
         mrope = get_mrope_positions(

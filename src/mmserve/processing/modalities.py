@@ -130,7 +130,9 @@ class VideoModality:
         assert isinstance(record, VideoMeta)
         vp = plan_video(record, cfg.video, cfg.image)
         h, w = vp.resized_hw
-        return Planned(vp.grid_thw, vp.num_tokens, (vp.num_frames, h, w, *vp.grid_thw), vp)
+        # Timestamps are prompt text: the times (in ms) are part of what identity covers.
+        times = tuple(round(s * 1000) for s in vp.group_times)
+        return Planned(vp.grid_thw, vp.num_tokens, (vp.num_frames, h, w, *vp.grid_thw, *times), vp)
 
     def fingerprint(self, cfg: ProcessingConfig) -> tuple[str | int, ...]:
         # The sampling values pick the frames (and so the seconds per temporal patch).

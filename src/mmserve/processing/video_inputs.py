@@ -21,7 +21,7 @@ from mmserve.config.media import VideoLimits
 from mmserve.errors import InvalidRequestError, VideoTooLargeError
 from mmserve.processing.decode_budget import RequestDecodeBudget
 from mmserve.processing.image_processor import (
-    OVERRIDABLE_KEYS,
+    REQUEST_KEYS,
     ImageProcessorConfig,
     max_tokens_per_item,
 )
@@ -30,6 +30,11 @@ from mmserve.processing.modalities import ProcessingConfig
 from mmserve.processing.video_decode import DecodedVideo
 from mmserve.processing.video_processor import VideoMeta
 from mmserve.processing.video_sampling import FPS, VIDEO_KEYS, VideoConfig, frame_max_pixels
+from mmserve.processing.video_timestamps import (
+    is_timestamped_config,
+    max_tokens_per_group,
+    timestamped_config,
+)
 
 # Videos per prompt when --limit-mm-per-prompt does not name "video" (vLLM V1 allows 999 of
 # every modality): each video may cost up to the decode ceilings, so one unless raised.
@@ -42,7 +47,8 @@ def split_processor_kwargs(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """mm_processor_kwargs -> (the image processor's keys, the video processor's keys).
 
-    min_pixels / max_pixels go to both; fps, max_frames, total_pixels to videos only."""
+    min_pixels / max_pixels go to both; fps, max_frames, total_pixels to videos only; `size`
+    to images here (InputProcessor.request_config gives videos their reading of it)."""
     if not kwargs:
         return {}, {}
     if not isinstance(kwargs, Mapping):
@@ -50,7 +56,7 @@ def split_processor_kwargs(
             'mm_processor_kwargs must be an object such as {"max_pixels": 1003520}',
             param="mm_processor_kwargs",
         )
-    known = (*OVERRIDABLE_KEYS, *VIDEO_KEYS)
+    known = (*REQUEST_KEYS, *VIDEO_KEYS)
     unknown = sorted(str(k) for k in kwargs if k not in known)
     if unknown:
         raise InvalidRequestError(
@@ -58,7 +64,7 @@ def split_processor_kwargs(
             f"{sorted(set(known))} can be set per request",
             param="mm_processor_kwargs",
         )
-    image = {k: v for k, v in kwargs.items() if k in OVERRIDABLE_KEYS}
+    image = {k: v for k, v in kwargs.items() if k in REQUEST_KEYS}
     video = {k: v for k, v in kwargs.items() if k in VIDEO_KEYS}
     return image, video
 
@@ -67,9 +73,16 @@ def load_video_config(
     model_dir: str | Path, server_kwargs: Mapping[str, Any] | None
 ) -> VideoConfig:
     """The checkpoint's video_preprocessor_config.json (else qwen-vl-utils' defaults), with
-    --mm-processor-kwargs' video keys over it."""
+    --mm-processor-kwargs' video keys over it. A Qwen3-VL processor's files (by the processor
+    types they name) are read as Qwen3-VL's (video_timestamps.py)."""
     path = Path(model_dir) / VIDEO_CONFIG_FILE
-    cfg = VideoConfig.from_dict(json.loads(path.read_text())) if path.is_file() else VideoConfig()
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    image_path = Path(model_dir) / "preprocessor_config.json"
+    image_raw = json.loads(image_path.read_text()) if image_path.is_file() else {}
+    if is_timestamped_config(raw) or (not raw and is_timestamped_config(image_raw)):
+        cfg = timestamped_config(raw, image_raw)
+    else:
+        cfg = VideoConfig.from_dict(raw)
     return cfg.with_server_overrides(server_kwargs)
 
 
@@ -100,7 +113,13 @@ def largest_item_tokens(
     Input patches are merge_size**2 per token for every modality."""
     tokens = max_tokens_per_item(image_cfg)
     if accepts_video(limit_mm_per_prompt):
-        tokens = max(tokens, min(max_tokens_per_video(video_cfg, image_cfg), max_model_len))
+        # a timestamped video's items are its temporal groups (video_groups.py)
+        per_video = (
+            max_tokens_per_group(video_cfg, image_cfg)
+            if video_cfg.timestamps
+            else max_tokens_per_video(video_cfg, image_cfg)
+        )
+        tokens = max(tokens, min(per_video, max_model_len))
     return tokens
 
 

@@ -54,6 +54,9 @@ class VideoConfig:
     min_pixels: int = VIDEO_MIN_PIXELS
     max_pixels: int = VIDEO_MAX_PIXELS
     total_pixels: int = VIDEO_TOTAL_PIXELS
+    # Qwen3-VL's rules (video_timestamps.py): frames sampled as its video processor does, the
+    # pixel budget over all frames, each temporal patch a group led by its time as text.
+    timestamps: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.fps) and 0 < self.fps <= MAX_REQUEST_FPS):
@@ -75,7 +78,8 @@ class VideoConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> VideoConfig:
-        """From a video_preprocessor_config.json (transformers' names) or server overrides."""
+        """From a video_preprocessor_config.json (transformers' names) or server overrides.
+        A Qwen3-VL file is read by video_timestamps.timestamped_config instead."""
         size = raw.get("size") or {}
         kwargs: dict[str, Any] = {}
         min_pixels = raw.get("min_pixels") or size.get("shortest_edge")
@@ -155,7 +159,15 @@ class VideoConfig:
 
     def fingerprint(self) -> tuple[str | int, ...]:
         """The sampling values (identity input: they choose which frames a video gives)."""
-        return ("fps", repr(self.fps), "min_frames", self.min_frames, "max_frames", self.max_frames)
+        parts = (
+            "fps",
+            repr(self.fps),
+            "min_frames",
+            self.min_frames,
+            "max_frames",
+            self.max_frames,
+        )
+        return (*parts, "timestamps", 1) if self.timestamps else parts
 
 
 def _check_number(key: str, value: Any, *, integer: bool) -> float | int:
