@@ -5,16 +5,21 @@ and videos (one timestamped group per temporal patch, frames given or decoded fr
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from mmserve.config.media import MediaConfig
 from mmserve.errors import InvalidRequestError
+from mmserve.processing.decode_workers import DecodeWorkerPool
 from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.modalities import ProcessingConfig, VideoModality
+from mmserve.processing.video_decode import decode_video_bytes
 from mmserve.processing.video_processor import VideoMeta
+from mmserve.processing.video_worker import decode_video_in_worker
 from tests.support.factory import random_image, video_bytes, video_frames
 from tests.support.qwen3_processing import (
     VIDEO_MAX_PIXELS,
@@ -229,3 +234,57 @@ def test_the_largest_item_bound_covers_every_group(processor) -> None:
             plan = VideoModality().plan(VideoMeta(w, h, n, 2.0, is_sampled=True), cfg)
             worst = max(worst, plan.num_tokens // plan.grid_thw[0])  # one group's tokens
     assert worst <= processor.max_tokens_per_mm_item
+
+
+def test_a_decoded_file_carries_its_real_frame_times(processor) -> None:
+    """Frames one second apart in a container whose header claims 16/15 fps: the prompt's
+    times are the frames' presentation times, in process and from a decode worker alike."""
+    data = video_bytes(12, 64, 48, fps=4, seconds_per_frame=1)
+    cfg = processor.request_config(None)
+    limits = MediaConfig().video_limits
+    in_process = decode_video_bytes(data, cfg.video, cfg.image, limits)
+    pool = DecodeWorkerPool(1, timeout_s=60.0, max_rss_bytes=0)
+    try:
+        in_worker = decode_video_in_worker(pool, data, cfg.video, cfg.image, limits)
+    finally:
+        pool.close()
+    expected = tuple((i, float(i)) for i in range(12))
+    assert in_process.meta.frame_times == in_worker.meta.frame_times == expected
+    ours = processor.process_generate_input({"prompt": VIDEO, "multi_modal_data": {"video": data}})
+    text = processor.tokenizer.decode(ours.prompt_token_ids, skip_special_tokens=False)
+    times = [float(t) for t in re.findall(r"<([0-9.]+) seconds>", text)]
+    assert times == [0.5, 2.5, 4.5, 6.5, 8.5, 10.5]  # index / header fps would say 0.5, 2.3, ...
+
+
+def test_a_request_size_sets_the_video_budget_too(processor, qwen3_dir) -> None:
+    """As in transformers, a per-call `size` reaches both processors; for a Qwen3-VL video it
+    is the clip's floor and budget (a request may only lower the server's)."""
+    from transformers.video_utils import VideoMetadata
+
+    frames = video_frames(6, 160, 120, seed=7)
+    image = random_image(150, 100, seed=8)
+    size = {"shortest_edge": 4 * 1024, "longest_edge": 40 * 1024}
+    prompt = VIDEO + IMAGE + "Compare."
+    ours = processor.process_generate_input(
+        {
+            "prompt": prompt,
+            "multi_modal_data": {"video": frames, "image": image},
+            "mm_processor_kwargs": {"size": size},
+        }
+    )
+    default = processor.process_generate_input(
+        {"prompt": prompt, "multi_modal_data": {"video": frames, "image": image}}
+    )
+    assert ours.mm_features[0].grid_thw != default.mm_features[0].grid_thw
+    meta = VideoMetadata(total_num_frames=6, fps=2, frames_indices=list(range(6)))
+    ref = _hf(
+        qwen3_dir,
+        prompt,
+        images=[image],
+        videos=[frames],
+        video_metadata=[meta],
+        do_sample_frames=False,
+        size=size,
+    )
+    image_grids = [f.grid_thw for f in ours.mm_features if f.modality == "image"]
+    _check_video(ours, ref, qwen3_dir, processor.token_ids.video_token_id, image_grids)

@@ -33,6 +33,7 @@ from mmserve.processing.video_sampling import FPS, VIDEO_KEYS, VideoConfig, fram
 from mmserve.processing.video_timestamps import (
     is_timestamped_config,
     max_tokens_per_group,
+    request_size_kwargs,
     timestamped_config,
 )
 
@@ -83,7 +84,8 @@ def load_video_config(
         cfg = timestamped_config(raw, image_raw)
     else:
         cfg = VideoConfig.from_dict(raw)
-    return cfg.with_server_overrides(server_kwargs)
+    size = request_size_kwargs((server_kwargs or {}).get("size"), cfg)
+    return cfg.with_server_overrides({**size, **(server_kwargs or {})})
 
 
 def max_tokens_per_video(cfg: VideoConfig, image_cfg: ImageProcessorConfig) -> int:
