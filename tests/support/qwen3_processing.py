@@ -156,3 +156,29 @@ def hf_rope_index(model_dir: Path, input_ids: list[int], image_grids: list, vide
         video_grid_thw=torch.tensor(video_grids) if video_grids else None,
     )
     return positions[:, 0].numpy(), int(delta[0, 0])
+
+
+def write_qwen3_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3-VL checkpoint (float32 safetensors from transformers' own
+    initialisation, norms and biases perturbed) with the processor files above."""
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration
+
+    out = write_qwen3_processor_dir(out_dir)
+    config = tiny_qwen3_vl_config_from(out)
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).eval().to(torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def tiny_qwen3_vl_config_from(model_dir: Path) -> Any:
+    from transformers import Qwen3VLConfig
+
+    config = Qwen3VLConfig.from_pretrained(model_dir)
+    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    return config
