@@ -91,10 +91,6 @@ def test_image_limits_come_from_the_size_dict(processor) -> None:
             {"min_pixels": 1024, "max_pixels": 12 * 1024},
             {"size": {"shortest_edge": 1024, "longest_edge": 12 * 1024}},
         ),
-        (  # min/max_pixels win over size, as in transformers
-            {"size": {"shortest_edge": 1024, "longest_edge": 99 * 1024}, "max_pixels": 20 * 1024},
-            {"size": {"shortest_edge": 1024, "longest_edge": 20 * 1024}},
-        ),
     ],
 )
 def test_per_request_size_and_pixel_overrides(processor, qwen3_dir, ours_kwargs, hf_kwargs):
@@ -107,11 +103,19 @@ def test_per_request_size_and_pixel_overrides(processor, qwen3_dir, ours_kwargs,
 
 
 @pytest.mark.parametrize(
-    "size", [{"longest": 5}, {"longest_edge": 0}, {"longest_edge": "big"}, [1, 2], {}]
+    "kwargs",
+    [
+        {"size": {"longest": 5}},
+        {"size": {"longest_edge": 0}},
+        {"size": {"longest_edge": "big"}},
+        {"size": [1, 2]},
+        {"size": {}},
+        {"size": {"longest_edge": 20480}, "max_pixels": 40960},  # two different caps
+    ],
 )
-def test_a_bad_size_is_refused_naming_the_field(processor, size) -> None:
+def test_a_bad_size_is_refused_naming_the_field(processor, kwargs) -> None:
     with pytest.raises(InvalidRequestError) as e:
-        processor.process(IMAGE, [random_image(40, 40)], mm_processor_kwargs={"size": size})
+        processor.process(IMAGE, [random_image(40, 40)], mm_processor_kwargs=kwargs)
     assert (e.value.param or "").startswith("mm_processor_kwargs.size")
 
 

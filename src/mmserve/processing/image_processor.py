@@ -20,10 +20,6 @@ from mmserve.multimodal import EncoderInput
 MAX_ASPECT_RATIO = 200
 # Per-request (and server-wide) overridable keys; everything else is fixed by the checkpoint.
 OVERRIDABLE_KEYS = ("min_pixels", "max_pixels")
-# What a request may send: those, or transformers' `size` dict {shortest_edge, longest_edge}
-# (pixels; min_pixels / max_pixels win over it, as in transformers).
-REQUEST_KEYS = (*OVERRIDABLE_KEYS, "size")
-_SIZE_KEYS = {"shortest_edge": "min_pixels", "longest_edge": "max_pixels"}
 # transformers' class defaults, used only when preprocessor_config.json does not say.
 _HF_DEFAULT_MIN_PIXELS = 56 * 56
 _HF_DEFAULT_MAX_PIXELS = 28 * 28 * 1280
@@ -94,7 +90,7 @@ class ImageProcessorConfig:
         return cls(**kwargs)
 
     def with_overrides(self, overrides: Mapping[str, Any] | None) -> ImageProcessorConfig:
-        """Apply mm_processor_kwargs (server-wide or per request): min/max_pixels, or `size`."""
+        """Apply mm_processor_kwargs (server-wide or per request): only min/max_pixels."""
         if not overrides:
             return self
         if not isinstance(overrides, Mapping):
@@ -102,15 +98,13 @@ class ImageProcessorConfig:
                 'mm_processor_kwargs must be an object such as {"max_pixels": 1003520}',
                 param="mm_processor_kwargs",
             )
-        unknown = sorted(str(k) for k in overrides if k not in REQUEST_KEYS)
+        unknown = sorted(str(k) for k in overrides if k not in OVERRIDABLE_KEYS)
         if unknown:
             raise InvalidRequestError(
-                f"mm_processor_kwargs: unsupported key(s) {unknown}; only {list(REQUEST_KEYS)} "
+                f"mm_processor_kwargs: unsupported key(s) {unknown}; only {list(OVERRIDABLE_KEYS)} "
                 "can be set per request",
                 param="mm_processor_kwargs",
             )
-        overrides = {**size_overrides(overrides.get("size")), **overrides}
-        overrides.pop("size", None)
         for key, value in overrides.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidRequestError(
@@ -139,27 +133,6 @@ class ImageProcessorConfig:
                 continue
             parts += [f.name, repr(getattr(self, f.name))]
         return tuple(parts)
-
-
-def size_overrides(size: Any) -> dict[str, Any]:
-    """A request's `size` dict -> {min_pixels, max_pixels} (either key may be left out)."""
-    if size is None:
-        return {}
-    if not isinstance(size, Mapping) or not size or any(k not in _SIZE_KEYS for k in size):
-        raise InvalidRequestError(
-            "mm_processor_kwargs.size must be an object with shortest_edge and/or longest_edge "
-            f'(pixels), such as {{"longest_edge": 1003520}}; got {size!r:.100}',
-            param="mm_processor_kwargs.size",
-        )
-    out = {}
-    for key, value in size.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise InvalidRequestError(
-                f"mm_processor_kwargs.size.{key} must be a positive integer, got {value!r:.50}",
-                param=f"mm_processor_kwargs.size.{key}",
-            )
-        out[_SIZE_KEYS[key]] = value
-    return out
 
 
 def smart_resize(

@@ -39,7 +39,6 @@ from mmserve.processing.video_inputs import (
     split_processor_kwargs,
 )
 from mmserve.processing.video_sampling import VideoConfig
-from mmserve.processing.video_timestamps import request_size_kwargs
 
 
 class InputProcessor:
@@ -167,9 +166,10 @@ class InputProcessor:
     def request_config(self, mm_processor_kwargs: Mapping[str, Any] | None) -> ProcessingConfig:
         """A request's mm_processor_kwargs applied to every modality's configuration."""
         image_kwargs, video_kwargs = split_processor_kwargs(mm_processor_kwargs)
-        image = self.image_config.with_overrides(image_kwargs)  # checks `size` too
-        size = request_size_kwargs(image_kwargs.get("size"), self.video_config)
-        return ProcessingConfig(image, self.video_config.for_request({**size, **video_kwargs}))
+        return ProcessingConfig(
+            self.image_config.with_overrides(image_kwargs),
+            self.video_config.for_request(video_kwargs),
+        )
 
     # ---- entry points -------------------------------------------------------------------
 

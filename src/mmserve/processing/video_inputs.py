@@ -21,7 +21,7 @@ from mmserve.config.media import VideoLimits
 from mmserve.errors import InvalidRequestError, VideoTooLargeError
 from mmserve.processing.decode_budget import RequestDecodeBudget
 from mmserve.processing.image_processor import (
-    REQUEST_KEYS,
+    OVERRIDABLE_KEYS,
     ImageProcessorConfig,
     max_tokens_per_item,
 )
@@ -33,7 +33,6 @@ from mmserve.processing.video_sampling import FPS, VIDEO_KEYS, VideoConfig, fram
 from mmserve.processing.video_timestamps import (
     is_timestamped_config,
     max_tokens_per_group,
-    request_size_kwargs,
     timestamped_config,
 )
 
@@ -48,8 +47,8 @@ def split_processor_kwargs(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """mm_processor_kwargs -> (the image processor's keys, the video processor's keys).
 
-    min_pixels / max_pixels go to both; fps, max_frames, total_pixels to videos only; `size`
-    to images here (InputProcessor.request_config gives videos their reading of it)."""
+    min_pixels / max_pixels go to both, and so does `size` (transformers' spelling of the two:
+    shortest_edge / longest_edge, in pixels); fps, max_frames, total_pixels to videos only."""
     if not kwargs:
         return {}, {}
     if not isinstance(kwargs, Mapping):
@@ -57,7 +56,7 @@ def split_processor_kwargs(
             'mm_processor_kwargs must be an object such as {"max_pixels": 1003520}',
             param="mm_processor_kwargs",
         )
-    known = (*REQUEST_KEYS, *VIDEO_KEYS)
+    known = (*OVERRIDABLE_KEYS, *VIDEO_KEYS, "size")
     unknown = sorted(str(k) for k in kwargs if k not in known)
     if unknown:
         raise InvalidRequestError(
@@ -65,9 +64,45 @@ def split_processor_kwargs(
             f"{sorted(set(known))} can be set per request",
             param="mm_processor_kwargs",
         )
-    image = {k: v for k, v in kwargs.items() if k in REQUEST_KEYS}
+    kwargs = _size_as_pixels(kwargs)
+    image = {k: v for k, v in kwargs.items() if k in OVERRIDABLE_KEYS}
     video = {k: v for k, v in kwargs.items() if k in VIDEO_KEYS}
     return image, video
+
+
+_SIZE_KEYS = {"shortest_edge": "min_pixels", "longest_edge": "max_pixels"}
+
+
+def _size_as_pixels(kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`size: {"shortest_edge": a, "longest_edge": b}` -> min_pixels a, max_pixels b (either
+    key may be left out; the same limit also given by name must agree)."""
+    size = kwargs.get("size")
+    if size is None:
+        return kwargs
+    if not isinstance(size, Mapping) or not size or set(size) - set(_SIZE_KEYS):
+        raise InvalidRequestError(
+            'mm_processor_kwargs.size must be an object with "shortest_edge" and/or '
+            '"longest_edge" (pixels)',
+            param="mm_processor_kwargs.size",
+        )
+    out = {k: v for k, v in kwargs.items() if k != "size"}
+    for edge, key in _SIZE_KEYS.items():
+        if edge not in size:
+            continue
+        value = size[edge]
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise InvalidRequestError(
+                f"mm_processor_kwargs.size.{edge} must be a positive integer, got {value!r:.50}",
+                param=f"mm_processor_kwargs.size.{edge}",
+            )
+        if key in out and out[key] != value:
+            raise InvalidRequestError(
+                f"mm_processor_kwargs.size.{edge} ({value}) and mm_processor_kwargs.{key} "
+                f"({out[key]!r:.50}) disagree; send one of them",
+                param=f"mm_processor_kwargs.size.{edge}",
+            )
+        out[key] = value
+    return out
 
 
 def load_video_config(
@@ -84,8 +119,7 @@ def load_video_config(
         cfg = timestamped_config(raw, image_raw)
     else:
         cfg = VideoConfig.from_dict(raw)
-    size = request_size_kwargs((server_kwargs or {}).get("size"), cfg)
-    return cfg.with_server_overrides({**size, **(server_kwargs or {})})
+    return cfg.with_server_overrides(split_processor_kwargs(server_kwargs)[1])
 
 
 def max_tokens_per_video(cfg: VideoConfig, image_cfg: ImageProcessorConfig) -> int:

@@ -127,7 +127,7 @@ def _plan_timestamped(
         factor=image_cfg.factor,
         temporal_factor=t,
         min_pixels=cfg.min_pixels,
-        max_pixels=clip_max_pixels(nframes, cfg),
+        max_pixels=clip_max_pixels(cfg),
     )
     grid = (
         math.ceil(nframes / t),

@@ -60,10 +60,9 @@ def timestamped_config(
 ) -> VideoConfig:
     """A Qwen3-VL video_preprocessor_config.json -> VideoConfig (timestamps on).
 
-    `size.longest_edge` is the clip's pixel budget (total_pixels), `size.shortest_edge` its
-    floor (min_pixels); max_pixels (a per-frame cap, lowered only by a request) starts at the
-    whole budget, where it never binds. `image_raw`: the preprocessor_config.json, whose patch
-    geometry and normalisation the video must share."""
+    `size.longest_edge` is the clip's pixel budget (max_pixels and total_pixels: a request
+    may lower either), `size.shortest_edge` its floor (min_pixels). `image_raw`: the
+    preprocessor_config.json, whose patch geometry and normalisation the video must share."""
     if raw.get("cap_pixels_per_frame"):
         raise ValueError(
             "video_preprocessor_config.json sets cap_pixels_per_frame, which mmserve does not "
@@ -88,24 +87,6 @@ def timestamped_config(
     if raw.get("fps") is not None:
         kwargs["fps"] = float(raw["fps"])
     return VideoConfig(**kwargs)
-
-
-def request_size_kwargs(size: Any, cfg: VideoConfig) -> dict[str, int]:
-    """A request's `size` dict in a video's own terms (already checked by the image side).
-
-    Qwen3-VL: {shortest_edge, longest_edge} are the clip's floor and budget (min_pixels,
-    total_pixels); Qwen2-VL: per-frame min_pixels, max_pixels. Each is clamped to the
-    engine's value, as min_pixels / max_pixels shared with images are (VideoConfig.for_request).
-    """
-    if not isinstance(size, Mapping):
-        return {}
-    out: dict[str, int] = {}
-    if isinstance(size.get("shortest_edge"), int):
-        out["min_pixels"] = min(size["shortest_edge"], cfg.min_pixels)
-    if isinstance(size.get("longest_edge"), int):
-        key = "total_pixels" if cfg.timestamps else "max_pixels"
-        out[key] = min(size["longest_edge"], getattr(cfg, key))
-    return out
 
 
 def num_timestamped_frames(total_frames: int, video_fps: float, cfg: VideoConfig) -> int:
@@ -161,9 +142,11 @@ def clip_smart_resize(
     return h_bar, w_bar
 
 
-def clip_max_pixels(num_frames: int, cfg: VideoConfig) -> int:
-    """The clip's pixel budget: total_pixels, or less where a per-frame max_pixels binds."""
-    return min(cfg.total_pixels, cfg.max_pixels * num_frames)
+def clip_max_pixels(cfg: VideoConfig) -> int:
+    """The clip's pixel budget: total_pixels, or a request's (or the server's) lower max_pixels
+    (with timestamps, min_pixels and max_pixels are over the whole clip, as transformers'
+    `size` is for Qwen3-VL videos; a request's `size` or min/max_pixels reach it)."""
+    return min(cfg.total_pixels, cfg.max_pixels)
 
 
 def sample_times(
@@ -192,11 +175,10 @@ def timestamp_text(seconds: float) -> str:
 def max_tokens_per_group(cfg: VideoConfig, image_cfg: ImageProcessorConfig) -> int:
     """An upper bound on one temporal patch's tokens under cfg (requests only lower it).
 
-    At least two frames share the budget (t_bar >= 2, and t_bar >= 2/3 of the frames), so a
-    frame is at most total_pixels / 2 and 3/2 of max_pixels (or one factor wide on a clamped
-    side, as for images); the floor's ceilings add at most one factor per side. The image
-    bound's cases cover these with those limits."""
-    frame_max = max(1, min(cfg.total_pixels // 2, cfg.max_pixels * 3 // 2))
+    At least two frames share the budget (t_bar >= 2), so a frame is at most half of it (or
+    one factor wide on a clamped side, as for images); the floor's ceilings add at most one
+    factor per side. The image bound's cases cover these with those limits."""
+    frame_max = max(1, clip_max_pixels(cfg) // 2)
     frame_min = min(max(1, math.ceil(cfg.min_pixels / 2)), frame_max)
     frame_cfg = ImageProcessorConfig(
         min_pixels=frame_min,
