@@ -21,7 +21,7 @@ import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.models.registry import MODEL_REGISTRY
-from tests.support.factory import video_bytes, video_frames
+from tests.support.factory import video_bytes, video_frames, write_tiny_checkpoint
 from tests.support.harness import Server, data_url
 from tests.support.qwen3_processing import hf_qwen3_processor, write_qwen3_checkpoint
 
@@ -44,13 +44,17 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_qwen3_checkpoint(tmp_path_factory.mktemp("qwen3_vl_ckpt"))
 
 
-@pytest.fixture(scope="module")
-def hf_model(checkpoint: Path):
+def _hf_model(checkpoint: Path):
     from transformers import Qwen3VLForConditionalGeneration
 
     model = Qwen3VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32)
     model.generation_config.eos_token_id = None  # exactly max_new_tokens, like ignore_eos
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint: Path):
+    return _hf_model(checkpoint)
 
 
 def _prompt(checkpoint: Path) -> str:
@@ -160,3 +164,24 @@ def test_a_video_file_through_serve_matches_transformers(
         ours = sorted((t["logprob"] for t in entry["top_logprobs"]), reverse=True)
         ref = torch.topk(reference[step], NUM_TOP).values.tolist()
         np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-4)
+
+
+def test_odd_shapes_and_no_video_file_match_transformers(tmp_path: Path) -> None:
+    """The shared builder's Qwen3-VL (head_dim 24, three DeepStack levels, tied embeddings) with
+    no video_preprocessor_config.json: both sides take Qwen3VLVideoProcessor's defaults (here
+    the clip floor scales the frames up); 16-token chunks."""
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", arch="qwen3_vl")
+    assert not (checkpoint / "video_preprocessor_config.json").exists()
+    prompt = _prompt(checkpoint)
+    inputs = _hf_inputs(checkpoint, prompt, FRAMES, 2.0, frames_indices=[0, 1, 2, 3])
+    expected, reference = _reference(_hf_model(checkpoint), inputs)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=NUM_TOP)
+    with LLM(model=str(checkpoint), max_num_batched_tokens=16) as llm:
+        (out,) = llm.generate(
+            [{"prompt": prompt, "multi_modal_data": {"video": FRAMES}}], params, use_tqdm=False
+        )
+    assert list(out.prompt_token_ids) == inputs["input_ids"][0].tolist()
+    assert list(out.outputs[0].token_ids) == expected
+    for step, entry in enumerate(out.outputs[0].logprobs):
+        for token_id, lp in entry.items():
+            assert abs(lp.logprob - float(reference[step, token_id])) < 1e-4, (step, token_id)

@@ -126,7 +126,9 @@ def hf_qwen3_processor(model_dir: Path) -> Any:
     )
 
     image_cfg = json.loads((model_dir / "preprocessor_config.json").read_text())
-    video_cfg = json.loads((model_dir / "video_preprocessor_config.json").read_text())
+    video_path = model_dir / "video_preprocessor_config.json"
+    # no video file: the class defaults (what mmserve reads then too)
+    video_cfg = json.loads(video_path.read_text()) if video_path.is_file() else {}
     drop = ("image_processor_type", "video_processor_type", "processor_class")
     return Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessorPil(
