@@ -48,7 +48,8 @@ def split_processor_kwargs(
     """mm_processor_kwargs -> (the image processor's keys, the video processor's keys).
 
     min_pixels / max_pixels go to both, and so does `size` (transformers' spelling of the two:
-    shortest_edge / longest_edge, in pixels); fps, max_frames, total_pixels to videos only."""
+    shortest_edge / longest_edge, in pixels per image or frame); fps, num_frames, max_frames,
+    total_pixels to videos only."""
     if not kwargs:
         return {}, {}
     if not isinstance(kwargs, Mapping):
@@ -74,15 +75,14 @@ _SIZE_KEYS = {"shortest_edge": "min_pixels", "longest_edge": "max_pixels"}
 
 
 def _size_as_pixels(kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
-    """`size: {"shortest_edge": a, "longest_edge": b}` -> min_pixels a, max_pixels b (either
-    key may be left out; the same limit also given by name must agree)."""
+    """`size: {"shortest_edge": a, "longest_edge": b}` -> min_pixels a, max_pixels b."""
     size = kwargs.get("size")
     if size is None:
         return kwargs
     if not isinstance(size, Mapping) or not size or set(size) - set(_SIZE_KEYS):
         raise InvalidRequestError(
             'mm_processor_kwargs.size must be an object with "shortest_edge" and/or '
-            '"longest_edge" (pixels)',
+            '"longest_edge" (pixels per image or video frame)',
             param="mm_processor_kwargs.size",
         )
     out = {k: v for k, v in kwargs.items() if k != "size"}
@@ -92,13 +92,13 @@ def _size_as_pixels(kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
         value = size[edge]
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise InvalidRequestError(
-                f"mm_processor_kwargs.size.{edge} must be a positive integer, got {value!r:.50}",
+                f"mm_processor_kwargs.size.{edge} must be a positive integer, got {value!r}",
                 param=f"mm_processor_kwargs.size.{edge}",
             )
         if key in out and out[key] != value:
             raise InvalidRequestError(
                 f"mm_processor_kwargs.size.{edge} ({value}) and mm_processor_kwargs.{key} "
-                f"({out[key]!r:.50}) disagree; send one of them",
+                f"({out[key]!r}) disagree; send one of them",
                 param=f"mm_processor_kwargs.size.{edge}",
             )
         out[key] = value

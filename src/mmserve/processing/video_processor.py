@@ -45,8 +45,7 @@ class VideoMeta:
     what a UUID-only reference keeps to plan the video again under another request's kwargs.
 
     `is_sampled`: the frames were given as an array, already sampled (at FPS); then
-    `total_frames` is their count and `video_fps` is FPS. `frame_times`: (index, seconds) of
-    each frame the decoder kept, from its presentation time (empty before decoding).
+    `total_frames` is their count and `video_fps` is FPS.
     """
 
     width: int
@@ -54,6 +53,8 @@ class VideoMeta:
     total_frames: int
     video_fps: float
     is_sampled: bool = False
+    # (index, seconds) of each frame the decoder kept, from its presentation time (empty
+    # before decoding, and for frames given as an array)
     frame_times: tuple[tuple[int, float], ...] = ()
 
 

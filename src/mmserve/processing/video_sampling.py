@@ -49,14 +49,14 @@ class VideoConfig:
     """How a video becomes frames: the engine's values, each also a ceiling for requests."""
 
     fps: float = FPS
+    # Qwen3-VL's rules (video_timestamps.py): frames sampled as its video processor does, the
+    # pixel limits over the whole clip, each temporal patch a group led by its time as text.
+    timestamps: bool = False
     min_frames: int = FPS_MIN_FRAMES
     max_frames: int = FPS_MAX_FRAMES
     min_pixels: int = VIDEO_MIN_PIXELS
     max_pixels: int = VIDEO_MAX_PIXELS
     total_pixels: int = VIDEO_TOTAL_PIXELS
-    # Qwen3-VL's rules (video_timestamps.py): frames sampled as its video processor does, the
-    # pixel budget over all frames, each temporal patch a group led by its time as text.
-    timestamps: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.fps) and 0 < self.fps <= MAX_REQUEST_FPS):
@@ -78,8 +78,7 @@ class VideoConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> VideoConfig:
-        """From a video_preprocessor_config.json (transformers' names) or server overrides.
-        A Qwen3-VL file is read by video_timestamps.timestamped_config instead."""
+        """From a video_preprocessor_config.json (transformers' names) or server overrides."""
         size = raw.get("size") or {}
         kwargs: dict[str, Any] = {}
         min_pixels = raw.get("min_pixels") or size.get("shortest_edge")
@@ -159,15 +158,7 @@ class VideoConfig:
 
     def fingerprint(self) -> tuple[str | int, ...]:
         """The sampling values (identity input: they choose which frames a video gives)."""
-        parts = (
-            "fps",
-            repr(self.fps),
-            "min_frames",
-            self.min_frames,
-            "max_frames",
-            self.max_frames,
-        )
-        return (*parts, "timestamps", 1) if self.timestamps else parts
+        return ("fps", repr(self.fps), "min_frames", self.min_frames, "max_frames", self.max_frames)
 
 
 def _check_number(key: str, value: Any, *, integer: bool) -> float | int:
