@@ -2,7 +2,8 @@
 
 Offline (`LLM.generate` multi_modal_data, `LLM.chat` video parts): a file path, bytes, a URL,
 or frames (a [T, H, W, 3] uint8 array, a list of H x W x 3 uint8 arrays or PIL images),
-frames counting as already sampled at 2 per second. Over HTTP: `video_url` parts only.
+frames counting as already sampled at 2 per second (or at a request's fps). Over HTTP:
+`video_url` parts only, sampled per request by mm_processor_kwargs or media_io_kwargs.video.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mmserve.config.media import VideoLimits
+from mmserve.config.media import DEFAULT_MAX_VIDEO_FPS, VideoLimits
 from mmserve.errors import InvalidRequestError, VideoTooLargeError
 from mmserve.processing.decode_budget import RequestDecodeBudget
 from mmserve.processing.image_processor import (
@@ -105,12 +106,66 @@ def _size_as_pixels(kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
     return out
 
 
+# vLLM's per-request media loading arguments that mmserve honours (media_io_kwargs.video).
+MEDIA_IO_VIDEO_KEYS = ("fps", "num_frames")
+
+
+def video_request_kwargs(
+    video_kwargs: Mapping[str, Any], media_io_kwargs: Any
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """A request's video keys from mm_processor_kwargs and vLLM's `media_io_kwargs: {"video":
+    {"fps", "num_frames"}}` together, and each key's field for errors. The same key in both
+    with different values is refused; anything else in media_io_kwargs is refused by name."""
+    merged, params = dict(video_kwargs), {}
+    if media_io_kwargs is None:
+        return merged, params
+    if not isinstance(media_io_kwargs, Mapping):
+        raise InvalidRequestError(
+            'media_io_kwargs must be an object such as {"video": {"fps": 4}}',
+            param="media_io_kwargs",
+        )
+    for modality in media_io_kwargs:
+        if modality != "video":
+            raise InvalidRequestError(
+                f"media_io_kwargs.{str(modality)[:40]} is not supported by this server; only "
+                f"media_io_kwargs.video ({', '.join(MEDIA_IO_VIDEO_KEYS)}) is",
+                param=f"media_io_kwargs.{str(modality)[:40]}",
+            )
+    video = media_io_kwargs.get("video")
+    if video is None:
+        return merged, params
+    if not isinstance(video, Mapping):
+        raise InvalidRequestError(
+            'media_io_kwargs.video must be an object such as {"fps": 4}',
+            param="media_io_kwargs.video",
+        )
+    for key, value in video.items():
+        param = f"media_io_kwargs.video.{str(key)[:40]}"
+        if key not in MEDIA_IO_VIDEO_KEYS:
+            raise InvalidRequestError(
+                f"{param} is not supported by this server; only "
+                f"{', '.join(MEDIA_IO_VIDEO_KEYS)} can be set there",
+                param=param,
+            )
+        if key in merged and merged[key] != value:
+            raise InvalidRequestError(
+                f"{param} ({value!r}) and mm_processor_kwargs.{key} ({merged[key]!r}) "
+                "disagree; send one of them",
+                param=param,
+            )
+        merged[key], params[key] = value, param
+    return merged, params
+
+
 def load_video_config(
-    model_dir: str | Path, server_kwargs: Mapping[str, Any] | None
+    model_dir: str | Path,
+    server_kwargs: Mapping[str, Any] | None,
+    max_fps: float = DEFAULT_MAX_VIDEO_FPS,
 ) -> VideoConfig:
     """The checkpoint's video_preprocessor_config.json (else qwen-vl-utils' defaults), with
-    --mm-processor-kwargs' video keys over it. A Qwen3-VL processor's files (by the processor
-    types they name) are read as Qwen3-VL's (video_timestamps.py)."""
+    --mm-processor-kwargs' video keys over it and --max-video-fps as the requests' ceiling.
+    A Qwen3-VL processor's files (by the processor types they name) are read as Qwen3-VL's
+    (video_timestamps.py)."""
     path = Path(model_dir) / VIDEO_CONFIG_FILE
     raw = json.loads(path.read_text()) if path.is_file() else {}
     image_path = Path(model_dir) / "preprocessor_config.json"
@@ -119,14 +174,15 @@ def load_video_config(
         cfg = timestamped_config(raw, image_raw)
     else:
         cfg = VideoConfig.from_dict(raw)
-    return cfg.with_server_overrides(split_processor_kwargs(server_kwargs)[1])
+    return cfg.with_server_overrides(split_processor_kwargs(server_kwargs)[1], max_fps)
 
 
 def max_tokens_per_video(cfg: VideoConfig, image_cfg: ImageProcessorConfig) -> int:
     """An upper bound on the placeholder tokens of any one video a request may send.
 
-    Requests only lower these values (VideoConfig.for_request), and every frame count from
-    one to max_frames is tried: the per-frame cap falls as frames share the total budget."""
+    Requests stay within these values' frame and pixel ceilings (VideoConfig.for_request),
+    and every frame count from one to max_frames is tried: the per-frame cap falls as frames
+    share the total budget."""
     return max(
         _tokens_per_patch(n, cfg, image_cfg) * math.ceil(n / image_cfg.temporal_patch_size)
         for n in range(1, cfg.max_frames + 1)

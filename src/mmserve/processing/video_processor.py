@@ -12,7 +12,7 @@ Patches are laid out exactly as transformers' Qwen2VLVideoProcessor lays out
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -22,7 +22,6 @@ from mmserve.multimodal import EncoderInput
 from mmserve.processing.image_processor import ImageProcessorConfig, smart_resize
 from mmserve.processing.video_resize import resize_frames
 from mmserve.processing.video_sampling import (
-    FPS,
     VideoConfig,
     frame_max_pixels,
     num_sampled_frames,
@@ -44,8 +43,8 @@ class VideoMeta:
     """What is known of a video before its frames are decoded (its container's header), and
     what a UUID-only reference keeps to plan the video again under another request's kwargs.
 
-    `is_sampled`: the frames were given as an array, already sampled (at FPS); then
-    `total_frames` is their count and `video_fps` is FPS.
+    `is_sampled`: the frames were given as an array, already sampled (at FPS, or at a
+    request's fps: `VideoConfig.frames_fps`); then `total_frames` is their count.
     """
 
     width: int
@@ -81,6 +80,12 @@ def plan_video(meta: VideoMeta, cfg: VideoConfig, image_cfg: ImageProcessorConfi
         return _plan_timestamped(meta, cfg, image_cfg)
     if meta.is_sampled:
         nframes = meta.total_frames
+        if cfg.num_frames is not None:
+            raise InvalidRequestError(
+                "num_frames samples a decoded video; frames given as a list are kept as "
+                "given (send fewer frames instead)",
+                param="mm_processor_kwargs.num_frames",
+            )
         if nframes > cfg.max_frames:
             raise InvalidRequestError(
                 f"the video has {nframes} frames, over the limit of {cfg.max_frames} "
@@ -88,7 +93,7 @@ def plan_video(meta: VideoMeta, cfg: VideoConfig, image_cfg: ImageProcessorConfi
                 param="multi_modal_data",
             )
         indices = tuple(range(nframes))
-        seconds = image_cfg.temporal_patch_size / FPS
+        seconds = image_cfg.temporal_patch_size / cfg.frames_fps
     else:
         nframes = num_sampled_frames(meta.total_frames, meta.video_fps, cfg)
         indices = tuple(sample_indices(meta.total_frames, nframes))
@@ -117,6 +122,7 @@ def _plan_timestamped(
     if meta.is_sampled:
         _check_given_frames(meta.total_frames, cfg)
         indices = tuple(range(meta.total_frames))
+        meta = replace(meta, video_fps=cfg.frames_fps)  # their times: index / frames_fps
     else:
         nframes = num_timestamped_frames(meta.total_frames, meta.video_fps, cfg)
         indices = linspace_indices(meta.total_frames, nframes)
@@ -137,7 +143,7 @@ def _plan_timestamped(
     )
     times = sample_times(indices, meta.video_fps, dict(meta.frame_times))
     if meta.is_sampled:
-        seconds = t / FPS
+        seconds = t / cfg.frames_fps
     else:
         seconds = second_per_grid_t(nframes, meta.total_frames, meta.video_fps)
     return VideoPlan(

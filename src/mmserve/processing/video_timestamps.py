@@ -90,9 +90,13 @@ def timestamped_config(
 
 
 def num_timestamped_frames(total_frames: int, video_fps: float, cfg: VideoConfig) -> int:
-    """How many frames Qwen3VLVideoProcessor.sample_frames keeps from a decoded video."""
-    nframes = int(total_frames / video_fps * cfg.fps)
-    nframes = min(max(nframes, cfg.min_frames), cfg.max_frames, total_frames)
+    """How many frames Qwen3VLVideoProcessor.sample_frames keeps from a decoded video: at the
+    rate cfg.fps, or a request's num_frames (no more than the video has)."""
+    if cfg.num_frames is not None:
+        nframes = min(cfg.num_frames, total_frames)
+    else:
+        nframes = int(total_frames / video_fps * cfg.fps)
+        nframes = min(max(nframes, cfg.min_frames), cfg.max_frames, total_frames)
     if nframes < 2:
         raise InvalidRequestError(
             f"the video has {total_frames} frame(s); at least 2 are needed (send a single "
