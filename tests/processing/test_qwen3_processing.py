@@ -292,3 +292,39 @@ def test_a_request_size_sets_the_video_budget_too(processor, qwen3_dir) -> None:
     )
     image_grids = [f.grid_thw for f in ours.mm_features if f.modality == "image"]
     _check_video(ours, ref, qwen3_dir, processor.token_ids.video_token_id, image_grids)
+
+
+def test_per_request_sampling_reaches_the_timestamps(processor, qwen3_dir) -> None:
+    """Frames given at a request's fps are timed at that rate; a file sampled by num_frames
+    keeps that many frames (as transformers' sample_frames, no rounding to pairs)."""
+    from transformers.video_utils import VideoMetadata
+
+    frames = video_frames(6, 96, 64, seed=9)
+    prompt = VIDEO + "What happens?"
+    ours = processor.process_generate_input(
+        {
+            "prompt": prompt,
+            "multi_modal_data": {"video": frames},
+            "mm_processor_kwargs": {"fps": 4.0},
+        }
+    )
+    meta = VideoMetadata(total_num_frames=6, fps=4, frames_indices=list(range(6)))
+    ref = _hf(qwen3_dir, prompt, videos=[frames], video_metadata=[meta], do_sample_frames=False)
+    _check_video(ours, ref, qwen3_dir, processor.token_ids.video_token_id)
+
+    import av
+
+    data = video_bytes(24, 96, 64, fps=8, seed=10)
+    with av.open(io.BytesIO(data)) as container:
+        every = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    ours = processor.process_generate_input(
+        {
+            "prompt": prompt,
+            "multi_modal_data": {"video": data},
+            "mm_processor_kwargs": {"num_frames": 5},
+        }
+    )
+    meta = VideoMetadata(total_num_frames=24, fps=8)
+    ref = _hf(qwen3_dir, prompt, videos=[every], video_metadata=[meta], num_frames=5, fps=None)
+    _check_video(ours, ref, qwen3_dir, processor.token_ids.video_token_id)
+    assert len([f for f in ours.mm_features if f.modality == "video"]) == 3  # 5 frames, padded
