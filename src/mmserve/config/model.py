@@ -37,8 +37,9 @@ class CheckpointConfig:
         default_factory=bundled_toy_model_dir,
         group=MODEL,
         metavar="DIR_OR_ID",
-        help="A Qwen2-VL / Qwen2.5-VL checkpoint: a directory in Hugging Face format, or a hub "
-        "id (org/name, downloaded unless HF_HUB_OFFLINE=1). Default: the bundled toy model, "
+        help="A Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense) checkpoint: a directory in Hugging "
+        "Face format, or a hub id (org/name, downloaded unless HF_HUB_OFFLINE=1). Default: "
+        "the bundled toy model, "
         f"served as {TOY_MODEL_NAME!r}.",
     )
     revision: str | None = flag(

@@ -43,9 +43,9 @@ class EncodeServerConfig:
         required=True,
         group=MODEL,
         metavar="DIR",
-        help="A Qwen2-VL / Qwen2.5-VL checkpoint directory: only its vision tower (visual.*) is "
-        "loaded, never the language model. Language-model servers pair with this encoder only "
-        "when they serve the same checkpoint (same configs and weight files).",
+        help="A Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint directory: only its vision tower "
+        "(visual.*) is loaded, never the language model. Language-model servers pair with "
+        "this encoder only when they serve the same checkpoint (same configs and weight files).",
     )
     dtype: str = dtype_flag()
     device: str = device_flag()

@@ -117,7 +117,7 @@ def _from_hub(model: str, revision: str | None, download_dir: str | None, what: 
     if not (local_dir / "config.json").is_file():
         raise ModelNotFoundError(
             f"{what} {model}{at}: resolved to {local_dir}, which has no config.json; "
-            "is it a Qwen2-VL / Qwen2.5-VL checkpoint?"
+            "is it a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint?"
         )
     logger.info("%s %s%s resolved to %s", what, model, at, local_dir)
     return local_dir
