@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -12,7 +13,7 @@ from PIL import Image
 from mmserve.disaggregation.discovery import EncoderEndpoint, ModelIdentity, discover
 from mmserve.disaggregation.local_fallback import LocalFallback
 from mmserve.disaggregation.pool import PoolConfig, RemoteEncoderPool
-from mmserve.disaggregation.protocol import content_digest
+from mmserve.disaggregation.protocol import ENCODER_PROTOCOL_VERSION, content_digest
 from mmserve.errors import FailureKind
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import MultiModalFeature, PlaceholderRange, RemoteItem
@@ -59,7 +60,7 @@ def fakes(request):
 def pools():
     made: list[RemoteEncoderPool] = []
 
-    def make(encoders, *, metrics=None, local=None, **kw) -> RemoteEncoderPool:
+    def make(encoders, *, metrics=None, local=None, identity=IDENTITY, **kw) -> RemoteEncoderPool:
         # pings every 50 ms; silent for 0.5 s (a starved CI machine's pause is shorter) is out
         defaults = {
             "fallback": "fail",
@@ -68,7 +69,7 @@ def pools():
             "missed_pings": 10,
         }
         kw = defaults | kw
-        config = PoolConfig(tuple(f.url for f in encoders), IDENTITY, **kw)
+        config = PoolConfig(tuple(f.url for f in encoders), identity, **kw)
         endpoints = [EncoderEndpoint(f.url, f.zmq_address) for f in encoders]
         pool = RemoteEncoderPool(
             config, endpoints, metrics=metrics or EngineMetrics(), local_fallback=local
@@ -126,6 +127,42 @@ def test_embeddings_arrive_exactly_and_are_counted(fakes, pools, dtype):
     assert transfer == {"sent": len(RGB), "received": 4 * HIDDEN * got.element_size()}
     assert labelled(metrics, "remote_encoder_items") == {a.url: 1}
     assert labelled(metrics, "remote_encoder_latency_seconds")[a.url] > 0
+
+
+@pytest.mark.parametrize("levels", [1, 3])
+def test_deepstack_rows_arrive_whole_and_every_level_is_counted(fakes, pools, levels):
+    """A DeepStack model's rows are HIDDEN x (1 + levels) wide: they cross whole, and the
+    received bytes are tokens x HIDDEN x (1 + levels) x the dtype's size."""
+    width = HIDDEN * (1 + levels)
+    (a,) = fakes(1)
+    a.behaviour.embedding_width = width
+    metrics = EngineMetrics()
+    pool = pools([a], metrics=metrics, identity=ModelIdentity(FINGERPRINT, width, "float32"))
+    pool.submit("r1", *remote(1))
+    arrivals, failures = collect(pool, 1)
+    assert failures == [] and len(arrivals) == 1
+    want = expected_embeddings(feature(1).identifier, (1, 4, 4), width)
+    assert torch.equal(arrivals[0].embeddings, torch.from_numpy(want))
+    received = labelled(metrics, "embedding_transfer_bytes")["received"]
+    assert received == 4 * HIDDEN * (1 + levels) * 4  # 4 tokens, float32
+
+
+def test_a_reply_without_the_deepstack_levels_is_refused(fakes, pools):
+    """An encoder that answers the main embedding alone (rows HIDDEN wide) to a model whose
+    rows carry 2 levels is refused: the item fails, nothing is counted as received."""
+    width = HIDDEN * 3
+    (a,) = fakes(1)
+    a.behaviour.embedding_width = HIDDEN
+    metrics = EngineMetrics()
+    identity = ModelIdentity(FINGERPRINT, width, "float32")
+    pool = pools([a], metrics=metrics, identity=identity)
+    pool.submit("r1", *remote(1))
+    arrivals, failures = collect(pool, 1)
+    assert arrivals == [] and len(failures) == 1
+    message = failures[0].failure.message
+    assert f"embedding rows of width {HIDDEN}, the model's are {width} wide" in message
+    assert labelled(metrics, "remote_encoder_dropped_messages")["bad_payload"] == 1
+    assert labelled(metrics, "embedding_transfer_bytes")["received"] == 0
 
 
 def test_fan_out_by_input_patches_not_by_count(fakes, pools):
@@ -365,10 +402,34 @@ def test_discovery_refuses_an_encoder_of_another_model(fakes):
     with pytest.raises(ValueError, match=f"encoder {a.url} serves another checkpoint"):
         discover(a.url, IDENTITY, secret=None, timeout_s=2)
     a.behaviour.fingerprint = FINGERPRINT
-    with pytest.raises(ValueError, match="hidden size 8, this model needs 16"):
+    with pytest.raises(ValueError, match="rows of width 8, this model needs 16"):
         discover(a.url, ModelIdentity(FINGERPRINT, 16, "float32"), secret=None, timeout_s=2)
     with pytest.raises(ValueError, match="encodes in float32, this server runs bfloat16"):
         discover(a.url, ModelIdentity(FINGERPRINT, HIDDEN, "bfloat16"), secret=None, timeout_s=2)
+
+
+def test_discovery_refuses_an_encoder_without_the_models_deepstack_levels(fakes):
+    (a,) = fakes(1)
+    deep = ModelIdentity(FINGERPRINT, HIDDEN * 4, "float32")  # 3 DeepStack levels
+    expected = (
+        f"encoder {a.url} returns embedding rows of width {HIDDEN}, this model needs "
+        f"{HIDDEN * 4} (hidden size x (1 + DeepStack levels))"
+    )
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        discover(a.url, deep, secret=None, timeout_s=2)
+    a.behaviour.embedding_width = HIDDEN * 4
+    assert discover(a.url, deep, secret=None, timeout_s=2).zmq_address == a.zmq_address
+
+
+def test_discovery_refuses_an_encoder_of_another_protocol_version(fakes):
+    """Version 1 named the width `hidden_size` (and did not name its version)."""
+    (a,) = fakes(1)
+    a.behaviour.protocol_version = None
+    with pytest.raises(ValueError, match=f"encoder {a.url} speaks encoder protocol 1, this"):
+        discover(a.url, IDENTITY, secret=None, timeout_s=2)
+    a.behaviour.protocol_version = ENCODER_PROTOCOL_VERSION + 1
+    with pytest.raises(ValueError, match="run the same mmserve version on both"):
+        discover(a.url, IDENTITY, secret=None, timeout_s=2)
 
 
 def test_discovery_names_a_secret_mismatch_and_a_missing_encoder(fakes):
