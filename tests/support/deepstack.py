@@ -13,8 +13,10 @@ from mmserve.models.config import ModelConfig, VisionConfig
 
 
 def with_deepstack_levels(config: ModelConfig, levels: int) -> ModelConfig:
-    """`config` with `levels` DeepStack levels declared: its encoder output rows are
-    hidden x (1 + levels) wide (`mm_embedding_width`)."""
+    """`config` with `levels` DeepStack levels declared (taps on its first `levels` vision
+    blocks, so at most its depth): its encoder output rows are hidden x (1 + levels) wide
+    (`mm_embedding_width`)."""
+    assert levels <= config.vision.depth, f"a depth-{config.vision.depth} tower has no {levels}"
     vision = dataclasses.replace(config.vision, deepstack_visual_indexes=tuple(range(levels)))
     return dataclasses.replace(config, vision=vision)
 
