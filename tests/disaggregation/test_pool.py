@@ -19,6 +19,7 @@ from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import MultiModalFeature, PlaceholderRange, RemoteItem
 from mmserve.processing.image_processor import ImageProcessorConfig, process_image
 from mmserve.processing.media import MediaLoader
+from mmserve.routing import rendezvous_order
 from tests.support.fake_encoder import (
     FINGERPRINT,
     HIDDEN,
@@ -41,6 +42,25 @@ def remote(n: int, grid: tuple[int, int, int] = (1, 4, 4), offset: int = 3):
     """What `pool.submit` takes for item n: its spec and its RemoteItem (an RGB array)."""
     item = RemoteItem("rgb", RGB, None, RGB_SIZE, 3136, 12845056, grid, content_digest(RGB))
     return feature(n, grid, offset), item
+
+
+def tried_first(encoders: list[FakeEncoder], n: int = 1) -> list[FakeEncoder]:
+    """`encoders` in the order the pool tries them for item n when their loads are equal: it
+    ranks them by rendezvous hashing on the item's identity (mmserve/routing.py), and their
+    URLs hold random ports, so a test that needs one encoder met first orders them by this."""
+    order = rendezvous_order(feature(n).identifier, [e.url for e in encoders])
+    return [encoders[i] for i in order]
+
+
+def items_first_on(encoder: FakeEncoder, encoders: list[FakeEncoder], count: int) -> list[int]:
+    """The first `count` item numbers that `encoder` is tried first for among `encoders`."""
+    found: list[int] = []
+    n = 0
+    while len(found) < count:
+        n += 1
+        if tried_first(encoders, n)[0] is encoder:
+            found.append(n)
+    return found
 
 
 @pytest.fixture
@@ -166,7 +186,7 @@ def test_a_reply_without_the_deepstack_levels_is_refused(fakes, pools):
 
 
 def test_fan_out_by_input_patches_not_by_count(fakes, pools):
-    a, b = fakes(2)
+    a, b = tried_first(fakes(2), 1)
     a.behaviour.mode = b.behaviour.mode = "hang"  # nothing finishes: loads only grow
     pool = pools([a, b], timeout_s=5.0)
     pool.submit("r1", *remote(1, grid=(1, 40, 40)))  # 1600 patches: a 4K image's stand-in
@@ -190,7 +210,7 @@ def test_fan_out_counts_the_encoders_own_queue(fakes, pools):
 
 
 def test_a_hanging_encoder_times_out_and_the_item_is_retried_on_the_other(fakes, pools):
-    a, b = fakes(2)
+    a, b = tried_first(fakes(2), 1)
     a.behaviour.mode = "hang"
     metrics = EngineMetrics()
     pool = pools([a, b], metrics=metrics, timeout_s=0.3)
@@ -205,7 +225,7 @@ def test_a_hanging_encoder_times_out_and_the_item_is_retried_on_the_other(fakes,
 
 
 def test_an_encoder_killed_mid_item_leaves_rotation_and_the_item_moves(fakes, pools):
-    a, b = fakes(2)
+    a, b = tried_first(fakes(2), 1)
     a.behaviour.mode = "hang"
     pool = pools([a, b], timeout_s=30.0)  # the missed pings notice it, not the item's deadline
     pool.submit("r1", *remote(1))
@@ -216,7 +236,7 @@ def test_an_encoder_killed_mid_item_leaves_rotation_and_the_item_moves(fakes, po
 
 
 def test_an_internal_error_is_retried_elsewhere_and_an_input_error_is_not(fakes, pools):
-    a, b = fakes(2)
+    a, b = tried_first(fakes(2), 1)
     a.behaviour.mode = "error"
     pool = pools([a, b])
     pool.submit("r1", *remote(1))
@@ -235,7 +255,7 @@ def test_an_internal_error_is_retried_elsewhere_and_an_input_error_is_not(fakes,
 
 @pytest.mark.parametrize("mode", ["hang", "error"])
 def test_all_encoders_down_fail_mode_is_a_503_kind_failure_within_the_timeouts(fakes, pools, mode):
-    encoders = fakes(2)
+    encoders = tried_first(fakes(2), 1)  # the last one tried names the failure
     for fake in encoders:
         fake.behaviour.mode = mode
     pool = pools(encoders, timeout_s=0.3)
@@ -282,38 +302,40 @@ def test_local_fallback_fails_an_item_whose_grid_differs_from_the_plan(fakes, po
 
 def test_a_silent_encoder_leaves_rotation_and_comes_back_when_it_answers(fakes, pools):
     a, b = fakes(2)
+    first, again = items_first_on(a, [a, b], 2)
     a.behaviour.answer_pings = False
     metrics = EngineMetrics()
     pool = pools([a, b], metrics=metrics)
     gauge = lambda: metrics.snapshot().gauges["remote_encoder_healthy"]  # noqa: E731
     assert wait_until(lambda: gauge() == 1)
-    pool.submit("r1", *remote(1))
+    pool.submit("r1", *remote(first))  # a would be tried first: it is out of rotation
     assert [x.encoder for x in collect(pool, 1)[0]] == [b.url]
     a.behaviour.answer_pings = True
     assert wait_until(lambda: gauge() == 2)
-    pool.submit("r2", *remote(2))  # equal loads: the first encoder again
+    pool.submit("r2", *remote(again))  # equal loads: the first-ranked encoder again
     assert [x.encoder for x in collect(pool, 1)[0]] == [a.url]
 
 
 def test_duplicate_and_stale_replies_are_dropped_and_counted(fakes, pools):
     a, b = fakes(2)
+    n1, n2, n3 = items_first_on(a, [a, b], 3)
     a.behaviour.mode = "twice"
     metrics = EngineMetrics()
     pool = pools([a, b], metrics=metrics, timeout_s=0.3)
-    pool.submit("r1", *remote(1))
+    pool.submit("r1", *remote(n1))
     assert len(collect(pool, 1)[0]) == 1
     dropped = lambda: labelled(metrics, "remote_encoder_dropped_messages")  # noqa: E731
     assert wait_until(lambda: dropped().get("duplicate") == 1)
     a.behaviour.mode = "ok"
     a.behaviour.reply_delay_s = 0.6  # answers after the item moved to b
-    pool.submit("r2", *remote(2))
+    pool.submit("r2", *remote(n2))
     arrivals, _ = collect(pool, 1)
     assert [x.encoder for x in arrivals] == [b.url]
     assert wait_until(lambda: dropped().get("stale") == 1)
     a.behaviour.reply_delay_s = 0.0
     a.behaviour.mode = "stale_first"  # first an attempt number this item never had
     assert wait_until(lambda: metrics.snapshot().gauges["remote_encoder_healthy"] == 2)
-    pool.submit("r3", *remote(3))
+    pool.submit("r3", *remote(n3))
     assert [x.encoder for x in collect(pool, 1)[0]] == [a.url]
     assert wait_until(lambda: dropped().get("unknown") == 1)
     assert pool.poll() == ([], [])  # nothing dropped ever reaches the runner
