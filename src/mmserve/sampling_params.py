@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import msgspec
 from msgspec.structs import force_setattr
 
-from mmserve.errors import InvalidRequestError
+from mmserve.errors import InvalidRequestError, PromptTooLongError
 from mmserve.structured_output.params import StructuredOutputParams
 
 logger = logging.getLogger(__name__)
@@ -239,3 +239,37 @@ def _preview(value: object) -> str:
         return f"an integer of {value.bit_length()} bits"
     text = repr(value)
     return text if len(text) <= 64 else text[:60] + "...'"
+
+
+def resolve_max_tokens(
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    *,
+    default: int | None = None,
+    strict: bool = False,
+    prompt_param: str = "messages",
+) -> int:
+    """The most tokens a request may generate, decided once, at admission: its `max_tokens`,
+    or when None `default` (the checkpoint's max_new_tokens) or else what the prompt leaves of
+    the model length. `strict` (the HTTP API, as OpenAI): a prompt that leaves no room, or a
+    max_tokens over the room, is refused naming the field. Otherwise (the offline API, as
+    vLLM's): the value is bounded by the room, and is at least 1 (a prompt that fills the
+    model length still yields the one token its last position predicts; a longer one is
+    refused by `validate_request`)."""
+    room = max_model_len - num_prompt_tokens
+    if strict and room <= 0:
+        raise PromptTooLongError(
+            f"the prompt is {num_prompt_tokens} tokens but the model length is {max_model_len}; "
+            "shorten the text, send fewer or smaller images (lower max_pixels)",
+            param=prompt_param,
+        )
+    if strict and max_tokens is not None and max_tokens > room:
+        raise InvalidRequestError(
+            f"max_tokens is {max_tokens} but the prompt already uses {num_prompt_tokens} of the "
+            f"model's {max_model_len} tokens, so at most {room} can be generated; "
+            f"lower max_tokens to {room} or less",
+            param="max_tokens",
+        )
+    wanted = default if max_tokens is None else max_tokens
+    return max(room if wanted is None else min(room, wanted), 1)

@@ -57,8 +57,11 @@ class EchoEngine:
         multi_modal_uuids: dict[str, list[str | None]] | None = None,
         namespace: str = "default",
         chat_template_kwargs: dict[str, Any] | None = None,
+        media_io_kwargs: dict[str, Any] | None = None,
     ) -> ProcessedPrompt:
         self.namespaces.append(namespace)
+        if media_io_kwargs:
+            raise InvalidRequestError("the echo engine has no media", param="media_io_kwargs")
         unknown = set(mm_processor_kwargs or {}) - KNOWN_PROCESSOR_KWARGS
         if unknown:
             raise InvalidRequestError(

@@ -127,6 +127,7 @@ def create_app(
                     multi_modal_uuids=body.multi_modal_uuids,
                     namespace=namespace,
                     chat_template_kwargs=body.chat_template_kwargs,
+                    media_io_kwargs=body.media_io_kwargs,
                 ),
             )
             fmt = ChatFormat(

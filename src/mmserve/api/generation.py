@@ -21,10 +21,8 @@ from mmserve.engine.frontend.outputs import RequestOutput
 from mmserve.errors import (
     FailureKind,
     InternalRequestError,
-    InvalidRequestError,
-    PromptTooLongError,
 )
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams, resolve_max_tokens
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,23 +43,14 @@ def sampling_params_for(
     """`requested` (already range-checked) with max_tokens bounded by what is left of the
     model length; None becomes "up to the model length", or `default_max_tokens` (the
     checkpoint's max_new_tokens) when that is less, as in vLLM."""
-    max_tokens = requested.max_tokens
-    room = max_model_len - prompt_len
-    if room <= 0:
-        raise PromptTooLongError(
-            f"the prompt is {prompt_len} tokens but the model length is {max_model_len}; "
-            "shorten the text, send fewer or smaller images (lower max_pixels)",
-            param="messages" if hasattr(body, "messages") else "prompt",
-        )
-    if max_tokens is not None and max_tokens > room:
-        raise InvalidRequestError(
-            f"max_tokens is {max_tokens} but the prompt already uses {prompt_len} of the "
-            f"model's {max_model_len} tokens, so at most {room} can be generated; "
-            f"lower max_tokens to {room} or less",
-            param="max_tokens",
-        )
-    if max_tokens is None:
-        max_tokens = room if default_max_tokens is None else min(room, default_max_tokens)
+    max_tokens = resolve_max_tokens(
+        prompt_len,
+        requested.max_tokens,
+        max_model_len,
+        default=default_max_tokens,
+        strict=True,
+        prompt_param="messages" if hasattr(body, "messages") else "prompt",
+    )
     return msgspec.structs.replace(requested, max_tokens=max_tokens)
 
 

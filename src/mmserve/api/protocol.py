@@ -193,6 +193,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None  # vLLM's; its video fps and num_frames
     multi_modal_uuids: dict[str, list[str | None]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None

@@ -116,6 +116,7 @@ class AsyncLLMEngine:
         multi_modal_uuids: dict[str, list[str | None]] | None = None,
         namespace: str = DEFAULT_NAMESPACE,
         chat_template_kwargs: dict[str, Any] | None = None,
+        media_io_kwargs: dict[str, Any] | None = None,
     ) -> ProcessedPrompt:
         self._raise_if_dead()  # no media fetch or decode for a request that cannot run
         if multi_modal_uuids:
@@ -125,6 +126,7 @@ class AsyncLLMEngine:
             mm_processor_kwargs=mm_processor_kwargs,
             namespace=namespace,
             chat_template_kwargs=chat_template_kwargs,
+            media_io_kwargs=media_io_kwargs,
         )
 
     async def process_prompt(

@@ -16,13 +16,12 @@ from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError, Re
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.input_processor import InputProcessor
-from mmserve.sampling_params import INT64_MIN, SamplingParams, check_seed
-from mmserve.scheduling.admission import bounded_max_tokens, validate_request
+from mmserve.sampling_params import INT64_MIN, SamplingParams, check_seed, resolve_max_tokens
+from mmserve.scheduling.admission import validate_request
 from mmserve.updates import RequestStatus
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 # The n core requests of a client request with n > 1 are "<request id>#<index>"; a client id
 # may not contain the separator, so a child id can never equal another request's id.
 CHILD_ID_SEPARATOR = "#"
@@ -45,7 +44,7 @@ class LLMEngine:
         output_processor: OutputProcessor,
         metrics: EngineMetrics,
         max_model_len: int,
-        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        max_logprobs: int,
         sampling_defaults: Mapping[str, Any] | None = None,
     ) -> None:
         """`sampling_defaults`: SamplingParams fields (by name) for those a client request
@@ -80,7 +79,7 @@ class LLMEngine:
                 f"request id {request_id!r} contains {CHILD_ID_SEPARATOR!r}, which is reserved "
                 "for the ids of parallel samples"
             )
-        self._admit(prompt, params)
+        params = self._admit(prompt, params)
         core_ids = child_ids(request_id, params.n)
         added: list[str] = []
         # Before the core has it: an engine process may schedule it at once (queue time >= 0).
@@ -102,20 +101,24 @@ class LLMEngine:
             self.core.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
 
-    def _admit(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+    def _admit(self, prompt: ProcessedPrompt, params: SamplingParams) -> SamplingParams:
         """Every check a request passes before any core sees it, once (its n children share
-        the prompt and the limits): what the core could never run is refused here."""
+        the prompt and the limits): what the core could never run is refused here. Returns
+        `params` with the max_tokens the core will honour (`resolve_max_tokens`)."""
         check_engine_limits(params, self.max_logprobs, self.input_processor.tokenizer.vocab_size)
         if params.seed is not None:
             check_seed(params.seed)  # past SamplingParams (a caller that bypassed it)
         scheduler_config = self.core.scheduler_config
         num_prompt = len(prompt.prompt_token_ids)
-        max_tokens = bounded_max_tokens(
+        max_tokens = resolve_max_tokens(
             num_prompt, params.max_tokens, scheduler_config.max_model_len
         )
         validate_request(
             num_prompt, max_tokens, prompt.mm_features, scheduler_config, self.core.cache_config
         )
+        if max_tokens == params.max_tokens:
+            return params
+        return msgspec.structs.replace(params, max_tokens=max_tokens)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         ids = list(request_ids)

@@ -50,6 +50,7 @@ class EngineClient(Protocol):
         multi_modal_uuids: dict[str, list[str | None]] | None = None,
         namespace: str = "default",
         chat_template_kwargs: dict[str, Any] | None = None,
+        media_io_kwargs: dict[str, Any] | None = None,
     ) -> ProcessedPrompt: ...
 
     async def process_prompt(
