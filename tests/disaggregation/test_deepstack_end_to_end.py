@@ -87,6 +87,9 @@ def test_every_deepstack_level_crosses_the_wire_and_the_answer_is_the_monolithic
     assert after[RECEIVED] - before[RECEIVED] == num_tokens * row_bytes
     assert metric_sum(encoder.metrics(), sent) - encoder_before == num_tokens * row_bytes
     assert after["mmserve_encoder_pool_bytes"] >= num_tokens * row_bytes
+    # the start-up log states a cache slot's bytes and the levels behind them
+    levels = f"hidden {config.hidden_size} x (1 + {config.deepstack_levels} DeepStack levels)"
+    assert f"embeddings of {row_bytes} bytes: {levels}" in lm.log_path.read_text()
 
 
 def test_the_local_fallback_gives_the_same_answer(deployment, reference) -> None:
