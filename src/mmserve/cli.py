@@ -158,6 +158,7 @@ async def _serve(
         max_request_body_bytes=settings.max_request_body_bytes,
         http_body_timeout_s=settings.http_body_timeout,
         shutdown_timeout_s=settings.engine_shutdown_timeout_s,
+        trust_request_chat_template=settings.trust_request_chat_template,
     )
     config = uvicorn.Config(
         app,

@@ -138,9 +138,9 @@ async def stream_events(
             for c in sorted(output.outputs, key=lambda c: c.index):
                 num_tokens[c.index] = c.num_tokens
                 if c.finish_reason is not None:
-                    yield _event(fmt.chunk(c, c.finish_reason))
-                elif c.delta_text or c.logprobs:
-                    yield _event(fmt.chunk(c, None))
+                    yield _event(fmt.chunk(c, c.finish_reason, output))
+                elif c.delta_text or c.logprobs or (fmt.returns_token_ids and c.delta_token_ids):
+                    yield _event(fmt.chunk(c, None, output))
             if output.finished:
                 if include_usage:
                     yield _event(fmt.usage_chunk(output, sum(num_tokens.values())))

@@ -30,6 +30,7 @@ from mmserve.processing.remote_planning import (
     remote_modalities,
 )
 from mmserve.processing.tokenizer import Tokenizer
+from mmserve.processing.video_groups import pad_pieces, plan_stamps, stamp_tokens
 from mmserve.processing.video_inputs import (
     DEFAULT_VIDEO_LIMIT,
     largest_item_tokens,
@@ -226,7 +227,8 @@ class InputProcessor:
         for _, modality in pads:  # prompt order
             item = next(queues[modality])
             plans.append(self.resolver.plan(item.data, item.uuid, cfg, namespace, modality))
-        num_tokens = len(input_ids) + sum(p.num_tokens - 1 for p in plans)
+        stamps = plan_stamps(plans, self.tokenizer.encode)  # timestamped videos' group texts
+        num_tokens = len(input_ids) + sum(p.num_tokens - 1 for p in plans) + stamp_tokens(stamps)
         if num_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt is {num_tokens} tokens ({num_tokens - len(input_ids) + len(plans)} "
@@ -236,8 +238,9 @@ class InputProcessor:
                 param="messages",
             )
         resolved = [self.resolver.resolve(plan, cfg, namespace) for plan in plans]
+        pieces = pad_pieces(resolved, stamps, self.token_ids, self.resolver.hasher)
         expanded, features, mm_data = expand_pads(
-            input_ids, [pos for pos, _ in pads], resolved, self.pad_ids
+            input_ids, [pos for pos, _ in pads], pieces, self.pad_ids
         )
         videos_done = [f for f in features if f.modality == "video"]
         mrope = get_mrope_positions(
@@ -304,6 +307,8 @@ class InputProcessor:
         *,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> tuple[str, list[ChatImage]]:
         """Chat messages -> (prompt text, its image and video parts in order)."""
         parsed = parse_chat_messages(messages, self.reserved_tokens)
@@ -311,6 +316,8 @@ class InputProcessor:
             parsed.messages,
             add_generation_prompt=add_generation_prompt,
             template_kwargs=chat_template_kwargs,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
         )
         return prompt, parsed.images
 
@@ -320,12 +327,12 @@ class InputProcessor:
         *,
         mm_processor_kwargs: Mapping[str, Any] | None = None,
         namespace: str = DEFAULT_NAMESPACE,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
         media_io_kwargs: Mapping[str, Any] | None = None,
+        **render: Any,
     ) -> ProcessedPrompt:
-        """Offline `LLM.chat` (and any sync caller): render, load media, process."""
-        prompt, parts = self._render_checked(messages, add_generation_prompt, chat_template_kwargs)
+        """Offline `LLM.chat` (and any sync caller): render, load media, process. `render`:
+        `render_chat_parts`' keywords (add_generation_prompt, chat_template_kwargs, ...)."""
+        prompt, parts = self._render_checked(messages, **render)
         cfg = self.request_config(mm_processor_kwargs, media_io_kwargs)
         budget = self.media_loader.new_decode_budget()
         loaded = [self.items.load_part(part, cfg, budget) for part in parts]
@@ -337,12 +344,12 @@ class InputProcessor:
         *,
         mm_processor_kwargs: Mapping[str, Any] | None = None,
         namespace: str = DEFAULT_NAMESPACE,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
         media_io_kwargs: Mapping[str, Any] | None = None,
+        **render: Any,
     ) -> ProcessedPrompt:
-        """HTTP chat: media fetched concurrently, CPU work off the event loop."""
-        prompt, parts = self._render_checked(messages, add_generation_prompt, chat_template_kwargs)
+        """HTTP chat: media fetched concurrently, CPU work off the event loop. `render`:
+        `render_chat_parts`' keywords (add_generation_prompt, continue_final_message, ...)."""
+        prompt, parts = self._render_checked(messages, **render)
         # a bad kwarg fails before any fetch
         cfg = self.request_config(mm_processor_kwargs, media_io_kwargs)
         loaded = await self.items.aload_parts(parts, cfg, self.media_loader.new_decode_budget())
@@ -353,17 +360,10 @@ class InputProcessor:
     # ---- helpers ------------------------------------------------------------------------
 
     def _render_checked(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool,
-        chat_template_kwargs: Mapping[str, Any] | None,
+        self, messages: Sequence[Mapping[str, Any]], **render: Any
     ) -> tuple[str, list[ChatImage]]:
         """render_chat_parts, then the item limits (before any media is fetched)."""
-        prompt, parts = self.render_chat_parts(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=chat_template_kwargs,
-        )
+        prompt, parts = self.render_chat_parts(messages, **render)
         counts = {"image": 0, "video": 0}
         for part in parts:
             counts[part.modality] += 1

@@ -67,6 +67,7 @@ def make_request(
         ignore_eos=params.ignore_eos,
         stop_token_ids=params.stop_token_ids,
         cache_salt=cache_salt,
+        skip_reading_prefix_cache=params.prompt_logprobs is not None,
         payload=payload,
     )
 
