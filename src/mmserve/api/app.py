@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from mmserve.api.auth import ApiKeyMiddleware, request_namespace
 from mmserve.api.body_limit import RequestBodyMiddleware
+from mmserve.api.chat_output import AnswerParsing
 from mmserve.api.errors import (
     APIError,
     as_api_error,
@@ -36,7 +37,9 @@ from mmserve.api.generation import (
 from mmserve.api.json_body import parse_json_body
 from mmserve.api.prometheus import build_registry, render
 from mmserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from mmserve.api.reasoning import think_token_ids, thinking_enabled
 from mmserve.api.status import report_status
+from mmserve.api.tools import tool_request, with_tools
 from mmserve.api.unsupported import refuse_unsupported_fields
 from mmserve.config.server import ServerConfig
 from mmserve.engine.frontend.outputs import OutputKind
@@ -66,13 +69,18 @@ def create_app(
     http_body_timeout_s: float = ServerConfig.http_body_timeout,  # the flag's default
     status_interval_s: float | None = 5.0,
     shutdown_timeout_s: float = ServerConfig.engine_shutdown_timeout_s,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An app serving `engine` under `served_model_name` (one name or several: clients may send
-    any, answers carry the first); it shuts the engine down on exit."""
+    any, answers carry the first); it shuts the engine down on exit. The last three are the
+    flags of the same names (docs/tools.md)."""
     names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
     if not names:
         raise ValueError("served_model_name needs at least one name")
     primary = names[0]
+    think_ids = think_token_ids(engine, reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -117,7 +125,13 @@ def create_app(
     async def chat_completions(request: Request, namespace: str = Depends(request_namespace)):
         async def run() -> Response:
             body = await _parse(request, ChatCompletionRequest)
-            params = _check_before_processing(body)
+            tools = tool_request(
+                body.tools,
+                body.tool_choice,
+                body.parallel_tool_calls,
+                enable_auto_tool_choice=enable_auto_tool_choice,
+            )
+            params = with_tools(_check_before_processing(body), tools)
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
             prompt = await until_disconnect(
                 request,
@@ -127,10 +141,22 @@ def create_app(
                     multi_modal_uuids=body.multi_modal_uuids,
                     namespace=namespace,
                     chat_template_kwargs=body.chat_template_kwargs,
+                    tools=tools.template_tools if tools is not None else None,
                 ),
             )
+            parsing = None
+            if tools is not None or think_ids is not None:
+                parsing = AnswerParsing(
+                    tools=tools,
+                    auto_tool_parser=tool_call_parser,
+                    think_token_ids=think_ids,
+                    thinking=thinking_enabled(body.chat_template_kwargs),
+                )
             fmt = ChatFormat(
-                f"chatcmpl-{uuid.uuid4().hex}", primary, num_top_logprobs=params.logprobs or 0
+                f"chatcmpl-{uuid.uuid4().hex}",
+                primary,
+                num_top_logprobs=params.logprobs or 0,
+                parsing=parsing,
             )
             return await _generate(request, body, params, prompt, fmt)
 

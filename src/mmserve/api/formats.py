@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from mmserve.api.chat_output import AnswerParsing, ChoiceParser
 from mmserve.engine.frontend.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 
 
@@ -65,19 +66,62 @@ class ChatFormat(_Format):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        *,
+        num_top_logprobs: int = 0,
+        parsing: AnswerParsing | None = None,
+    ) -> None:
+        super().__init__(request_id, model, num_top_logprobs=num_top_logprobs)
+        self.parsing = parsing  # reasoning and tool calls to read out of the text
+        self._parsers: dict[int, ChoiceParser] = {}  # per choice
+
     def response(self, output: RequestOutput) -> dict[str, Any]:
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason,
-                "logprobs": self._logprobs(c),
-            }
-            for c in _sorted(output)
-        ]
+        choices = []
+        for c in _sorted(output):
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if self.parsing is not None:
+                message = self._parser(c.index).message(c.text, c.token_ids)
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "finish_reason": self._finish_reason(c.index, c.finish_reason),
+                    "logprobs": self._logprobs(c),
+                }
+            )
         body = self._envelope(self.object_name, choices)
-        body["usage"] = usage_of(output)
+        body["usage"] = self._usage(output)
         return body
+
+    def usage_chunk(self, output: RequestOutput, completion_tokens: int) -> dict[str, Any]:
+        body = self._envelope(self.chunk_object_name, [])
+        body["usage"] = self._usage(output, completion_tokens)
+        return body
+
+    def _usage(self, output: RequestOutput, completion_tokens: int | None = None) -> dict:
+        usage = usage_of(output, completion_tokens)
+        if self.parsing is not None and self.parsing.reports_reasoning_tokens:
+            # completion_tokens include them, as in vLLM and OpenAI
+            reasoning = sum(p.num_reasoning_tokens for p in self._parsers.values())
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage
+
+    def _parser(self, index: int) -> ChoiceParser:
+        assert self.parsing is not None
+        if index not in self._parsers:
+            self._parsers[index] = ChoiceParser(self.parsing)
+        return self._parsers[index]
+
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        """ "tool_calls" when an auto or required tool_choice ended in calls (a named one
+        stays "stop", as in OpenAI and vLLM)."""
+        parser = self._parsers.get(index)
+        if reason == "stop" and parser is not None and parser.mode in ("auto", "required"):
+            return "tool_calls" if parser.num_tool_calls else reason
+        return reason
 
     def start_chunks(self, n: int) -> list[dict[str, Any]]:
         return [
@@ -95,16 +139,33 @@ class ChatFormat(_Format):
             for i in range(n)
         ]
 
-    def chunk(self, c: CompletionOutput, finish_reason: str | None) -> dict[str, Any]:
-        text = c.delta_text
-        delta = {"content": text} if text or finish_reason is None else {}
+    def chunk(self, c: CompletionOutput, finish_reason: str | None) -> dict[str, Any] | None:
+        """One choice's chunk; None when a parser holds this step's text back (it may be the
+        start of a tag) and there is nothing else to send."""
+        logprobs = self._logprobs(c)
+        if self.parsing is None:
+            text = c.delta_text
+            delta: dict[str, Any] = {"content": text} if text or finish_reason is None else {}
+        else:
+            delta = self._parsed_delta(c, finish_reason is not None)
+            if not delta and finish_reason is None and logprobs is None:
+                return None
+            finish_reason = self._finish_reason(c.index, finish_reason)
         choice = {
             "index": c.index,
             "delta": delta,
             "finish_reason": finish_reason,
-            "logprobs": self._logprobs(c),
+            "logprobs": logprobs,
         }
         return self._envelope(self.chunk_object_name, [choice])
+
+    def _parsed_delta(self, c: CompletionOutput, is_last: bool) -> dict[str, Any]:
+        parser = self._parser(c.index)
+        delta = parser.feed(c.delta_text, c.delta_token_ids or ()) or {}
+        if is_last:
+            for key, value in (parser.finish() or {}).items():
+                delta[key] = delta.get(key, type(value)()) + value
+        return delta
 
     def _logprobs(self, c: CompletionOutput) -> dict[str, Any] | None:
         if c.logprobs is None:

@@ -139,6 +139,7 @@ async def stream_events(
     HTTP status instead of an event.
     """
     num_tokens: dict[int, int] = {}
+    parses = getattr(fmt, "parsing", None) is not None  # it counts tokens, even textless ones
     try:
         for start in fmt.start_chunks(n):
             yield _event(start)
@@ -148,10 +149,13 @@ async def stream_events(
                 raise_if_failed(output)
             for c in sorted(output.outputs, key=lambda c: c.index):
                 num_tokens[c.index] = c.num_tokens
+                chunk = None
                 if c.finish_reason is not None:
-                    yield _event(fmt.chunk(c, c.finish_reason))
-                elif c.delta_text or c.logprobs:
-                    yield _event(fmt.chunk(c, None))
+                    chunk = fmt.chunk(c, c.finish_reason)
+                elif c.delta_text or c.logprobs or (parses and c.delta_token_ids):
+                    chunk = fmt.chunk(c, None)  # None: a parser holds the text back
+                if chunk is not None:
+                    yield _event(chunk)
             if output.finished:
                 if include_usage:
                     yield _event(fmt.usage_chunk(output, sum(num_tokens.values())))

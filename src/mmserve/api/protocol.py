@@ -64,6 +64,11 @@ class ChatMessage(_Body):
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant turn's calls, and the id a tool result answers (processing/chat.py checks
+    # them and passes them to the chat template).
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class StreamOptions(_Body):
@@ -195,6 +200,10 @@ class ChatCompletionRequest(SamplingFields):
     mm_processor_kwargs: dict[str, Any] | None = None
     multi_modal_uuids: dict[str, list[str | None]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Checked by api/tools.py, which names the field at fault.
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0)] | None = None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -132,12 +133,13 @@ def parse_chat_messages(
             raise InvalidRequestError(
                 f"{where}.role must be one of {list(ROLES)}, got {role!r}", param="messages"
             )
+        extras = _turn_fields(message, where, reserved_tokens)
         content = message.get("content")
         if content is None:
             content = ""
         if isinstance(content, str):
             check_user_text(content, reserved_tokens, f"{where}.content")
-            rendered.append({"role": role, "content": content})
+            rendered.append({"role": role, "content": content, **extras})
             continue
         if not isinstance(content, Sequence):
             raise InvalidRequestError(
@@ -163,5 +165,53 @@ def parse_chat_messages(
                     "'video_url'",
                     param="messages",
                 )
-        rendered.append({"role": role, "content": parts})
+        rendered.append({"role": role, "content": parts, **extras})
     return ParsedChat(messages=rendered, images=images)
+
+
+def _turn_fields(
+    message: Mapping[str, Any], where: str, reserved_tokens: Sequence[str]
+) -> dict[str, Any]:
+    """An assistant turn's tool calls (arguments as objects, as chat templates render them),
+    a tool result's tool_call_id, an assistant turn's reasoning_content."""
+    extras: dict[str, Any] = {}
+    for key in ("tool_call_id", "reasoning_content"):
+        value = message.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"{where}.{key} must be a string", param="messages")
+        check_user_text(value, reserved_tokens, f"{where}.{key}")
+        extras[key] = value
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if message.get("role") != "assistant" or not isinstance(calls, Sequence):
+            raise InvalidRequestError(
+                f"{where}.tool_calls must be a list, on an assistant message", param="messages"
+            )
+        extras["tool_calls"] = [
+            _tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
+        ]
+    return extras
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise InvalidRequestError(
+            f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+            '"arguments": "{...}"}}',
+            param="messages",
+        )
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            raise InvalidRequestError(
+                f"{where}.function.arguments is not valid JSON", param="messages"
+            ) from None
+    out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out

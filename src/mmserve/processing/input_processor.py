@@ -296,13 +296,16 @@ class InputProcessor:
         *,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[str, list[ChatImage]]:
-        """Chat messages -> (prompt text, its image and video parts in order)."""
+        """Chat messages (and the request's tools) -> (prompt text, its image and video parts
+        in order)."""
         parsed = parse_chat_messages(messages, self.reserved_tokens)
         prompt = self.tokenizer.apply_chat_template(
             parsed.messages,
             add_generation_prompt=add_generation_prompt,
             template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
         return prompt, parsed.images
 
@@ -330,9 +333,12 @@ class InputProcessor:
         namespace: str = DEFAULT_NAMESPACE,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> ProcessedPrompt:
         """HTTP chat: media fetched concurrently, CPU work off the event loop."""
-        prompt, parts = self._render_checked(messages, add_generation_prompt, chat_template_kwargs)
+        prompt, parts = self._render_checked(
+            messages, add_generation_prompt, chat_template_kwargs, tools
+        )
         cfg = self.request_config(mm_processor_kwargs)  # a bad kwarg fails before any fetch
         loaded = await self.items.aload_parts(parts, cfg, self.media_loader.new_decode_budget())
         return await asyncio.to_thread(
@@ -346,12 +352,14 @@ class InputProcessor:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool,
         chat_template_kwargs: Mapping[str, Any] | None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[str, list[ChatImage]]:
         """render_chat_parts, then the item limits (before any media is fetched)."""
         prompt, parts = self.render_chat_parts(
             messages,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
         counts = {"image": 0, "video": 0}
         for part in parts:

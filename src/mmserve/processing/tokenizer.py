@@ -72,6 +72,8 @@ class Tokenizer:
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         self._env.globals["raise_exception"] = _raise_exception
+        # Hugging Face's tojson (tool schemas, call arguments): plain JSON, no HTML escaping.
+        self._env.filters["tojson"] = _tojson
         self._template = self._env.from_string(chat_template) if chat_template else None
 
     @classmethod
@@ -117,18 +119,21 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Render messages (already normalised by `processing.chat`) with the chat template.
 
         `template_kwargs` (the request's chat_template_kwargs) are extra template variables,
         e.g. {"add_vision_id": true}; they may not set what the renderer passes itself.
+        `tools` (OpenAI function tools) reach the template as `tools`, as in Hugging Face.
         """
         if self._template is None:
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions (or LLM.generate) with a "
                 "prompt string instead"
             )
-        extra = _checked_template_kwargs(template_kwargs)
+        kwargs = _checked_template_kwargs(template_kwargs)
+        extra = {**kwargs, "tools": list(tools)} if tools else kwargs
         try:
             return self._template.render(
                 messages=list(messages),
@@ -145,13 +150,23 @@ class Tokenizer:
             # Whatever the template raised (TemplateError, TypeError on a kwarg of the wrong
             # type, ...), its text and traceback are the library's: the client gets ours.
             detail = "check the message roles and content parts"
-            if extra:
-                detail += f", and the types of chat_template_kwargs {sorted(extra)[:8]}"
+            if tools:
+                detail += ", and the tools"
+            if kwargs:
+                detail += f", and the types of chat_template_kwargs {sorted(kwargs)[:8]}"
             raise InvalidRequestError(
                 f"chat template failed: the model's chat template could not render this "
                 f"request; {detail}",
-                param="chat_template_kwargs" if extra else "messages",
+                param="chat_template_kwargs" if kwargs else "messages",
             ) from None
+
+
+def _tojson(
+    value: Any, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _checked_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -116,6 +116,7 @@ class AsyncLLMEngine:
         multi_modal_uuids: dict[str, list[str | None]] | None = None,
         namespace: str = DEFAULT_NAMESPACE,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> ProcessedPrompt:
         self._raise_if_dead()  # no media fetch or decode for a request that cannot run
         if multi_modal_uuids:
@@ -125,7 +126,11 @@ class AsyncLLMEngine:
             mm_processor_kwargs=mm_processor_kwargs,
             namespace=namespace,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
+
+    def token_id(self, text: str) -> int | None:
+        return self.engine.input_processor.tokenizer.token_to_id(text)
 
     async def process_prompt(
         self, prompt: str | list[int], *, namespace: str = DEFAULT_NAMESPACE
