@@ -148,3 +148,13 @@ def test_flags_refuse_unknown_parsers_and_auto_without_a_parser():
 def test_reasoning_parser_needs_the_think_tokens():
     with pytest.raises(ValueError, match="<think>"):
         make_app(EchoEngine(), reasoning_parser="qwen3")
+
+
+async def test_without_parsers_the_text_is_returned_as_is(client):
+    text = '<think>a</think>b <tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    resp = await client.post(URL, json=chat(text, max_tokens=len(text)))
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": text}
+    assert choice["finish_reason"] == "length"
+    assert "completion_tokens_details" not in resp.json()["usage"]
