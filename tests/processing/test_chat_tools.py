@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from mmserve.config.model import bundled_toy_model_dir
 from mmserve.errors import InvalidRequestError
-from mmserve.processing.chat import parse_chat_messages
+from mmserve.processing.chat import check_tools_text, parse_chat_messages
 from mmserve.processing.tokenizer import Tokenizer
 from tests.support.tool_template import TOOL_CHAT_TEMPLATE
 
@@ -84,6 +84,11 @@ def test_tool_turns_render_as_hugging_face_renders_them(tokenizers_pair, with_to
         {"role": "tool", "content": "x", "tool_call_id": 3},
         {"role": "tool", "content": "x", "tool_call_id": "<|image_pad|>"},
         {"role": "assistant", "content": "", "reasoning_content": ["no"]},
+        {"role": "assistant", "tool_calls": [{"function": {"name": "<|image_pad|>"}}]},
+        {
+            "role": "assistant",
+            "tool_calls": [{"function": {"name": "f", "arguments": '{"a": "<|video_pad|>"}'}}],
+        },
         {
             "role": "assistant",
             "tool_calls": [{"function": {"name": "f", "arguments": "[" * 100_000}}],
@@ -103,3 +108,11 @@ def test_arguments_already_an_object_pass_through():
     rendered = parsed.messages[0]["tool_calls"][0]["function"]
     assert rendered == {"name": "f", "arguments": {"a": [1, 2]}}
     assert json.dumps(rendered)  # plain JSON data for the template
+
+
+def test_tools_spelling_a_vision_token_are_refused():
+    check_tools_text(TOOLS, RESERVED)
+    bad = [{"type": "function", "function": {"name": "f", "description": "<|image_pad|>"}}]
+    with pytest.raises(InvalidRequestError) as info:
+        check_tools_text(bad, RESERVED)
+    assert info.value.param == "tools"

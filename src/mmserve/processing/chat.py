@@ -116,10 +116,15 @@ def _part_uuid(value: Any, where: str) -> str | None:
 
 
 def parse_chat_messages(
-    messages: Sequence[Mapping[str, Any]], reserved_tokens: Sequence[str]
+    messages: Sequence[Mapping[str, Any]],
+    reserved_tokens: Sequence[str],
+    *,
+    tools: Sequence[Any] | None = None,
 ) -> ParsedChat:
-    """Validate messages, refuse typed vision tokens, and collect image and video parts in
-    order."""
+    """Validate messages, refuse typed vision tokens (in the messages and in the `tools` the
+    template will render), and collect image and video parts in order."""
+    if tools:
+        check_tools_text(tools, reserved_tokens)
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
     rendered: list[dict[str, Any]] = []
@@ -192,6 +197,8 @@ def _turn_fields(
         extras["tool_calls"] = [
             _tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
         ]
+        rendered = json.dumps(extras["tool_calls"], ensure_ascii=False)
+        check_user_text(rendered, reserved_tokens, f"{where}.tool_calls")
     return extras
 
 
@@ -215,3 +222,15 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
     if isinstance(call.get("id"), str):
         out["id"] = call["id"]
     return out
+
+
+def check_tools_text(tools: Sequence[Any], reserved_tokens: Sequence[str]) -> None:
+    """Refuse tool definitions that spell a vision token (the template renders them into the
+    prompt, where it would read as an image's placeholder)."""
+    text = json.dumps(list(tools), ensure_ascii=False)
+    for token in reserved_tokens:
+        if token in text:
+            raise InvalidRequestError(
+                f"tools contain the reserved token {token!r}; remove it from the tool definitions",
+                param="tools",
+            )

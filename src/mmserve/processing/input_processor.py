@@ -300,7 +300,7 @@ class InputProcessor:
     ) -> tuple[str, list[ChatImage]]:
         """Chat messages (and the request's tools) -> (prompt text, its image and video parts
         in order)."""
-        parsed = parse_chat_messages(messages, self.reserved_tokens)
+        parsed = parse_chat_messages(messages, self.reserved_tokens, tools=tools)
         prompt = self.tokenizer.apply_chat_template(
             parsed.messages,
             add_generation_prompt=add_generation_prompt,
