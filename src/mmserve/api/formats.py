@@ -116,8 +116,8 @@ class ChatFormat(_Format):
         return self._parsers[index]
 
     def _finish_reason(self, index: int, reason: str | None) -> str | None:
-        """ "tool_calls" when an auto or required tool_choice ended in calls (a named one
-        stays "stop", as in OpenAI and vLLM)."""
+        """The engine's reason, with "stop" read as "tool_calls" when an auto or required
+        tool_choice ended in calls (a named one stays "stop", as in OpenAI and vLLM)."""
         parser = self._parsers.get(index)
         if reason == "stop" and parser is not None and parser.mode in ("auto", "required"):
             return "tool_calls" if parser.num_tool_calls else reason
