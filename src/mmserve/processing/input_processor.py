@@ -317,9 +317,12 @@ class InputProcessor:
         namespace: str = DEFAULT_NAMESPACE,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> ProcessedPrompt:
         """Offline `LLM.chat` (and any sync caller): render, load media, process."""
-        prompt, parts = self._render_checked(messages, add_generation_prompt, chat_template_kwargs)
+        prompt, parts = self._render_checked(
+            messages, add_generation_prompt, chat_template_kwargs, tools
+        )
         cfg = self.request_config(mm_processor_kwargs)
         budget = self.media_loader.new_decode_budget()
         loaded = [self.items.load_part(part, cfg, budget) for part in parts]
