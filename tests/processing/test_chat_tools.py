@@ -4,6 +4,7 @@ images) render as Hugging Face renders them, and malformed tool turns are 400s."
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from transformers import PreTrainedTokenizerFast
 from mmserve.config.model import bundled_toy_model_dir
 from mmserve.errors import InvalidRequestError
 from mmserve.processing.chat import check_tools_text, parse_chat_messages
+from mmserve.processing.input_processor import InputProcessor
 from mmserve.processing.tokenizer import Tokenizer
 from tests.support.tool_template import TOOL_CHAT_TEMPLATE
 
@@ -116,3 +118,21 @@ def test_tools_spelling_a_vision_token_are_refused():
     with pytest.raises(InvalidRequestError) as info:
         check_tools_text(bad, RESERVED)
     assert info.value.param == "tools"
+
+
+def test_the_offline_path_renders_the_tools(tmp_path):
+    """`LLM.chat(tools=...)` goes through InputProcessor.process_chat."""
+    toy = Path(bundled_toy_model_dir())
+    for name in ("config.json", "tokenizer.json", "preprocessor_config.json"):
+        shutil.copy(toy / name, tmp_path / name)
+    config = json.loads((toy / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": TOOL_CHAT_TEMPLATE})
+    )
+    processor = InputProcessor.from_pretrained(tmp_path, max_model_len=4096)
+    ask = [{"role": "user", "content": "Weather?"}]
+    with_tools = processor.process_chat(ask, tools=TOOLS)
+    without = processor.process_chat(ask)
+    text = processor.tokenizer.decode(with_tools.prompt_token_ids, skip_special_tokens=False)
+    assert '"name": "get_weather"' in text and "# Tools" in text
+    assert len(without.prompt_token_ids) < len(with_tools.prompt_token_ids)
