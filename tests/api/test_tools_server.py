@@ -44,13 +44,17 @@ ADD = {
         "name": "add",
         "parameters": {
             "type": "object",
-            "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+            "properties": {
+                "x": {"type": "integer", "minimum": 0, "maximum": 999},
+                "y": {"type": "integer", "minimum": 0, "maximum": 999},
+            },
             "required": ["x", "y"],
             "additionalProperties": False,
         },
     },
 }
 TOOLS = [WEATHER, ADD]
+TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # The answer the regex spells: reasoning, a little content, then one hermes call.
@@ -66,7 +70,7 @@ ANSWER = (
 def checkpoint(tmp_path_factory) -> Path:
     out = write_tiny_checkpoint(tmp_path_factory.mktemp("tools_ckpt"), "qwen2_vl", seed=11)
     tok = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
-    tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>"])  # as in Qwen3
+    tok.add_tokens(TAGS)  # added tokens that are text, not special, as in Qwen's vocabulary
     tok.save(str(out / "tokenizer.json"))
     config = json.loads((out / "tokenizer_config.json").read_text())
     config["chat_template"] = TOOL_CHAT_TEMPLATE
@@ -80,8 +84,7 @@ def forced(checkpoint) -> dict:
     write each tag as its one token (as a trained model does) rather than spell it in bytes;
     the grammar masks them everywhere else."""
     tok = tokenizers.Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-    tags = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
-    bias = {str(tok.token_to_id(t)): 100.0 for t in tags}
+    bias = {str(tok.token_to_id(t)): 100.0 for t in TAGS}
     return {"guided_regex": re.escape(ANSWER), "logit_bias": bias}
 
 
@@ -129,8 +132,12 @@ def _check_call(name: str, arguments: str) -> None:
     jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
+# Bounded schemas (enums, maxLength, integer ranges, no extra properties) and one call at most,
+# so that a random model's answer always ends within max_tokens.
 def test_required_returns_calls_that_validate(server):
-    reply = _create(server, tools=TOOLS, tool_choice="required", max_tokens=200)
+    reply = _create(
+        server, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=200
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     assert choice.message.content is None and choice.message.tool_calls
@@ -138,7 +145,14 @@ def test_required_returns_calls_that_validate(server):
         assert call.id.startswith("call_") and call.type == "function"
         _check_call(call.function.name, call.function.arguments)
     streamed, finish, _ = _collect(
-        _create(server, tools=TOOLS, tool_choice="required", max_tokens=200, stream=True)
+        _create(
+            server,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=200,
+            stream=True,
+        )
     )
     assert finish == ["tool_calls"] and streamed["content"] == ""
     assert [c["name"] for c in streamed["calls"].values()] == [

@@ -124,6 +124,7 @@ async def test_required_and_named_become_the_grammar(client, engine):
     item = schema["items"]["anyOf"][0]
     assert item["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
     assert item["properties"]["parameters"] == params
+    assert item["additionalProperties"] is False
 
 
 async def test_none_passes_the_tools_to_the_template_and_parses_nothing(client, engine):

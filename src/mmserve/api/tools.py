@@ -95,6 +95,8 @@ class ToolRequest:
                         "parameters": params,
                     },
                     "required": ["name", "parameters"],
+                    # vLLM leaves this out; without it a model may add keys to a call forever
+                    "additionalProperties": False,
                 }
             )
         schema: dict[str, Any] = {
