@@ -1,8 +1,10 @@
-"""Every GPU check and benchmark of mmserve in one run (< 8 minutes on one H200), one JSON out.
+"""Every GPU check and benchmark of mmserve in one run (< 9 minutes on one H200), one JSON out.
 
 Sections, in order: environment, measured peaks (bf16 GEMM, bandwidth), the 7B ViT on 1024^2
-and 4K images, the fused layer ops against torch's, random 2B/7B-shaped checkpoints, decode
-ms/step at batch 1/8/64 against the weight-read limit (once per attention backend), greedy
+and 4K images, the Qwen3-VL-8B ViT (head dim 72, patch 16, DeepStack mergers) on 1024^2,
+the fused layer ops against torch's, random 2B/7B-shaped checkpoints, decode ms/step at batch
+1/8/64 against the weight-read limit (once per attention backend), the same for a random
+Qwen3-VL checkpoint at 8B's language-model shape (suite/qwen3_vl.py), greedy
 parity with transformers, compare_hf.py at 7B shape, CUDA graphs against eager, every
 gpu-marked test (tests/models/test_gpu.py and others) in the time left, and a summary of the
 issue's goals. Each section is timed and guarded: one that fails
@@ -12,6 +14,8 @@ leaves what it measured.
 
     bash benchmarks/gpu_install.sh && python benchmarks/gpu_suite.py --out $OUT/gpu_suite.json
     python benchmarks/gpu_suite.py --smoke --out /tmp/smoke.json        # CPU, tiny, seconds
+    python benchmarks/gpu_suite.py --sections environment,peaks,vit_q3,decode_q3 \
+        --out $OUT/gpu_suite_q3.json                                    # the Qwen3-VL-8B rows
     python benchmarks/gpu_suite.py --report gpu_suite.json   # Markdown for benchmarks/RESULTS.md
 """
 
@@ -46,9 +50,11 @@ SECTIONS = (
     "environment",
     "peaks",
     "vit",
+    "vit_q3",
     "layer_ops",
     "checkpoints",
     "decode",
+    "decode_q3",
     "parity",
     "compare_hf",
     "graphs",
@@ -129,6 +135,12 @@ def section_vit(run: Run) -> dict[str, Any]:
     return measure_vit(run.profile, _optional(run, "peaks").get("gemm", {}).get("tflops"))
 
 
+def section_vit_q3(run: Run) -> dict[str, Any]:
+    from benchmarks.suite.qwen3_vl import measure_vit_q3
+
+    return measure_vit_q3(run.profile, _optional(run, "peaks").get("gemm", {}).get("tflops"))
+
+
 def section_layer_ops(run: Run) -> dict[str, Any]:
     from benchmarks.suite.layer_ops import measure_layer_ops
 
@@ -151,6 +163,12 @@ def section_decode(run: Run) -> dict[str, Any]:
 
     model_dir, ckpt = run.checkpoint("qwen2_vl_7b")
     return decode_section(run.profile, model_dir, ckpt, _optional(run, "peaks"))
+
+
+def section_decode_q3(run: Run) -> dict[str, Any]:
+    from benchmarks.suite.qwen3_vl import decode_q3_section
+
+    return decode_q3_section(run.profile, run.work_dir, _optional(run, "peaks"))
 
 
 def section_parity(run: Run) -> dict[str, Any]:

@@ -111,7 +111,7 @@ def test_zero_temperature_is_greedy_and_tiny_ones_are_clamped(
 
 def test_unknown_vllm_options_are_not_silently_accepted() -> None:
     # The offline API must not take an option it would ignore (vLLM has these).
-    for name in ("min_p", "prompt_logprobs", "best_of"):
+    for name in ("best_of", "length_penalty", "use_beam_search"):
         with pytest.raises(TypeError):
             SamplingParams(**{name: 0.5})
 

@@ -52,11 +52,60 @@ QWEN2_VL_7B: dict[str, Any] = {
         "num_heads": 16,
     },
 }
+# Qwen3-VL-8B-Instruct's shapes (config.json), built with mmserve's Qwen3-VL classes: the
+# vision tower (VisionConfig fields: patch 16, 16 heads of 72, three DeepStack mergers) and the
+# language model's checkpoint (written by tests/support/factory.py, random weights).
+QWEN3_VL_8B_VISION: dict[str, Any] = {
+    "depth": 27,
+    "embed_dim": 1152,
+    "num_heads": 16,
+    "mlp_hidden_dim": 4304,
+    "out_dim": 4096,
+    "patch_size": 16,
+    "hidden_act": "gelu_pytorch_tanh",
+    "deepstack_visual_indexes": (8, 16, 24),
+    "num_position_embeddings": 2304,
+}
+QWEN3_VL_8B_LM: dict[str, Any] = {
+    "text": {
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5e6,
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
+        "tie_word_embeddings": False,
+    },
+    # the factory's tiny tower, its mergers widened to the LM: decode never runs it
+    "vision": {"out_hidden_size": 4096},
+}
 # Smoke stand-ins: the factory's tiny defaults, tied like the real 2B / deeper like the 7B, so
 # that every code path of the GPU run (checkpoint writing, both engines, the weight-byte
 # accounting of tied and untied heads) runs in seconds on a CPU.
 TINY_2B: dict[str, Any] = {"text": {"tie_word_embeddings": True}, "tie_word_embeddings": True}
 TINY_7B: dict[str, Any] = {"text": {"intermediate_size": 192, "num_hidden_layers": 3}}
+# Head dims that are not powers of two in the smoke run too: 24 in the tower and the LM (the
+# factory's tiny Qwen3-VL states head_dim 24 for 4 heads of a 64-wide model).
+TINY_Q3_VISION: dict[str, Any] = {
+    **QWEN3_VL_8B_VISION,
+    "depth": 3,
+    "embed_dim": 48,
+    "num_heads": 2,
+    "mlp_hidden_dim": 64,
+    "out_dim": 96,
+    "deepstack_visual_indexes": (0, 1),
+    "num_position_embeddings": 16,
+}
+TINY_Q3_LM: dict[str, Any] = {
+    "text": {"intermediate_size": 192, "num_hidden_layers": 3, "tie_word_embeddings": False}
+}
 
 
 @dataclass(frozen=True)
@@ -100,6 +149,11 @@ class Profile:
     layer_ops_repeats: int = 5
     layer_ops_calls: int = 20  # calls per timing: one call is microseconds
     layer_ops_shape: dict[str, int] = field(default_factory=dict)
+    # Qwen3-VL-8B rows: the tower's shape (VisionConfig fields) and the image it encodes, the
+    # language model's checkpoint (decoded at `decode_batches`, then deleted)
+    q3_vit_shape: dict[str, Any] = field(default_factory=dict)
+    q3_vit_image: tuple[int, int] = (1024, 1024)
+    q3_lm: CheckpointSpec | None = None
     # Rough seconds of each section on this profile's machine, to skip what no longer fits.
     estimates_s: dict[str, float] = field(default_factory=dict)
 
@@ -108,7 +162,7 @@ GPU = Profile(
     smoke=False,
     device="cuda",
     dtype="bfloat16",
-    budget_s=450.0,
+    budget_s=510.0,
     checkpoints=(
         CheckpointSpec("toy", None, check_fp32=True),
         CheckpointSpec("qwen2_vl_2b", QWEN2_VL_2B, check_fp32=True),
@@ -134,6 +188,8 @@ GPU = Profile(
         "mlp_hidden_dim": 5120,
         "out_dim": 3584,
     },
+    q3_vit_shape=QWEN3_VL_8B_VISION,
+    q3_lm=CheckpointSpec("qwen3_vl_8b_lm", QWEN3_VL_8B_LM, check_fp32=False),
     compare_requests=32,
     compare_output_len=32,
     gpu_tests_timeout_s=150.0,  # the most; the section gets what the others left
@@ -157,13 +213,18 @@ GPU = Profile(
     #   compare_hf  a 7B mmserve and a 7B transformers run of 32 x 32 tokens      ~60 s
     #   graphs      one eager 7B engine (the graphs' run is decode's), the tower
     #               with graphs, two 2B engines on images                        ~60 s
-    # ~370 s with the environment: the gpu tests get the rest, at least 30 s.
+    #   vit_q3      the Qwen3-VL-8B tower (27 blocks of 1152) on 1024^2 x (1 + 3)  ~10 s
+    #   decode_q3   16.4 GB of Qwen3-VL-8B written in bf16, one engine (triton + graphs),
+    #               3 batches x 2 x (4 + 36) steps                               ~70 s
+    # ~450 s with the environment: the gpu tests get the rest, at least 30 s.
     estimates_s={
         "peaks": 10,
         "vit": 20,
+        "vit_q3": 10,
         "layer_ops": 15,
         "checkpoints": 45,
         "decode": 80,
+        "decode_q3": 70,
         "parity": 90,
         "compare_hf": 60,
         "graphs": 60,
@@ -198,6 +259,9 @@ SMOKE = Profile(
     vit_shape={"depth": 2, "embed_dim": 32, "num_heads": 4, "mlp_hidden_dim": 64, "out_dim": 96},
     vit_thumbnail=(56, 56),
     vit_thumbnail_batch=2,
+    q3_vit_shape=TINY_Q3_VISION,
+    q3_vit_image=(128, 96),
+    q3_lm=CheckpointSpec("qwen3_vl_8b_lm", TINY_Q3_LM, check_fp32=False),
     compare_requests=4,
     compare_output_len=4,
     gpu_tests_timeout_s=40.0,

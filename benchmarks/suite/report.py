@@ -48,12 +48,26 @@ def _figure_lines(results: dict[str, Any]) -> list[str]:
                 for r in run.get("batches", [])
             ]
             lines.append(f"  - {backend}: " + ("; ".join(cells) or _fmt(run.get("error"))))
-    vit = _ok(results, "vit")
-    if vit:
-        for r in vit["images"]:
+    decode_q3 = _ok(results, "decode_q3")
+    if decode_q3:
+        limit = decode_q3["weight_read_limit"].get("limit_ms")
+        lines.append(
+            f"- Decode, Qwen3-VL-8B LM shape ({decode_q3['checkpoint']['layers']} layers), "
+            f"limit {_fmt(limit)} ms/step (decoder + head bytes / bandwidth):"
+        )
+        for backend, run in decode_q3["backends"].items():
+            cells = [
+                f"batch {r['batch']}: {_fmt(r['ms_per_step'])} ms "
+                f"({_fmt(r.get('x_weight_read_limit'))}x)"
+                for r in run.get("batches", [])
+            ]
+            lines.append(f"  - {backend}: " + "; ".join(cells))
+    for name, label in (("vit", "ViT"), ("vit_q3", "ViT, Qwen3-VL-8B shape,")):
+        vit = _ok(results, name)
+        for r in vit["images"] if vit else []:
             lines.append(
-                f"- ViT {r['image']} ({r['patches']} patches, {vit.get('attention')} attention): "
-                f"{_fmt(r['ms'])} ms, "
+                f"- {label} {r['image']} ({r['patches']} patches, {vit.get('attention')} "
+                f"attention): {_fmt(r['ms'])} ms, "
                 f"{_fmt(r['tflops'], 1)} TFLOP/s = {_fmt(r.get('pct_of_gemm_peak'), 1)}% of peak"
             )
     layer_ops = _ok(results, "layer_ops")

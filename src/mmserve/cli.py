@@ -159,6 +159,7 @@ async def _serve(
             max_request_body_bytes=settings.max_request_body_bytes,
             http_body_timeout_s=settings.http_body_timeout,
             shutdown_timeout_s=settings.engine_shutdown_timeout_s,
+            trust_request_chat_template=settings.trust_request_chat_template,
             enable_auto_tool_choice=settings.enable_auto_tool_choice,
             tool_call_parser=settings.tool_call_parser,
             reasoning_parser=settings.reasoning_parser,

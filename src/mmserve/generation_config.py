@@ -25,10 +25,9 @@ SAMPLING_KEYS = {
     "top_p": "top_p",
     "top_k": "top_k",
     "repetition_penalty": "repetition_penalty",
+    "min_p": "min_p",
     "max_new_tokens": "max_tokens",
 }
-# keys vLLM would apply that mmserve does not implement: said at start-up, never dropped quietly
-UNSUPPORTED_KEYS = ("min_p",)
 
 
 def load_sampling_defaults(spec: str, model_dir: str | Path, *, log: bool = True) -> dict[str, Any]:
@@ -56,15 +55,6 @@ def load_sampling_defaults(spec: str, model_dir: str | Path, *, log: bool = True
         _check(name, value, path)
     if not log:
         return defaults
-    for key in UNSUPPORTED_KEYS:
-        if config.get(key) not in (None, 0, 0.0):
-            logger.warning(
-                "%s sets %s=%s, which mmserve does not implement: it is not applied "
-                "(pass --generation-config vllm to silence this)",
-                path,
-                key,
-                config[key],
-            )
     if defaults:
         logger.info(
             "default sampling values from %s (a request's own fields win; "

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import msgspec
 from msgspec.structs import force_setattr
 
-from mmserve.errors import InvalidRequestError
+from mmserve.errors import InvalidRequestError, PromptTooLongError
 from mmserve.structured_output.params import StructuredOutputParams
 
 logger = logging.getLogger(__name__)
@@ -29,6 +29,11 @@ MAX_N = 128  # parallel samples of one request
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_ABS_PENALTY = 2.0  # presence_penalty and frequency_penalty, as OpenAI bounds them
 MAX_ABS_LOGIT_BIAS = 100.0
+MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS; their tokenizations are bounded alike
+MAX_BAD_WORD_CHARS = 1024
+MAX_BAD_WORD_TOKENS = 64
+# above any vocabulary we serve (Qwen2: 151,936 ids), so a whole vocabulary fits
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 
 
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -63,6 +68,19 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknow
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
+    # keep only tokens whose probability (after temperature) is >= min_p x the top token's
+    min_p: float = 0.0
+    # None: every token may be sampled; else only these ids (a non-empty list)
+    allowed_token_ids: tuple[int, ...] | None = None
+    # Words that may not appear in the output (vLLM's semantics): each tokenization of a word
+    # (with and without a leading space) is a banned sequence, whose last token is masked
+    # when the output ends with the rest of it. The front end tokenizes them into
+    # `bad_words_token_ids` (`engine.frontend.llm_engine`); the sampler reads only those.
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # None: no prompt logprobs; K >= 0: per prompt token (the first excepted) its logprob
+    # and the K most likely tokens' at that position (bounded by --max-logprobs)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -86,6 +104,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknow
             )
         self._check_stops()
         self._check_logprobs_and_penalties()
+        self._check_token_masks()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(
@@ -160,6 +179,63 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, forbid_unknow
         if self.logit_bias is not None:
             force_setattr(self, "logit_bias", _checked_logit_bias(self.logit_bias))
 
+    def _check_token_masks(self) -> None:
+        _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(
+                f"min_p must be in [0, 1] (0 disables it), got {self.min_p}", param="min_p"
+            )
+        force_setattr(self, "min_p", float(self.min_p))
+        if self.allowed_token_ids is not None:
+            ids = tuple(_checked_list("allowed_token_ids", self.allowed_token_ids))
+            if not 0 < len(ids) <= MAX_ALLOWED_TOKEN_IDS:
+                raise InvalidRequestError(
+                    f"allowed_token_ids must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids, got "
+                    f"{len(ids)}",
+                    param="allowed_token_ids",
+                )
+            for token_id in ids:
+                _check_int("allowed_token_ids", token_id, 0, INT32_MAX, "each a token id")
+            force_setattr(self, "allowed_token_ids", ids)
+        words = tuple(_checked_list("bad_words", self.bad_words or ()))
+        if len(words) > MAX_BAD_WORDS:
+            raise InvalidRequestError(
+                f"bad_words has {len(words)} words, at most {MAX_BAD_WORDS} are allowed",
+                param="bad_words",
+            )
+        for word in words:
+            if not isinstance(word, str) or not 0 < len(word.strip()) <= MAX_BAD_WORD_CHARS:
+                raise InvalidRequestError(
+                    f"each bad word must be a non-blank string of at most {MAX_BAD_WORD_CHARS} "
+                    f"characters, got {_preview(word)}",
+                    param="bad_words",
+                )
+        force_setattr(self, "bad_words", words)
+        sequences = tuple(
+            tuple(_checked_list("bad_words", s))
+            for s in _checked_list("bad_words", self.bad_words_token_ids or ())
+        )
+        if len(sequences) > 2 * MAX_BAD_WORDS or any(
+            not 0 < len(s) <= MAX_BAD_WORD_TOKENS for s in sequences
+        ):
+            raise InvalidRequestError(
+                f"bad_words tokenize to at most {2 * MAX_BAD_WORDS} sequences of 1 to "
+                f"{MAX_BAD_WORD_TOKENS} tokens each; send fewer or shorter words",
+                param="bad_words",
+            )
+        for token_id in (t for s in sequences for t in s):
+            _check_int("bad_words", token_id, 0, INT32_MAX, "token ids of the bad words")
+        force_setattr(self, "bad_words_token_ids", sequences)
+        if self.prompt_logprobs is not None:
+            _check_int(
+                "prompt_logprobs", self.prompt_logprobs, 0, INT32_MAX, "the number of top logprobs"
+            )
+
+    @property
+    def has_token_masks(self) -> bool:
+        """Whether some tokens are masked before sampling (allowed ids or bad words)."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+
     @property
     def has_penalties(self) -> bool:
         """Whether the logits need penalties or a bias before sampling (most requests: no)."""
@@ -213,6 +289,13 @@ def _checked_logit_bias(bias: object) -> dict[int, float]:
     return out
 
 
+def _checked_list(name: str, value: object) -> list:
+    """`value` as a list when it is a list or tuple (a string is not a list of words)."""
+    if not isinstance(value, list | tuple):
+        raise InvalidRequestError(f"{name} must be a list, got {_preview(value)}", param=name)
+    return list(value)
+
+
 def _check_int(name: str, value: object, lo: int, hi: int, hint: str) -> None:
     # bool is an int subclass: `max_tokens=True` would otherwise mean 1.
     if not isinstance(value, int) or isinstance(value, bool):
@@ -239,3 +322,37 @@ def _preview(value: object) -> str:
         return f"an integer of {value.bit_length()} bits"
     text = repr(value)
     return text if len(text) <= 64 else text[:60] + "...'"
+
+
+def resolve_max_tokens(
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    *,
+    default: int | None = None,
+    strict: bool = False,
+    prompt_param: str = "messages",
+) -> int:
+    """The most tokens a request may generate, decided once, at admission: its `max_tokens`,
+    or when None `default` (the checkpoint's max_new_tokens) or else what the prompt leaves of
+    the model length. `strict` (the HTTP API, as OpenAI): a prompt that leaves no room, or a
+    max_tokens over the room, is refused naming the field. Otherwise (the offline API, as
+    vLLM's): the value is bounded by the room, and is at least 1 (a prompt that fills the
+    model length still yields the one token its last position predicts; a longer one is
+    refused by `validate_request`)."""
+    room = max_model_len - num_prompt_tokens
+    if strict and room <= 0:
+        raise PromptTooLongError(
+            f"the prompt is {num_prompt_tokens} tokens but the model length is {max_model_len}; "
+            "shorten the text, send fewer or smaller images (lower max_pixels)",
+            param=prompt_param,
+        )
+    if strict and max_tokens is not None and max_tokens > room:
+        raise InvalidRequestError(
+            f"max_tokens is {max_tokens} but the prompt already uses {num_prompt_tokens} of the "
+            f"model's {max_model_len} tokens, so at most {room} can be generated; "
+            f"lower max_tokens to {room} or less",
+            param="max_tokens",
+        )
+    wanted = default if max_tokens is None else max_tokens
+    return max(room if wanted is None else min(room, wanted), 1)

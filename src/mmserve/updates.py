@@ -104,6 +104,9 @@ class RequestUpdate(msgspec.Struct, frozen=True, array_like=True, forbid_unknown
     # not move it).
     first_scheduled_time_s: float | None = None
     logprobs: Logprobs | None = None  # one row per new token, when the request asked
+    # one row per prompt token but the first (its logits predict the next prompt token), on
+    # the update that carries the first sampled token, when the request asked
+    prompt_logprobs: Logprobs | None = None
 
     def __post_init__(self) -> None:
         owner = f"update of request {self.request_id}"

@@ -185,9 +185,9 @@ def test_a_tiny_temperature_is_clamped_not_a_failure(open_server):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("min_p", 0.5),
+        ("length_penalty", 2.0),
         ("best_of", 3),
-        ("prompt_logprobs", 2),
+        ("chat_template", "{{ messages }}"),
         ("tool_choice", "required"),  # with no tools to choose from
         ("structural_tag", "{}"),
     ],

@@ -41,3 +41,19 @@ def test_deltas_add_up_to_the_cumulative_updates(qwen2_vl_dir: Path) -> None:
         whole.token_ids,
         whole.finish_reason,
     )
+
+
+def test_prompt_logprobs_come_once_in_deltas_and_on_every_cumulative_update(
+    qwen2_vl_dir: Path,
+) -> None:
+    llm = LLM(model=str(qwen2_vl_dir))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    num_prompt = len(llm.engine.input_processor.process("Once upon a time").prompt_token_ids)
+    deltas = _updates(llm, OutputKind.DELTA, params)
+    carrying = [u for u in deltas if u.prompt_logprobs is not None]
+    assert len(carrying) == 1 and carrying[0] is deltas[0]
+    entries = carrying[0].prompt_logprobs
+    assert entries is not None and len(entries) == num_prompt and entries[0] is None
+    cumulative = _updates(llm, OutputKind.CUMULATIVE, params)
+    assert all(u.prompt_logprobs == entries for u in cumulative)
+    assert _updates(llm, OutputKind.FINAL_ONLY, params)[0].prompt_logprobs == entries

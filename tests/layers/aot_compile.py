@@ -57,7 +57,8 @@ FIXED_TYPES = {
 }
 # Qwen2-VL-7B: hidden 3584, MLP 18944, 28 query heads over 4 KV heads of 128 (GQA group 7).
 HIDDEN_7B, INTERMEDIATE_7B, HEADS_7B, KV_HEADS_7B, HEAD_DIM_7B = 3584, 18944, 28, 4, 128
-HEAD_DIMS, BLOCK_SIZES, GROUPS = (64, 80, 128), (16, 32), (1, 2, 4, 7)
+# Head dims: powers of two and not (24 in 32, 72 and 80 in 128: masked tails)
+HEAD_DIMS, BLOCK_SIZES, GROUPS = (24, 64, 72, 80, 128), (16, 32), (1, 2, 4, 7)
 KV_HEADS = 4  # query heads = group x 4, as the 7B's 28 / 4
 
 
@@ -86,14 +87,16 @@ def signature(fn: Callable[..., Any], dtype: torch.dtype) -> dict[str, str]:
 
 def fused_cases() -> list[Case]:
     """The layer ops at 7B widths in bfloat16 (their casts are what differ by dtype): the fused
-    residual add over 3584 columns (8 warps), SwiGLU's column blocks, rotary on 128 and on a
-    padded 80-dim head beside 28 + 4 heads."""
+    residual add over 3584 columns (8 warps), SwiGLU's column blocks, rotary on 128 and on
+    padded 80-, 72- and 24-dim heads beside 28 + 4 heads."""
     bf16 = torch.bfloat16
     return [
         Case(fused._rms_norm_kernel, bf16, rms_norm_specialisation(HIDDEN_7B, has_residual=True)),
         Case(fused._silu_mul_kernel, bf16, silu_mul_specialisation(INTERMEDIATE_7B)),
         Case(fused._rotary_kernel, bf16, rotary_specialisation(HEAD_DIM_7B, HEADS_7B, 4)),
         Case(fused._rotary_kernel, bf16, rotary_specialisation(80, HEADS_7B, 4)),
+        Case(fused._rotary_kernel, bf16, rotary_specialisation(72, HEADS_7B, 4)),
+        Case(fused._rotary_kernel, bf16, rotary_specialisation(24, HEADS_7B, 4)),
     ]
 
 
@@ -116,9 +119,10 @@ def _attention(head_dim: int, block_size: int, group: int, dtype: torch.dtype) -
 def attention_cases(exhaustive: bool) -> list[Case]:
     """The paged attention and KV store specialisations the engine launches. By default the
     ones whose lowering differs: the 7B's (group 7 padded to 8, head 128, 8 warps, bf16),
-    float32's IEEE dot, a masked head dim (80 in 128) with float16 and 32-token blocks, and
-    group 4 at 4 warps (the 8192-element boundary); `exhaustive`: every head dim, block size,
-    dtype and group."""
+    float32's IEEE dot, a masked head dim (80 in 128) with float16 and 32-token blocks,
+    group 4 at 4 warps (the 8192-element boundary), the masked head dims 72 (in 128) and
+    24 (in 32) in bf16, and the widest head start-up accepts (256); `exhaustive`: every head
+    dim, block size, dtype and group."""
     if exhaustive:
         grid = itertools.product(HEAD_DIMS, BLOCK_SIZES, GROUPS, TRITON_DTYPES)
         return [case for args in grid for case in _attention(*args)]
@@ -127,6 +131,9 @@ def attention_cases(exhaustive: bool) -> list[Case]:
         (64, 16, 2, torch.float32),
         (80, 32, 1, torch.float16),
         (128, 32, 4, torch.bfloat16),
+        (72, 16, 4, torch.bfloat16),
+        (24, 32, 1, torch.bfloat16),
+        (256, 16, 4, torch.bfloat16),  # MAX_HEAD_DIM: the widest head start-up accepts
     ]
     cases = [case for args in chosen for case in _attention(*args)]
     # the 7B's KV store (group 7 adds none above): bf16, 4 KV heads of 128

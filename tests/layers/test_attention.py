@@ -27,6 +27,12 @@ def test_paged_attention_equals_dense(
     check_paged_equals_dense(dtype, atol, seed, max_score_elements, "cpu")
 
 
+@pytest.mark.parametrize("head_dim", [24, 72])
+def test_paged_attention_equals_dense_at_head_dims_that_are_not_powers_of_two(head_dim) -> None:
+    check_paged_equals_dense(torch.float32, 1e-5, 2, MAX_SCORE_ELEMENTS, "cpu", head_dim)
+    check_paged_equals_dense(torch.bfloat16, 3e-2, 3, 100, "cpu", head_dim)
+
+
 def test_metadata_slots_follow_block_tables() -> None:
     meta = TorchAttentionBackend().build_metadata([2, 1], [6, 3], [[7, 2], [5]], block_size=4)
     # seq 0 writes positions 4, 5 -> block 2 offsets 0, 1; seq 1 writes position 2 of block 5

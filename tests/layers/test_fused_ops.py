@@ -103,9 +103,10 @@ def _mrope_cos_sin(num_tokens: int, head_dim: int) -> tuple[torch.Tensor, torch.
 
 
 # (head_dim, query heads, KV heads): the LM's 128 at the 2B's and 7B's head counts, and the
-# head dims 64 and 80 (padded in the kernel).
+# head dims 64, 80, 72 and 24 (halves of 40, 36 and 12 padded in the kernel, the tail masked).
 @pytest.mark.parametrize(
-    ("head_dim", "num_heads", "num_kv_heads"), [(128, 12, 2), (128, 28, 4), (80, 4, 4), (64, 3, 1)]
+    ("head_dim", "num_heads", "num_kv_heads"),
+    [(128, 12, 2), (128, 28, 4), (80, 4, 4), (64, 3, 1), (72, 8, 2), (24, 4, 2)],
 )
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_rotates_query_and_key_in_place(fused, head_dim, num_heads, num_kv_heads, dtype):

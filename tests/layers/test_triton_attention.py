@@ -29,7 +29,9 @@ def triton_backend():
 
 
 # (dtype, head_dim, query heads per KV head, block_size): every head dim, GQA ratio, block size
-# and dtype appears, without the full product (the interpreter is slow).
+# and dtype appears, without the full product (the interpreter is slow). Head dims that are not
+# powers of two run padded with a masked tail: 24 (tiny test models) in 32, 72 (Qwen3-VL's
+# vision head) and 80 in 128, and 20 (not even a multiple of 8) in 32.
 CASES = [
     (torch.float32, 64, 1, 16),
     (torch.float32, 80, 2, 32),
@@ -38,6 +40,11 @@ CASES = [
     (torch.float16, 64, 2, 32),
     (torch.bfloat16, 128, 2, 32),
     (torch.bfloat16, 80, 1, 16),
+    (torch.float32, 24, 4, 16),
+    (torch.bfloat16, 24, 1, 32),
+    (torch.float32, 72, 2, 32),
+    (torch.float16, 72, 4, 16),
+    (torch.float32, 20, 2, 16),
 ]
 
 
@@ -91,12 +98,16 @@ def test_slots_past_a_sequence_never_reach_its_output(triton_backend) -> None:
     torch.testing.assert_close(out, clean_out, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_kv_store_matches_write_kv_cache(triton_backend, cache_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("cache_dtype", "head_dim"), [(torch.float32, 80), (torch.bfloat16, 80), (torch.float32, 72)]
+)
+def test_kv_store_matches_write_kv_cache(
+    triton_backend, cache_dtype: torch.dtype, head_dim: int
+) -> None:
     from mmserve.layers.attention.triton_backend import store_kv
 
     rng = random.Random(0)
-    num_blocks, block_size, num_kv_heads, head_dim = 9, 16, 3, 80
+    num_blocks, block_size, num_kv_heads = 9, 16, 3
     slots = rng.sample(range(num_blocks * block_size), 37)  # shuffled, scattered
     wide = torch.randn(37, num_kv_heads, head_dim + 8)
     key = wide[:, :, :head_dim]  # strided rows: the kernel follows the strides
@@ -128,6 +139,20 @@ def test_select_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     assert select_backend("triton", "cpu", block_size=32).name == "triton"
     with pytest.raises(ValueError, match="--block-size 8.*power of two >= 16"):
         select_backend("triton", "cpu", block_size=8)
+
+
+def test_the_head_dim_is_checked_at_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a power of two is fine; what the kernels cannot take stops start-up naming it, and
+    `auto` on CUDA falls back to torch (which takes any) instead."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for head_dim in (24, 72, 80, 128, 256):
+        assert select_backend("triton", "cpu", head_dim=head_dim).name == "triton"
+    for head_dim in (288, 512, 23):
+        with pytest.raises(ValueError, match=f"head_dim {head_dim}: the triton attention"):
+            select_backend("triton", "cpu", head_dim=head_dim)
+    assert select_backend("torch", "cpu", head_dim=512).name == "torch"
+    assert select_backend("auto", "cuda", head_dim=72).name == "triton"
+    assert select_backend("auto", "cuda", head_dim=512).name == "torch"
 
 
 def test_a_missing_triton_package_names_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:

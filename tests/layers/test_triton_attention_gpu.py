@@ -37,9 +37,13 @@ def _serving_batch(rng: random.Random) -> list[tuple[int, int]]:
     return [*decodes, (1000, 512), (0, 2048), (17, 33), (0, 1)]
 
 
-# (num_heads, num_kv_heads, head_dim, block_size, dtype): Qwen2-VL-7B, -2B, a head dim of 80
+# (num_heads, num_kv_heads, head_dim, block_size, dtype): Qwen2-VL-7B, -2B, Qwen3-VL-8B, head
+# dims of 80, 72 and 24 (not powers of two: masked tails)
 SHAPES = [
     (28, 4, 128, 16, torch.bfloat16),
+    (32, 8, 128, 16, torch.bfloat16),
+    (16, 4, 72, 16, torch.bfloat16),
+    (4, 2, 24, 32, torch.bfloat16),
     (12, 2, 128, 16, torch.bfloat16),
     (32, 8, 80, 32, torch.bfloat16),
     (28, 4, 128, 32, torch.float16),

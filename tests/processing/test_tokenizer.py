@@ -73,3 +73,45 @@ def test_the_input_processor_passes_kwargs_through_the_same_check() -> None:
     assert info.value.param == "chat_template_kwargs.add_generation_prompt"
     prompt, _, _ = processor.render_chat(messages, chat_template_kwargs={"add_vision_id": True})
     assert prompt.endswith("<|im_start|>assistant\n")
+
+
+CONTINUED = [
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": [{"type": "text", "text": "It is "}]},
+]
+
+
+def test_continue_final_message_ends_at_the_last_message_text(toy_tokenizer: Tokenizer) -> None:
+    closed = toy_tokenizer.apply_chat_template(CONTINUED, add_generation_prompt=False)
+    continued = toy_tokenizer.apply_chat_template(
+        CONTINUED, add_generation_prompt=False, continue_final_message=True
+    )
+    assert closed.startswith(continued) and continued.endswith("<|im_start|>assistant\nIt is")
+    assert closed[len(continued) :] == " <|im_end|>\n"  # what continuing leaves off
+    for params, param in (
+        ({"add_generation_prompt": True}, "continue_final_message"),
+        ({"add_generation_prompt": False}, "continue_final_message"),
+    ):
+        messages = (
+            CONTINUED
+            if params["add_generation_prompt"]
+            else CONTINUED[:1] + [{"role": "assistant", "content": []}]
+        )
+        with pytest.raises(InvalidRequestError) as info:
+            toy_tokenizer.apply_chat_template(messages, continue_final_message=True, **params)
+        assert info.value.param == param
+
+
+def test_a_request_chat_template_renders_in_the_sandbox(toy_tokenizer: Tokenizer) -> None:
+    own = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    messages = [{"role": "user", "content": "hi"}]
+    assert toy_tokenizer.apply_chat_template(messages, chat_template=own) == "[user] hi\n"
+    assert "<|im_start|>" in toy_tokenizer.apply_chat_template(messages)  # the model's, still
+    for bad in (
+        "{% for %}",  # does not compile
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",  # the sandbox refuses it
+        "{{ x }}" * 20_000,  # too long
+    ):
+        with pytest.raises(InvalidRequestError) as info:
+            toy_tokenizer.apply_chat_template(messages, chat_template=bad)
+        assert info.value.param == "chat_template"

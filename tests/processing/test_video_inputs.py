@@ -131,12 +131,13 @@ def test_a_video_identity_covers_its_bytes_and_its_sampling(processor: InputProc
     assert processor.cache.stats.hits == hits + 1 and processor.cache.stats.queries == queries + 1
     others = {
         ident(video_bytes(40, 64, 48, fps=10, seed=2)),  # another video
-        ident(data, fps=1.0),  # other frames kept
-        ident(data, max_frames=4),
+        ident(data, fps=1.0),  # other frames kept: 4 of the 4 s clip's 40
+        ident(data, max_frames=6),
         ident(data, max_pixels=1000, min_pixels=784),  # other frame size (28x28)
     }
     assert base not in others and len(others) == 4
     assert ident(data, max_pixels=3136) == base  # a cap that changes nothing changes no id
+    assert ident(data, max_frames=4) == ident(data, fps=1.0)  # the same 4 frames: one id
     frames = video_frames(4, 32, 32)
     assert ident(frames) == ident(frames.copy()) != ident(frames[::-1].copy())
 
@@ -160,9 +161,14 @@ def test_uuid_references_work_for_videos(processor: InputProcessor) -> None:
         # another fps samples other frames: only the video itself can give them
         asyncio.run(
             processor.aprocess_chat(
-                chat({"uuid": "clip-1"}), mm_processor_kwargs={**SMALL, "fps": 1.0}
+                chat({"uuid": "clip-1"}), mm_processor_kwargs={**SMALL, "fps": 4.0}
             )
         )
+    # fps 1 keeps the same 4 frames of this 2 s clip as the default 2 (min_frames): a hit
+    slower = asyncio.run(
+        processor.aprocess_chat(chat({"uuid": "clip-1"}), mm_processor_kwargs={**SMALL, "fps": 1})
+    )
+    assert slower.mm_features[0].identifier == first.mm_features[0].identifier
 
 
 def test_offline_forms_of_a_video_agree(processor: InputProcessor, tmp_path: Path) -> None:

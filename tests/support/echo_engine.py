@@ -58,9 +58,15 @@ class EchoEngine:
         multi_modal_uuids: dict[str, list[str | None]] | None = None,
         namespace: str = "default",
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        media_io_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> ProcessedPrompt:
         self.namespaces.append(namespace)
+        if media_io_kwargs:
+            raise InvalidRequestError("the echo engine has no media", param="media_io_kwargs")
         if tools:  # the echo has no template: the tools read as a system turn
             messages = [{"role": "system", "content": json.dumps(tools)}, *messages]
         unknown = set(mm_processor_kwargs or {}) - KNOWN_PROCESSOR_KWARGS
@@ -177,6 +183,9 @@ class EchoEngine:
 
     def is_healthy(self) -> bool:
         return self.healthy
+
+    def decode_tokens(self, token_ids: list[int]) -> str:
+        return bytes(token_ids).decode(errors="replace")
 
     async def shutdown(self, timeout_s: float = 20.0) -> None:
         self.shutdown_calls += 1

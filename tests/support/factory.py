@@ -126,6 +126,56 @@ def preprocessor_config(min_pixels: int = 56 * 56, max_pixels: int = 16384 * 28 
     }
 
 
+def qwen3_vl_preprocessor_config(min_pixels: int, max_pixels: int) -> dict:
+    """Qwen3-VL's file: patch 16, mean/std 0.5, the pixel caps as `size` (shortest/longest edge)."""
+    return {
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "processor_class": "Qwen3VLProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "resample": 3,
+    }
+
+
+# Qwen3-VL's tiny shapes are odd on purpose: text head_dim 24 (not hidden / heads = 16),
+# interleaved M-RoPE sections [6, 3, 3], vision head_dim 12, three DeepStack levels (blocks 0,
+# 1 and 3 of 4) added after decoder layers 0-2 of 4, a 4x4 position table (smaller than most
+# grids), tied embeddings (no lm_head tensor).
+QWEN3_VL_TEXT = {
+    "head_dim": 24,
+    "num_hidden_layers": 4,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 5000.0,
+        "mrope_section": [6, 3, 3],
+        "mrope_interleaved": True,
+    },
+    "tie_word_embeddings": True,
+}
+QWEN3_VL_VISION = {
+    "depth": 4,
+    "hidden_size": 48,
+    "intermediate_size": 80,
+    "num_heads": 4,
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "hidden_act": "gelu_pytorch_tanh",
+    "num_position_embeddings": 16,
+    "deepstack_visual_indexes": [0, 1, 3],
+}
+
+
 def tiny_config_dict(arch: str, vocab_size: int, ids: dict[str, int], **overrides: Any) -> dict:
     """A nested (text_config / vision_config) config dict for a tiny model of `arch`."""
     text = {
@@ -177,6 +227,10 @@ def tiny_config_dict(arch: str, vocab_size: int, ids: dict[str, int], **override
             "hidden_act": "silu",
         }
         architectures, model_type = ["Qwen2_5_VLForConditionalGeneration"], "qwen2_5_vl"
+    elif arch == "qwen3_vl":
+        text.update(QWEN3_VL_TEXT)
+        vision = {**QWEN3_VL_VISION, "out_hidden_size": text["hidden_size"]}
+        architectures, model_type = ["Qwen3VLForConditionalGeneration"], "qwen3_vl"
     else:
         raise ValueError(f"unknown arch {arch!r}")
     text.update(overrides.pop("text", {}))
@@ -207,7 +261,7 @@ def write_tiny_checkpoint(
     device: str = "cpu",
     **overrides: Any,
 ) -> Path:
-    """Write a tiny random checkpoint of `arch` ("qwen2_vl" or "qwen2_5_vl") to out_dir.
+    """Write a tiny random checkpoint of `arch` ("qwen2_vl", "qwen2_5_vl", "qwen3_vl") to out_dir.
 
     Weights come from transformers' own initialisation (seeded), saved as safetensors, so the
     directory is exactly what `save_pretrained` would publish. Returns the directory. `dtype`
@@ -226,6 +280,7 @@ def write_tiny_checkpoint(
     config_cls = {
         "qwen2_vl": transformers.Qwen2VLConfig,
         "qwen2_5_vl": transformers.Qwen2_5_VLConfig,
+        "qwen3_vl": transformers.Qwen3VLConfig,
     }[arch]
     config = config_cls(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
     config.architectures = cfg_dict["architectures"]
@@ -239,8 +294,9 @@ def write_tiny_checkpoint(
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out, safe_serialization=True)
+    make_preprocessor = qwen3_vl_preprocessor_config if arch == "qwen3_vl" else preprocessor_config
     (out / "preprocessor_config.json").write_text(
-        json.dumps(preprocessor_config(min_pixels, max_pixels), indent=2)
+        json.dumps(make_preprocessor(min_pixels, max_pixels), indent=2)
     )
     return out
 

@@ -68,7 +68,6 @@ def rewired(engine: LLMEngine, **parts: Any) -> LLMEngine:
         "scheduler": core.scheduler,
         "executor": core.executor,
         "metrics": core.metrics,
-        "max_model_len": core.max_model_len,
         "eos_token_ids": core.eos_token_ids,
     }
     core_parts.update({k: v for k, v in parts.items() if k in core_parts})
@@ -78,6 +77,8 @@ def rewired(engine: LLMEngine, **parts: Any) -> LLMEngine:
         "output_processor": engine.output_processor,
         "metrics": engine.metrics,
         "max_model_len": engine.max_model_len,
+        "max_logprobs": engine.max_logprobs,
+        "sampling_defaults": engine.sampling_defaults,
     }
     kwargs.update({k: v for k, v in parts.items() if k not in core_parts})
     return LLMEngine(**kwargs)

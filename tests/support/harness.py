@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import os
 import signal
 import socket
 import subprocess
@@ -16,9 +17,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port: any the OS gives, or the first free one of `MMSERVE_TEST_PORTS`
+    ("9100-9119") on a machine where tests must keep to a range."""
+    first, _, last = os.environ.get("MMSERVE_TEST_PORTS", "0-0").partition("-")
+    for port in range(int(first), int(last or first) + 1):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free port in MMSERVE_TEST_PORTS={first}-{last}")
 
 
 def data_url(raw: bytes, mime: str = "image/png") -> str:

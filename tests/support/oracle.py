@@ -29,8 +29,14 @@ class HFOracle:
         self.model.generation_config.eos_token_id = None
         self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         pp = json.loads((model_dir / "preprocessor_config.json").read_text())
+        size = pp.get("size") or {}
+        # Qwen3-VL's file has patch 16, mean/std 0.5 and the caps as size.{shortest,longest}_edge
         self.processor = transformers.Qwen2VLImageProcessorPil(
-            min_pixels=pp["min_pixels"], max_pixels=pp["max_pixels"]
+            min_pixels=pp.get("min_pixels", size.get("shortest_edge")),
+            max_pixels=pp.get("max_pixels", size.get("longest_edge")),
+            patch_size=pp["patch_size"],
+            image_mean=pp["image_mean"],
+            image_std=pp["image_std"],
         )
         self.image_token_id = config["image_token_id"]
         self.merge = 2

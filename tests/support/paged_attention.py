@@ -24,12 +24,17 @@ def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 def check_paged_equals_dense(
-    dtype: torch.dtype, atol: float, seed: int, max_score_elements: int, device: str
+    dtype: torch.dtype,
+    atol: float,
+    seed: int,
+    max_score_elements: int,
+    device: str,
+    head_dim: int = 16,
 ) -> None:
     """A mixed batch over scattered blocks equals dense causal attention, sequence by sequence."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 4, 2, 16, 4, 64
+    num_heads, num_kv_heads, block_size, num_blocks = 4, 2, 4, 64
     # (cached tokens, new tokens): fresh prefills, prefill chunks on top of a context, decodes
     shapes = [(0, 9), (5, 1), (13, 6), (0, 1), (20, 1), (3, 17), (31, 1)]
     rng.shuffle(shapes)

@@ -58,6 +58,10 @@ _CLIENT_GONE_STATUS = 499
 # checking walk after it does not, so the event loop streams tokens to others meanwhile
 # (measured on 1M token ids: the loop's longest stall 0.42 s inline, 0.21-0.38 s threaded).
 _PARSE_IN_THREAD_BYTES = 1 << 20
+# Fields of the unsupported list that one endpoint implements (vLLM has them on that one).
+_CHAT_ONLY_FIELDS = frozenset({"add_generation_prompt", "continue_final_message"})
+_COMPLETION_ONLY_FIELDS = frozenset({"echo"})
+_TRUSTED = frozenset({"chat_template"})  # with --trust-request-chat-template
 
 
 def create_app(
@@ -69,6 +73,7 @@ def create_app(
     http_body_timeout_s: float = ServerConfig.http_body_timeout,  # the flag's default
     status_interval_s: float | None = 5.0,
     shutdown_timeout_s: float = ServerConfig.engine_shutdown_timeout_s,
+    trust_request_chat_template: bool = False,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
@@ -124,7 +129,10 @@ def create_app(
     @v1.post("/chat/completions")
     async def chat_completions(request: Request, namespace: str = Depends(request_namespace)):
         async def run() -> Response:
-            body = await _parse(request, ChatCompletionRequest)
+            supported = (
+                _CHAT_ONLY_FIELDS | _TRUSTED if trust_request_chat_template else _CHAT_ONLY_FIELDS
+            )
+            body = await _parse(request, ChatCompletionRequest, supported)
             tools = tool_request(
                 body.tools,
                 body.tool_choice,
@@ -132,6 +140,7 @@ def create_app(
                 enable_auto_tool_choice=enable_auto_tool_choice,
             )
             params = with_tools(_check_before_processing(body), tools)
+            add_generation_prompt, continue_final_message = body.render_choice()
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
             prompt = await until_disconnect(
                 request,
@@ -141,6 +150,10 @@ def create_app(
                     multi_modal_uuids=body.multi_modal_uuids,
                     namespace=namespace,
                     chat_template_kwargs=body.chat_template_kwargs,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template=body.chat_template,
+                    media_io_kwargs=body.media_io_kwargs,
                     tools=tools.template_tools if tools is not None else None,
                 ),
             )
@@ -156,6 +169,8 @@ def create_app(
                 f"chatcmpl-{uuid.uuid4().hex}",
                 primary,
                 num_top_logprobs=params.logprobs or 0,
+                prompt_token_ids=prompt.prompt_token_ids if body.return_token_ids else None,
+                role=body.response_role,
                 parsing=parsing,
             )
             return await _generate(request, body, params, prompt, fmt)
@@ -165,14 +180,20 @@ def create_app(
     @v1.post("/completions")
     async def completions(request: Request, namespace: str = Depends(request_namespace)):
         async def run() -> Response:
-            body = await _parse(request, CompletionRequest)
+            body = await _parse(request, CompletionRequest, _COMPLETION_ONLY_FIELDS)
             params = _check_before_processing(body)
             prompt_in = body.single_prompt()
             prompt = await until_disconnect(
                 request, engine.process_prompt(prompt_in, namespace=namespace)
             )
+            ids = prompt.prompt_token_ids
             fmt = CompletionFormat(
-                f"cmpl-{uuid.uuid4().hex}", primary, num_top_logprobs=params.logprobs or 0
+                f"cmpl-{uuid.uuid4().hex}",
+                primary,
+                num_top_logprobs=params.logprobs or 0,
+                prompt_token_ids=ids if body.return_token_ids else None,
+                echo_prompt=(prompt.prompt or "", list(ids)) if body.echo else None,
+                decode=engine.decode_tokens,
             )
             return await _generate(request, body, params, prompt, fmt)
 
@@ -191,13 +212,22 @@ def create_app(
             )
         # Every sampling range is checked here; the bound by the prompt's length comes later.
         params = body.to_sampling_params(body.requested_max_tokens, engine.sampling_defaults)
-        if params.logprobs is not None and params.logprobs > engine.max_logprobs:
-            field = body.logprobs_field
+        for field, value in (
+            (body.logprobs_field, params.logprobs),
+            ("prompt_logprobs", body.prompt_logprobs),
+        ):
+            if value is not None and value > engine.max_logprobs:
+                raise InvalidRequestError(
+                    f"{field} is {value} but this server returns at most "
+                    f"{engine.max_logprobs} top logprobs (--max-logprobs); ask for fewer, or "
+                    "start the server with a larger --max-logprobs",
+                    param=field,
+                )
+        if body.prompt_logprobs is not None and body.stream:
             raise InvalidRequestError(
-                f"{field} is {params.logprobs} but this server returns at most "
-                f"{engine.max_logprobs} top logprobs (--max-logprobs); ask for fewer, or "
-                "start the server with a larger --max-logprobs",
-                param=field,
+                "prompt_logprobs are not available when stream is true (as in vLLM); "
+                "send stream: false, or omit prompt_logprobs",
+                param="prompt_logprobs",
             )
         return params
 
@@ -268,8 +298,9 @@ async def _answer(run: Callable[[], Any]) -> Response:
         )
 
 
-async def _parse(request: Request, model: type[BodyT]) -> BodyT:
-    """JSON with limits, then types, then fields we would otherwise silently ignore."""
+async def _parse(request: Request, model: type[BodyT], supported: frozenset[str]) -> BodyT:
+    """JSON with limits, then types, then fields we would otherwise silently ignore
+    (`supported`: those of the unsupported list this endpoint implements)."""
     raw = await request.body()
     if len(raw) > _PARSE_IN_THREAD_BYTES:
         data = await asyncio.to_thread(parse_json_body, raw)
@@ -279,5 +310,5 @@ async def _parse(request: Request, model: type[BodyT]) -> BodyT:
         body = model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
-    refuse_unsupported_fields(data)
+    refuse_unsupported_fields(data, supported)
     return body

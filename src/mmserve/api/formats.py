@@ -3,16 +3,23 @@
 One choice per sample (`index` 0..n-1); a stream chunk carries one choice. Logprobs take
 vLLM's (and OpenAI's) shapes: chat `logprobs.content = [{token, logprob, bytes,
 top_logprobs}]`, completions `logprobs = {tokens, token_logprobs, top_logprobs, text_offset}`.
+vLLM's extensions: `prompt_logprobs` (`[null, {"<id>": {logprob, rank, decoded_token}}, ...]`,
+on the chat response and on each completion choice) and, with `return_token_ids`,
+`prompt_token_ids` (the chat response or the first chunk; each completion choice or its first
+chunk) and `token_ids` (each choice; a chunk's new ones).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mmserve.api.chat_output import AnswerParsing, ChoiceParser
 from mmserve.engine.frontend.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+
+# JSON has no -inf: a prompt token of probability 0 is reported as this (vLLM's value)
+_MIN_LOGPROB = -9999.0
 
 
 def usage_of(output: RequestOutput, completion_tokens: int | None = None) -> dict[str, Any]:
@@ -39,11 +46,24 @@ class _Format:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, request_id: str, model: str, *, num_top_logprobs: int = 0) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        *,
+        num_top_logprobs: int = 0,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
+        """`prompt_token_ids`: given when the request asked `return_token_ids`."""
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self.num_top_logprobs = num_top_logprobs
+        self.prompt_token_ids = prompt_token_ids
+
+    @property
+    def returns_token_ids(self) -> bool:
+        return self.prompt_token_ids is not None
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -61,7 +81,8 @@ class _Format:
 
 
 class ChatFormat(_Format):
-    """`chat.completion` and `chat.completion.chunk` objects for one request."""
+    """`chat.completion` and `chat.completion.chunk` objects for one request; `role` is the
+    answer's (vLLM's: the last message's when the request has no generation prompt)."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
@@ -72,28 +93,38 @@ class ChatFormat(_Format):
         model: str,
         *,
         num_top_logprobs: int = 0,
+        prompt_token_ids: list[int] | None = None,
+        role: str = "assistant",
         parsing: AnswerParsing | None = None,
     ) -> None:
-        super().__init__(request_id, model, num_top_logprobs=num_top_logprobs)
+        super().__init__(
+            request_id, model, num_top_logprobs=num_top_logprobs, prompt_token_ids=prompt_token_ids
+        )
+        self.role = role
         self.parsing = parsing  # reasoning and tool calls to read out of the text
         self._parsers: dict[int, ChoiceParser] = {}  # per choice
 
     def response(self, output: RequestOutput) -> dict[str, Any]:
         choices = []
         for c in _sorted(output):
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            message: dict[str, Any] = {"role": self.role, "content": c.text}
             if self.parsing is not None:
-                message = self._parser(c.index).message(c.text, c.token_ids)
-            choices.append(
-                {
-                    "index": c.index,
-                    "message": message,
-                    "finish_reason": self._finish_reason(c.index, c.finish_reason),
-                    "logprobs": self._logprobs(c),
-                }
-            )
+                message = {**self._parser(c.index).message(c.text, c.token_ids), "role": self.role}
+            choice = {
+                "index": c.index,
+                "message": message,
+                "finish_reason": self._finish_reason(c.index, c.finish_reason),
+                "logprobs": self._logprobs(c),
+            }
+            if self.returns_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
         body = self._envelope(self.object_name, choices)
         body["usage"] = self._usage(output)
+        if output.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+        if self.returns_token_ids:
+            body["prompt_token_ids"] = self.prompt_token_ids
         return body
 
     def usage_chunk(self, output: RequestOutput, completion_tokens: int) -> dict[str, Any]:
@@ -124,13 +155,13 @@ class ChatFormat(_Format):
         return reason
 
     def start_chunks(self, n: int) -> list[dict[str, Any]]:
-        return [
+        chunks = [
             self._envelope(
                 self.chunk_object_name,
                 [
                     {
                         "index": i,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {"role": self.role, "content": ""},
                         "finish_reason": None,
                         "logprobs": None,
                     }
@@ -138,8 +169,13 @@ class ChatFormat(_Format):
             )
             for i in range(n)
         ]
+        if self.returns_token_ids and chunks:
+            chunks[0]["prompt_token_ids"] = self.prompt_token_ids
+        return chunks
 
-    def chunk(self, c: CompletionOutput, finish_reason: str | None) -> dict[str, Any] | None:
+    def chunk(
+        self, c: CompletionOutput, finish_reason: str | None, output: RequestOutput | None = None
+    ) -> dict[str, Any] | None:
         """One choice's chunk; None when a parser holds this step's text back (it may be the
         start of a tag) and there is nothing else to send."""
         logprobs = self._logprobs(c)
@@ -148,7 +184,8 @@ class ChatFormat(_Format):
             delta: dict[str, Any] = {"content": text} if text or finish_reason is None else {}
         else:
             delta = self._parsed_delta(c, finish_reason is not None)
-            if not delta and finish_reason is None and logprobs is None:
+            sends_ids = self.returns_token_ids and bool(c.delta_token_ids)
+            if not delta and finish_reason is None and logprobs is None and not sends_ids:
                 return None
             finish_reason = self._finish_reason(c.index, finish_reason)
         choice = {
@@ -157,6 +194,8 @@ class ChatFormat(_Format):
             "finish_reason": finish_reason,
             "logprobs": logprobs,
         }
+        if self.returns_token_ids:
+            choice["token_ids"] = list(c.delta_token_ids or [])
         return self._envelope(self.chunk_object_name, [choice])
 
     def _parsed_delta(self, c: CompletionOutput, is_last: bool) -> dict[str, Any]:
@@ -185,23 +224,35 @@ def _chat_token(token: str, logprob: float) -> dict[str, Any]:
 
 
 class CompletionFormat(_Format):
-    """`text_completion` objects (whole and streamed) for one request."""
+    """`text_completion` objects (whole and streamed) for one request. With `echo`, each choice
+    starts with `prompt_text` (and its logprobs with the prompt's, the first token's null);
+    `decode` gives a token's text where no logprob entry carries it (the prompt's first)."""
 
     object_name = chunk_object_name = "text_completion"
 
-    def __init__(self, request_id: str, model: str, *, num_top_logprobs: int = 0) -> None:
-        super().__init__(request_id, model, num_top_logprobs=num_top_logprobs)
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        *,
+        num_top_logprobs: int = 0,
+        prompt_token_ids: list[int] | None = None,
+        echo_prompt: tuple[str, list[int]] | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        """`echo_prompt`: the prompt's text and ids when the request asked `echo`."""
+        super().__init__(
+            request_id, model, num_top_logprobs=num_top_logprobs, prompt_token_ids=prompt_token_ids
+        )
+        self.echo_prompt = echo_prompt
+        self._decode = decode or (lambda ids: "")
         self._text_offsets: dict[int, int] = {}  # per choice: characters streamed so far
+        self._started: set[int] = set()  # choices whose first chunk is sent (stream)
+        self._prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def response(self, output: RequestOutput) -> dict[str, Any]:
         choices = [
-            {
-                "index": c.index,
-                "text": c.text,
-                "finish_reason": c.finish_reason,
-                "logprobs": self._logprobs(c),
-            }
-            for c in _sorted(output)
+            self._choice(c, output, c.text, c.token_ids, c.logprobs) for c in _sorted(output)
         ]
         body = self._envelope(self.object_name, choices)
         body["usage"] = usage_of(output)
@@ -210,31 +261,78 @@ class CompletionFormat(_Format):
     def start_chunks(self, n: int) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, c: CompletionOutput, finish_reason: str | None) -> dict[str, Any]:
-        choice = {
-            "index": c.index,
-            "text": c.delta_text,
-            "finish_reason": finish_reason,
-            "logprobs": self._logprobs(c),
-        }
+    def chunk(
+        self, c: CompletionOutput, finish_reason: str | None, output: RequestOutput | None = None
+    ) -> dict[str, Any]:
+        is_first = c.index not in self._started
+        self._started.add(c.index)
+        choice = self._choice(
+            c,
+            output,
+            c.delta_text,
+            c.delta_token_ids or [],
+            c.logprobs,
+            is_first=is_first,
+        )
+        choice["finish_reason"] = finish_reason
         return self._envelope(self.object_name, [choice])
 
-    def _logprobs(self, c: CompletionOutput) -> dict[str, Any] | None:
-        if c.logprobs is None:
-            return None
-        offset = self._text_offsets.get(c.index, 0)
+    def _choice(
+        self,
+        c: CompletionOutput,
+        output: RequestOutput | None,
+        text: str,
+        token_ids: Sequence[int],
+        entries: Sequence[TokenLogprobs] | None,
+        *,
+        is_first: bool = True,
+    ) -> dict[str, Any]:
+        if output is not None and output.prompt_logprobs is not None:
+            self._prompt_logprobs = output.prompt_logprobs
+        shown_ids: list[int] = list(token_ids)
+        shown: list[TokenLogprobs | None] | None = None if entries is None else list(entries)
+        if self.echo_prompt is not None and is_first:
+            prompt_text, prompt_ids = self.echo_prompt
+            text = prompt_text + text
+            shown_ids = prompt_ids + shown_ids
+            if shown is not None:
+                shown = list(self._prompt_logprobs or [None] * len(prompt_ids)) + shown
+        choice: dict[str, Any] = {
+            "index": c.index,
+            "text": text,
+            "finish_reason": c.finish_reason,
+            "logprobs": None if shown is None else self._logprobs(c.index, shown_ids, shown),
+        }
+        if self._prompt_logprobs is not None and is_first:
+            choice["prompt_logprobs"] = prompt_logprobs_json(self._prompt_logprobs)
+        if self.returns_token_ids:
+            if is_first:
+                choice["prompt_token_ids"] = self.prompt_token_ids
+            choice["token_ids"] = list(token_ids)
+        return choice
+
+    def _logprobs(
+        self, index: int, token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None]
+    ) -> dict[str, Any]:
+        offset = self._text_offsets.get(index, 0)
         tokens: list[str] = []
-        token_logprobs: list[float] = []
-        top_logprobs: list[dict[str, float]] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[Mapping[str, float] | None] = []
         text_offset: list[int] = []
-        for token_id, entry in zip(c.token_ids, c.logprobs, strict=True):
-            chosen = entry[token_id]
-            tokens.append(chosen.decoded_token)
-            token_logprobs.append(chosen.logprob)
-            top_logprobs.append(_top_by_text(entry))
+        for token_id, entry in zip(token_ids, entries, strict=True):
+            if entry is None:  # the prompt's first token: no logits before it
+                token = self._decode([token_id])
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+            else:
+                chosen = entry[token_id]
+                token = chosen.decoded_token
+                token_logprobs.append(max(chosen.logprob, _MIN_LOGPROB))
+                top_logprobs.append(_top_by_text(entry))
+            tokens.append(token)
             text_offset.append(offset)
-            offset += len(chosen.decoded_token)
-        self._text_offsets[c.index] = offset
+            offset += len(token)
+        self._text_offsets[index] = offset
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
@@ -243,9 +341,28 @@ class CompletionFormat(_Format):
         }
 
 
+def prompt_logprobs_json(entries: Sequence[TokenLogprobs | None]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first) or {"<token id>": {logprob,
+    rank, decoded_token}}."""
+    return [
+        None
+        if entry is None
+        else {
+            str(token_id): {
+                "logprob": max(lp.logprob, _MIN_LOGPROB),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for token_id, lp in entry.items()
+        }
+        for entry in entries
+    ]
+
+
 def _top_by_text(entry: TokenLogprobs) -> Mapping[str, float]:
     """{token text: logprob} of the sampled token and the top K, most likely first."""
-    return {lp.decoded_token: lp.logprob for lp in sorted(entry.values(), key=lambda v: v.rank)}
+    ranked = sorted(entry.values(), key=lambda v: v.rank)
+    return {lp.decoded_token: max(lp.logprob, _MIN_LOGPROB) for lp in ranked}
 
 
 ResponseFormat = ChatFormat | CompletionFormat

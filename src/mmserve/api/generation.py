@@ -21,10 +21,8 @@ from mmserve.engine.frontend.outputs import RequestOutput
 from mmserve.errors import (
     FailureKind,
     InternalRequestError,
-    InvalidRequestError,
-    PromptTooLongError,
 )
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams, resolve_max_tokens
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,23 +43,14 @@ def sampling_params_for(
     """`requested` (already range-checked) with max_tokens bounded by what is left of the
     model length; None becomes "up to the model length", or `default_max_tokens` (the
     checkpoint's max_new_tokens) when that is less, as in vLLM."""
-    max_tokens = requested.max_tokens
-    room = max_model_len - prompt_len
-    if room <= 0:
-        raise PromptTooLongError(
-            f"the prompt is {prompt_len} tokens but the model length is {max_model_len}; "
-            "shorten the text, send fewer or smaller images (lower max_pixels)",
-            param="messages" if hasattr(body, "messages") else "prompt",
-        )
-    if max_tokens is not None and max_tokens > room:
-        raise InvalidRequestError(
-            f"max_tokens is {max_tokens} but the prompt already uses {prompt_len} of the "
-            f"model's {max_model_len} tokens, so at most {room} can be generated; "
-            f"lower max_tokens to {room} or less",
-            param="max_tokens",
-        )
-    if max_tokens is None:
-        max_tokens = room if default_max_tokens is None else min(room, default_max_tokens)
+    max_tokens = resolve_max_tokens(
+        prompt_len,
+        requested.max_tokens,
+        max_model_len,
+        default=default_max_tokens,
+        strict=True,
+        prompt_param="messages" if hasattr(body, "messages") else "prompt",
+    )
     return msgspec.structs.replace(requested, max_tokens=max_tokens)
 
 
@@ -139,7 +128,8 @@ async def stream_events(
     HTTP status instead of an event.
     """
     num_tokens: dict[int, int] = {}
-    parses = getattr(fmt, "parsing", None) is not None  # it counts tokens, even textless ones
+    # token ids with no text yet still go out when returned, or counted by an output parser
+    counts_ids = fmt.returns_token_ids or getattr(fmt, "parsing", None) is not None
     try:
         for start in fmt.start_chunks(n):
             yield _event(start)
@@ -151,9 +141,9 @@ async def stream_events(
                 num_tokens[c.index] = c.num_tokens
                 chunk = None
                 if c.finish_reason is not None:
-                    chunk = fmt.chunk(c, c.finish_reason)
-                elif c.delta_text or c.logprobs or (parses and c.delta_token_ids):
-                    chunk = fmt.chunk(c, None)  # None: a parser holds the text back
+                    chunk = fmt.chunk(c, c.finish_reason, output)
+                elif c.delta_text or c.logprobs or (counts_ids and c.delta_token_ids):
+                    chunk = fmt.chunk(c, None, output)  # None: a parser holds the text back
                 if chunk is not None:
                     yield _event(chunk)
             if output.finished:

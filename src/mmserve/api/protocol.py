@@ -100,9 +100,14 @@ class SamplingFields(_Body):
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     # {token id as a string: bias}; the ids are checked by SamplingParams and the engine
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    # Declared for their ranges only; any value other than the no-op one is refused as
-    # unsupported (api/unsupported.py), after the range check.
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0)] | None = None
+    # vLLM's: prompt_token_ids and token_ids in the answer
+    return_token_ids: bool | None = None
+    # Declared for its range only; any value other than the no-op one is refused as
+    # unsupported (api/unsupported.py), after the range check.
     best_of: Annotated[int, Field(ge=1)] | None = None
     # Structured output (api/structured_output.py reads them; at most one may be set).
     response_format: dict[str, Any] | None = None
@@ -129,6 +134,11 @@ class SamplingFields(_Body):
     @property
     def logprobs_field(self) -> str:
         return "logprobs"
+
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        """How many top logprobs per prompt token (None: none)."""
+        return self.prompt_logprobs
 
     def token_logit_bias(self) -> dict[int, float] | None:
         """logit_bias with its keys as token ids; a key that is not an integer is a 400."""
@@ -178,6 +188,12 @@ class SamplingFields(_Body):
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
                 logit_bias=self.token_logit_bias(),
+                min_p=pick(self.min_p, "min_p", 0.0),
+                allowed_token_ids=None
+                if self.allowed_token_ids is None
+                else tuple(self.allowed_token_ids),
+                bad_words=tuple(self.bad_words or ()),
+                prompt_logprobs=self.requested_prompt_logprobs,
             )
         except InvalidRequestError as exc:
             if exc.param == "logprobs" and self.logprobs_field != "logprobs":
@@ -198,8 +214,12 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None  # vLLM's; its video fps and num_frames
     multi_modal_uuids: dict[str, list[str | None]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # with --trust-request-chat-template only
+    add_generation_prompt: bool | None = None  # None: true
+    continue_final_message: bool | None = None
     # Checked by api/tools.py, which names the field at fault.
     tools: Any = None
     tool_choice: Any = None
@@ -232,14 +252,34 @@ class ChatCompletionRequest(SamplingFields):
             return self.max_completion_tokens
         return self.max_tokens
 
+    def render_choice(self) -> tuple[bool, bool]:
+        """(add_generation_prompt, continue_final_message); as in vLLM, continuing needs
+        add_generation_prompt: false (it defaults to true), else the render is a 400."""
+        return self.add_generation_prompt is not False, bool(self.continue_final_message)
+
+    @property
+    def response_role(self) -> str:
+        """vLLM's: the assistant's, or without a generation prompt the last message's role."""
+        if self.add_generation_prompt is False:
+            return self.messages[-1].role
+        return "assistant"
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0)] | None = None
+    echo: bool | None = None  # the prompt before the completion (and its logprobs with logprobs)
 
     @property
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        # vLLM: echo with logprobs returns the prompt's logprobs at the same K
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (batched prompts are refused)."""

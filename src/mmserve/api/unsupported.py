@@ -1,6 +1,6 @@
 """Request fields that would change the answer but that mmserve does not implement.
 
-A client that sends `min_p: 0.1` and gets an answer that
+A client that sends `length_penalty: 2` and gets an answer that
 silently ignored it has been misled; so each such field is a 400 naming it, unless
 it holds its no-op value. Purely informational fields (`user`, `metadata`, `store`,
 `service_tier`, ...) are not listed: ignoring them changes nothing.
@@ -25,12 +25,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "echo": (False,),
     "suffix": ("",),
     "stream_options.continuous_usage_stats": (False,),
-    "min_p": (0,),
     "length_penalty": (1,),
     "use_beam_search": (False,),
-    "prompt_logprobs": (),
-    "allowed_token_ids": (),
-    "bad_words": ([],),
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
     "structural_tag": (),
@@ -41,7 +37,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "chat_template": (),
     "documents": ([],),
     "return_tokens_as_token_ids": (False,),
-    "return_token_ids": (False,),
     "prompt_embeds": (),
     "add_special_tokens": (False,),
     "spaces_between_special_tokens": (True,),
@@ -50,15 +45,22 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 
 
-def refuse_unsupported_fields(body: dict[str, Any]) -> None:
-    """Raise InvalidRequestError for the first listed field that holds a value that matters."""
+def refuse_unsupported_fields(
+    body: dict[str, Any], supported: frozenset[str] = frozenset()
+) -> None:
+    """Raise InvalidRequestError for the first listed field that holds a value that matters;
+    `supported`: the listed fields this endpoint implements (`echo` on completions only)."""
     for field, neutral in UNSUPPORTED_FIELDS.items():
+        if field in supported:
+            continue
         value = _lookup(body, field)
         if value is None or any(_same_json_value(value, n) for n in neutral):
             continue
         if field == "best_of" and _same_json_value(value, body.get("n", 1)):
             continue  # best_of == n returns every sample drawn: what n alone does
         hint = f"omit it or send {json.dumps(neutral[0])}" if neutral else "omit it"
+        if field == "chat_template":
+            hint = "omit it, or start the server with --trust-request-chat-template (as in vLLM)"
         raise InvalidRequestError(
             f"{field} is not supported by this server, and ignoring it would change the "
             f"answer; {hint}",

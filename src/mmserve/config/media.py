@@ -20,6 +20,10 @@ DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
 # Decode worker processes of a server (`serve`'s API process, `encode`): a decoder crash or
 # hang then fails one request instead of the server.
 SERVER_DECODE_WORKERS = 2
+# A request's video fps ceiling: a common camera rate. The frames a request keeps stay bounded
+# by the video processor's max_frames whatever the rate; this bounds how short a clip may be
+# to reach that many (docs/video.md).
+DEFAULT_MAX_VIDEO_FPS = 30.0
 
 
 def split_domains(values: list[str] | tuple[str, ...] | str | None) -> tuple[str, ...] | None:
@@ -211,6 +215,16 @@ class MediaConfig:
         help="Most pixels decoded from one video, all walked frames together (decoder work). "
         "Default {default} (~4000 1080p frames).",
     )
+    max_video_fps: float = flag(
+        DEFAULT_MAX_VIDEO_FPS,
+        type=float,
+        group=MEDIA,
+        topic=VIDEO,
+        metavar="FPS",
+        help="Highest video sampling rate a request may ask for (mm_processor_kwargs or "
+        "media_io_kwargs.video fps); over it: 400. The frames kept stay capped by the video "
+        "processor's max_frames. Default {default}.",
+    )
     video_decode_timeout: float = flag(
         30.0,
         type=float,
@@ -239,6 +253,8 @@ class MediaConfig:
             raise ValueError("max_redirects and decode_workers must be >= 0")
         self._check_decode_fields()
         check_positive("video_decode_timeout", self.video_decode_timeout)
+        if not (math.isfinite(self.max_video_fps) and self.max_video_fps > 0):
+            raise ValueError(f"--max-video-fps must be a positive number, got {self.max_video_fps}")
         self.video_limits  # noqa: B018 - VideoLimits checks the video ceilings
         if self.allowed_local_media_path is not None:
             root = Path(self.allowed_local_media_path)

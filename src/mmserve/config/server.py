@@ -83,6 +83,13 @@ class ServerConfig:
         help="An idle keep-alive connection is closed after this long without a new request. "
         "Default {default}.",
     )
+    trust_request_chat_template: bool = flag(
+        False,
+        action="store_true",
+        group=FRONTEND,
+        help="Render a request's own chat_template (in the sandboxed Jinja environment, at "
+        "most 64 KiB); without this flag such a request gets 400, as in vLLM.",
+    )
     log_level: str = log_level_flag()
     uvicorn_log_level: str = uvicorn_log_level_flag()
     # Chat answers: tool calls and reasoning (docs/tools.md).

@@ -19,6 +19,7 @@ from mmserve.execution.graphs.decode import DecodeGraphs
 from mmserve.execution.input_batch import InputBuffers, SpliceError, StepBatch, prepare_batch
 from mmserve.execution.request_state import RequestState, RunnerPayload
 from mmserve.execution.sample.bitmask import sampling_bitmask
+from mmserve.execution.sample.prompt_logprobs import add_window_rows, take_prompt_logprobs
 from mmserve.execution.sample.rows import SamplingRow
 from mmserve.execution.sample.sampler import make_device_generator
 from mmserve.execution.sample.step import sample_step
@@ -136,11 +137,17 @@ class ModelRunner:
                 batch.mm_index,
                 batch.mm_embeds,
             )
+        add_window_rows(self.model.compute_logits, hidden, batch.request_ids, so, self.states)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, Logprobs] = {}
         if batch.sample_request_ids:
             self._sample(batch, hidden, grammar_output, errors, sampled, logprobs)
-        return _output(sampled, errors, logprobs, results)
+        output = _output(sampled, errors, logprobs, results)
+        for request_id in sampled:  # the prompt's rows go with the first token
+            rows = take_prompt_logprobs(self.model.compute_logits, self.states[request_id])
+            if rows is not None:
+                output.prompt_logprobs[request_id] = rows
+        return output
 
     def wait_for_encoder(self, timeout_s: float) -> None:
         """Block until the encoder source has something for an item in flight, or timeout."""
@@ -231,6 +238,12 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             payload = new.payload
             assert isinstance(payload, RunnerPayload), type(payload)
+            # Prompt logprobs once, from a fresh prefill: the scheduler never lends such a
+            # request cached blocks, and a resumed one (tokens past its prompt) sent them.
+            wants = payload.sampling_params.prompt_logprobs is not None and (
+                len(new.token_ids) == payload.num_prompt_tokens
+            )
+            assert not wants or new.num_computed_tokens == 0, "prompt logprobs need a full prefill"
             self.states[new.request_id] = RequestState(
                 new.request_id,
                 list(new.token_ids),
@@ -239,6 +252,7 @@ class ModelRunner:
                 new.num_computed_tokens,
                 payload,
                 first_own_block_idx=new.num_computed_tokens // self.block_size,
+                prompt_logprob_chunks=[] if wants else None,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.states[cached.request_id]

@@ -8,6 +8,7 @@ import numpy as np
 
 from mmserve.multimodal import MultiModalFeature
 from mmserve.sampling_params import SamplingParams
+from mmserve.updates import Logprobs
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class RequestState:
     payload: RunnerPayload
     # blocks before this index came from the prefix cache (shared, written by others)
     first_own_block_idx: int = 0
+    # prompt logprobs computed so far, chunk by chunk, until the first token is sampled; None
+    # when the request did not ask or has sent them (a resumed request does not again)
+    prompt_logprob_chunks: list[Logprobs] | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -45,7 +45,7 @@ from mmserve.layers.attention import AttentionBackend, select_backend
 from mmserve.layers.attention.buffers import BatchLimits
 from mmserve.layers.fused import LayerOps, select_layer_ops
 from mmserve.metrics import EngineMetrics
-from mmserve.models.config import ModelConfig
+from mmserve.models.config import ModelConfig, load_model_config
 from mmserve.models.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from mmserve.models.loader import load_model
 
@@ -141,7 +141,11 @@ class Worker:
         cfg = self.config
         if cfg.device.type == "cpu":
             tune_host_allocator()  # activations live in host memory: reuse it, do not re-fault it
-        backend = select_backend(cfg.attention_backend, cfg.device, block_size=cfg.block_size)
+        # the head dim is checked from config.json, before the weights load
+        head_dim = load_model_config(cfg.model_dir).text.head_dim
+        backend = select_backend(
+            cfg.attention_backend, cfg.device, block_size=cfg.block_size, head_dim=head_dim
+        )
         layer_ops = select_layer_ops(backend.name)
         at_start = CudaMemory(cfg.device).snapshot() if cfg.device.type == "cuda" else None
         logger.info(

@@ -29,19 +29,46 @@ def _inv_freq(dim: int, theta: float, device: torch.device) -> torch.Tensor:
     return 1.0 / (theta**exponents)
 
 
+def mrope_axes(mrope_section: tuple[int, ...], interleaved: bool) -> list[int]:
+    """Which position axis (0 temporal, 1 height, 2 width) drives each of the head_dim / 2
+    frequencies.
+
+    Contiguous (Qwen2-VL, Qwen2.5-VL): the first s_t frequencies take T, the next s_h take H,
+    the last s_w take W. Interleaved (Qwen3-VL, transformers' `apply_interleaved_mrope`):
+    frequency i takes H when i % 3 == 1 and i < 3 * s_h, W when i % 3 == 2 and i < 3 * s_w,
+    and T otherwise, so every axis gets low and high frequencies:
+
+        (s_t, s_h, s_w) = (6, 3, 3):  contiguous  T T T T T T H H H W W W
+                                      interleaved T H W T H W T H W T T T
+    """
+    if not interleaved:
+        return [axis for axis, size in enumerate(mrope_section) for _ in range(size)]
+    axes = []
+    for i in range(sum(mrope_section)):
+        axis = i % 3
+        axes.append(axis if axis and i < 3 * mrope_section[axis] else 0)
+    return axes
+
+
 class MRotaryEmbedding(nn.Module):
     """Multimodal RoPE of Qwen2-VL: the head dim's frequency bands are split by `mrope_section`.
 
     With mrope_section = (s_t, s_h, s_w) (summing to head_dim / 2), the first s_t frequencies
     rotate by the temporal position, the next s_h by the height position and the last s_w by
-    the width position. Text tokens have equal positions on all three axes, so for text this is
-    ordinary 1-D RoPE.
+    the width position (`interleaved`: Qwen3-VL's order, see `mrope_axes`). Text tokens have
+    equal positions on all three axes, so for text this is ordinary 1-D RoPE.
 
         frequency index:  0 ........ s_t-1 | s_t ...... s_t+s_h-1 | ... head_dim/2 - 1
         position axis:    temporal (0)     | height (1)           | width (2)
     """
 
-    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, int, int]) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        mrope_section: tuple[int, int, int],
+        interleaved: bool = False,
+    ) -> None:
         super().__init__()
         if sum(mrope_section) * 2 != head_dim:
             raise ValueError(
@@ -50,6 +77,7 @@ class MRotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.theta = theta
         self.mrope_section = tuple(mrope_section)
+        self.interleaved = interleaved
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [3, num_tokens] (or [num_tokens], text) -> cos, sin [num_tokens, head_dim]."""
@@ -60,16 +88,26 @@ class MRotaryEmbedding(nn.Module):
         freqs = positions.float().unsqueeze(-1) * inv_freq
         # [head_dim / 2]: which axis drives each frequency. Filled on the device: a host list
         # copied here would sync the device and break a CUDA graph's capture.
-        axis = torch.cat(
-            [
-                torch.full((size,), i, dtype=torch.long, device=positions.device)
-                for i, size in enumerate(self.mrope_section)
-            ]
-        )
+        axis = self._axis(positions.device)
         index = axis.view(1, 1, -1).expand(1, freqs.shape[1], -1)
         freqs = freqs.gather(0, index).squeeze(0)  # [num_tokens, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
+
+    def _axis(self, device: torch.device) -> torch.Tensor:
+        """`mrope_axes` as a [head_dim / 2] tensor made on `device` (no host copy)."""
+        if not self.interleaved:
+            return torch.cat(
+                [
+                    torch.full((size,), i, dtype=torch.long, device=device)
+                    for i, size in enumerate(self.mrope_section)
+                ]
+            )
+        index = torch.arange(self.head_dim // 2, dtype=torch.long, device=device)
+        residue = index % 3
+        _, s_h, s_w = self.mrope_section
+        axis = torch.where((residue == 1) & (index < 3 * s_h), 1, 0)
+        return torch.where((residue == 2) & (index < 3 * s_w), 2, axis)
 
 
 class VisionRotaryEmbedding(nn.Module):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,20 +11,24 @@ from typing import Any
 # Architectures this package can build; the registry maps each to its class.
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
-SUPPORTED_ARCHITECTURES = (QWEN2_VL, QWEN2_5_VL)
+QWEN3_VL = "Qwen3VLForConditionalGeneration"
+SUPPORTED_ARCHITECTURES = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)
+# The vision tower each architecture needs (`VisionConfig.model_type`).
+VISION_MODEL_TYPES = {QWEN2_VL: "qwen2_vl", QWEN2_5_VL: "qwen2_5_vl", QWEN3_VL: "qwen3_vl"}
 
 
 @dataclass(frozen=True)
 class VisionConfig:
     """The vision tower (ViT + 2x2 patch merger).
 
-    `embed_dim` is the ViT width (Qwen2-VL `embed_dim`, Qwen2.5-VL `hidden_size`), `out_dim` the
-    merger's output width (= the language model's hidden size). `window_size` is in pixels and
-    only used by Qwen2.5-VL (`is_windowed`); blocks in `fullatt_block_indexes` attend over the
-    whole image, the others within windows.
+    `embed_dim` is the ViT width (Qwen2-VL `embed_dim`, Qwen2.5-VL and Qwen3-VL `hidden_size`),
+    `out_dim` the merger's output width (= the language model's hidden size). `window_size` is
+    in pixels and only used by Qwen2.5-VL (`is_windowed`); blocks in `fullatt_block_indexes`
+    attend over the whole image, the others within windows. Qwen3-VL adds a learned absolute
+    position table of `num_position_embeddings` (a square) and DeepStack mergers.
     """
 
-    model_type: str  # "qwen2_vl" or "qwen2_5_vl": selects the block structure
+    model_type: str  # "qwen2_vl", "qwen2_5_vl" or "qwen3_vl": selects the block structure
     depth: int
     embed_dim: int
     num_heads: int
@@ -40,11 +45,14 @@ class VisionConfig:
     rope_theta: float = 10000.0
     # vision blocks whose outputs feed DeepStack mergers (Qwen3-VL); empty: no DeepStack
     deepstack_visual_indexes: tuple[int, ...] = ()
+    # Qwen3-VL's learned position table: side x side entries, resampled to each grid; 0: none
+    num_position_embeddings: int = 0
 
     def __post_init__(self) -> None:
-        if self.model_type not in ("qwen2_vl", "qwen2_5_vl"):
+        if self.model_type not in VISION_MODEL_TYPES.values():
             raise ValueError(
-                f"vision model_type must be qwen2_vl or qwen2_5_vl, got {self.model_type!r}"
+                f"vision model_type must be one of {sorted(VISION_MODEL_TYPES.values())}, "
+                f"got {self.model_type!r}"
             )
         if self.embed_dim % self.num_heads:
             raise ValueError(
@@ -56,6 +64,25 @@ class VisionConfig:
                 f"vision window_size ({self.window_size}) must be a multiple of patch_size * "
                 f"spatial_merge_size ({self.patch_size * self.spatial_merge_size})"
             )
+        side = math.isqrt(self.num_position_embeddings)
+        if self.model_type == "qwen3_vl" and (
+            side < 1 or side * side != self.num_position_embeddings
+        ):
+            raise ValueError(
+                f"vision num_position_embeddings ({self.num_position_embeddings}) must be a "
+                "positive square (a side x side table)"
+            )
+        bad = [i for i in self.deepstack_visual_indexes if not 0 <= i < self.depth]
+        if bad:
+            raise ValueError(
+                f"vision deepstack_visual_indexes {bad} are not blocks of a "
+                f"depth-{self.depth} tower"
+            )
+
+    @property
+    def position_table_side(self) -> int:
+        """Side of Qwen3-VL's square learned position table (0 without one)."""
+        return math.isqrt(self.num_position_embeddings)
 
     @property
     def head_dim(self) -> int:
@@ -73,7 +100,12 @@ class VisionConfig:
 
 @dataclass(frozen=True)
 class TextConfig:
-    """The Qwen2 decoder: GQA attention with q/k/v biases, M-RoPE, RMSNorm, SwiGLU MLP."""
+    """The decoder: GQA attention, M-RoPE, RMSNorm, SwiGLU MLP.
+
+    Qwen2 (`qk_norm` False): q/k/v biases, M-RoPE sections contiguous. Qwen3 (`qk_norm` True):
+    per-head RMSNorm on q and k, biases on q/k/v/o only with `attention_bias`, and interleaved
+    M-RoPE sections (`mrope_interleaved`, see layers/rotary.py).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -87,6 +119,9 @@ class TextConfig:
     mrope_section: tuple[int, int, int]
     hidden_act: str = "silu"
     max_position_embeddings: int = 32768
+    qk_norm: bool = False
+    attention_bias: bool = False  # Qwen3 only; Qwen2 always has q/k/v biases
+    mrope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -121,6 +156,11 @@ class ModelConfig:
             raise ValueError(
                 f"architecture {self.architecture!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.vision.model_type != VISION_MODEL_TYPES[self.architecture]:
+            raise ValueError(
+                f"{self.architecture} needs a {VISION_MODEL_TYPES[self.architecture]} vision "
+                f"config, got {self.vision.model_type}"
             )
         if self.vision.out_dim != self.text.hidden_size:
             raise ValueError(
@@ -181,7 +221,7 @@ def _eos_ids(*values: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _parse_text(text: dict[str, Any], top: dict[str, Any]) -> TextConfig:
+def _parse_text(text: dict[str, Any], top: dict[str, Any], architecture: str) -> TextConfig:
     rope = _rope_dict(text, top)
     num_heads = int(text["num_attention_heads"])
     hidden_size = int(text["hidden_size"])
@@ -206,6 +246,11 @@ def _parse_text(text: dict[str, Any], top: dict[str, Any]) -> TextConfig:
         mrope_section=tuple(int(s) for s in section),  # type: ignore[arg-type]
         hidden_act=str(text.get("hidden_act", "silu")),
         max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+        # Qwen3-VL: transformers interleaves the M-RoPE sections whatever `mrope_interleaved`
+        # says, and every Qwen3 decoder norms q and k per head.
+        qk_norm=architecture == QWEN3_VL,
+        attention_bias=bool(text.get("attention_bias", False)) and architecture == QWEN3_VL,
+        mrope_interleaved=architecture == QWEN3_VL,
     )
 
 
@@ -219,6 +264,19 @@ def _parse_vision(vision: dict[str, Any], architecture: str, text_hidden: int) -
         "spatial_merge_size": int(vision.get("spatial_merge_size", 2)),
         "rope_theta": float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
     }
+    if architecture == QWEN3_VL:
+        return VisionConfig(
+            model_type="qwen3_vl",
+            embed_dim=int(vision["hidden_size"]),
+            mlp_hidden_dim=int(vision["intermediate_size"]),
+            out_dim=int(vision.get("out_hidden_size", text_hidden)),
+            hidden_act=str(vision.get("hidden_act", "gelu_pytorch_tanh")),
+            deepstack_visual_indexes=tuple(
+                int(i) for i in vision.get("deepstack_visual_indexes", (8, 16, 24))
+            ),
+            num_position_embeddings=int(vision.get("num_position_embeddings", 2304)),
+            **{**common, "patch_size": int(vision.get("patch_size", 16))},
+        )
     if architecture == QWEN2_VL:
         embed_dim = int(vision["embed_dim"])
         return VisionConfig(
@@ -262,7 +320,7 @@ def parse_model_config(
     text_raw = raw.get("text_config") or raw  # nested v5 format, else flat
     if "vision_config" not in raw:
         raise ValueError("config.json has no vision_config")
-    text = _parse_text(text_raw, raw)
+    text = _parse_text(text_raw, raw, architecture)
     vision = _parse_vision(raw["vision_config"], architecture, text.hidden_size)
     tie = bool(raw.get("tie_word_embeddings", False) or text_raw.get("tie_word_embeddings", False))
     dtype = raw.get("torch_dtype") or raw.get("dtype") or text_raw.get("torch_dtype")

@@ -23,6 +23,7 @@ from torch import nn
 from mmserve.layers.fused import LayerOps
 from mmserve.models.config import ModelConfig, load_model_config
 from mmserve.models.qwen2_vl_vision import VisionTransformer
+from mmserve.models.qwen3_vl_vision import Qwen3VisionTransformer
 from mmserve.models.registry import get_model_class
 
 _PREFIX_ALIASES = (("model.visual.", "visual."), ("model.language_model.", "model."))
@@ -166,14 +167,17 @@ VISION_PREFIX = "visual."
 
 def load_vision_tower(
     model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
-) -> tuple[VisionTransformer, ModelConfig]:
+) -> tuple[VisionTransformer | Qwen3VisionTransformer, ModelConfig]:
     """Build the vision tower alone and load only its `visual.*` tensors (what `mmserve
     encode` runs): the language model's weights are never read, nor memory made for them."""
     path = Path(model_dir)
     config = load_model_config(path)
     dtype = dtype if dtype is not None else _checkpoint_dtype(config)
+    tower_cls = (
+        Qwen3VisionTransformer if config.vision.model_type == "qwen3_vl" else VisionTransformer
+    )
     with torch.device("meta"):
-        tower = VisionTransformer(config.vision)
+        tower = tower_cls(config.vision)
     tower = tower.to(dtype=dtype).to_empty(device=device)
     load_weights(tower, path, tied=False, prefix=VISION_PREFIX)
     tower.eval().requires_grad_(False)

@@ -71,9 +71,12 @@ class Qwen2DecoderLayer(nn.Module):
                   return mlp(h), s           -> the next layer's x, s; the final norm adds last
     """
 
-    def __init__(self, config: TextConfig, ops: LayerOps) -> None:
+    def __init__(
+        self, config: TextConfig, ops: LayerOps, attention: type[nn.Module] | None = None
+    ) -> None:
+        """`attention`: the attention module's class (Qwen3's for Qwen3-VL; Qwen2's default)."""
         super().__init__()
-        self.self_attn = Qwen2Attention(config, ops)
+        self.self_attn = (attention or Qwen2Attention)(config, ops)
         self.mlp = Qwen2MLP(config, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)

@@ -179,12 +179,14 @@ class VisionTransformer(nn.Module):
         self.merger = PatchMerger(config)
 
     def uses_varlen(self, device: torch.device | str, dtype: torch.dtype) -> bool:
+        head_dim = self.config.head_dim
         if self.attention == "auto":
-            return has_varlen(device, dtype)
-        if self.attention == "varlen" and not has_varlen(device, dtype):
+            return has_varlen(device, dtype, head_dim)
+        if self.attention == "varlen" and not has_varlen(device, dtype, head_dim):
             raise ValueError(
-                f"varlen vision attention needs CUDA, float16/bfloat16 and a torch with "
-                f"torch.nn.attention.varlen; got {device} {dtype}"
+                f"varlen vision attention needs CUDA, float16/bfloat16, a head dim that is a "
+                f"multiple of 8 up to 256 and a torch with torch.nn.attention.varlen; got "
+                f"{device} {dtype}, head_dim {head_dim}"
             )
         return self.attention == "varlen"
 

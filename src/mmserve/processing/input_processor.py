@@ -36,6 +36,7 @@ from mmserve.processing.video_inputs import (
     load_video_config,
     offline_video,
     split_processor_kwargs,
+    video_request_kwargs,
 )
 from mmserve.processing.video_sampling import VideoConfig
 
@@ -139,7 +140,9 @@ class InputProcessor:
             revision=revision,
             media_loader=media_loader,
             trust_exif_image_id=trust_exif_image_id,
-            video_config=load_video_config(model_dir, mm_processor_kwargs),
+            video_config=load_video_config(
+                model_dir, mm_processor_kwargs, (media_loader or MediaLoader()).config.max_video_fps
+            ),
             tokens_per_second=float(vision.get("tokens_per_second", 4)) if is_qwen2_5 else None,
             remote_images=remote_images,
         )
@@ -162,12 +165,16 @@ class InputProcessor:
         """Input patches (what the vision tower's activations scale with) of the largest item."""
         return self.max_tokens_per_mm_item * self.image_config.merge_size**2
 
-    def request_config(self, mm_processor_kwargs: Mapping[str, Any] | None) -> ProcessingConfig:
-        """A request's mm_processor_kwargs applied to every modality's configuration."""
+    def request_config(
+        self, mm_processor_kwargs: Mapping[str, Any] | None, media_io_kwargs: Any = None
+    ) -> ProcessingConfig:
+        """A request's mm_processor_kwargs (and vLLM's media_io_kwargs, whose video fps and
+        num_frames it honours) applied to every modality's configuration."""
         image_kwargs, video_kwargs = split_processor_kwargs(mm_processor_kwargs)
+        video_kwargs, params = video_request_kwargs(video_kwargs, media_io_kwargs)
         return ProcessingConfig(
             self.image_config.with_overrides(image_kwargs),
-            self.video_config.for_request(video_kwargs),
+            self.video_config.for_request(video_kwargs, params),
         )
 
     # ---- entry points -------------------------------------------------------------------
@@ -197,13 +204,15 @@ class InputProcessor:
             )
             for data, uuid in with_uuids(list(given), uuids, modality)
         ]
-        return self._process_items(prompt, items, mm_processor_kwargs, namespace)
+        return self._process_items(
+            prompt, items, self.request_config(mm_processor_kwargs), namespace
+        )
 
     def _process_items(
         self,
         prompt: str,
         items: Sequence[PromptItem],
-        mm_processor_kwargs: Mapping[str, Any] | None,
+        cfg: ProcessingConfig,
         namespace: str,
     ) -> ProcessedPrompt:
         """`items` in prompt order (or at least in order within each modality): the k-th
@@ -212,7 +221,6 @@ class InputProcessor:
         self._check_item_limit(counts)
         input_ids = self.tokenizer.encode(prompt)
         pads = find_mm_pads(input_ids, counts, self.pad_ids, self.token_ids)
-        cfg = self.request_config(mm_processor_kwargs)
         queues = {m: iter([it for it in items if it.modality == m]) for m in counts}
         plans = []
         for _, modality in pads:  # prompt order
@@ -296,6 +304,8 @@ class InputProcessor:
         *,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[str, list[ChatImage]]:
         """Chat messages (and the request's tools) -> (prompt text, its image and video parts
@@ -305,6 +315,8 @@ class InputProcessor:
             parsed.messages,
             add_generation_prompt=add_generation_prompt,
             template_kwargs=chat_template_kwargs,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
             tools=tools,
         )
         return prompt, parsed.images
@@ -315,18 +327,16 @@ class InputProcessor:
         *,
         mm_processor_kwargs: Mapping[str, Any] | None = None,
         namespace: str = DEFAULT_NAMESPACE,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        media_io_kwargs: Mapping[str, Any] | None = None,
+        **render: Any,
     ) -> ProcessedPrompt:
-        """Offline `LLM.chat` (and any sync caller): render, load media, process."""
-        prompt, parts = self._render_checked(
-            messages, add_generation_prompt, chat_template_kwargs, tools
-        )
-        cfg = self.request_config(mm_processor_kwargs)
+        """Offline `LLM.chat` (and any sync caller): render, load media, process. `render`:
+        `render_chat_parts`' keywords (add_generation_prompt, chat_template_kwargs, ...)."""
+        prompt, parts = self._render_checked(messages, **render)
+        cfg = self.request_config(mm_processor_kwargs, media_io_kwargs)
         budget = self.media_loader.new_decode_budget()
         loaded = [self.items.load_part(part, cfg, budget) for part in parts]
-        return self._process_items(prompt, _items(parts, loaded), mm_processor_kwargs, namespace)
+        return self._process_items(prompt, _items(parts, loaded), cfg, namespace)
 
     async def aprocess_chat(
         self,
@@ -334,36 +344,26 @@ class InputProcessor:
         *,
         mm_processor_kwargs: Mapping[str, Any] | None = None,
         namespace: str = DEFAULT_NAMESPACE,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        media_io_kwargs: Mapping[str, Any] | None = None,
+        **render: Any,
     ) -> ProcessedPrompt:
-        """HTTP chat: media fetched concurrently, CPU work off the event loop."""
-        prompt, parts = self._render_checked(
-            messages, add_generation_prompt, chat_template_kwargs, tools
-        )
-        cfg = self.request_config(mm_processor_kwargs)  # a bad kwarg fails before any fetch
+        """HTTP chat: media fetched concurrently, CPU work off the event loop. `render`:
+        `render_chat_parts`' keywords (add_generation_prompt, continue_final_message, ...)."""
+        prompt, parts = self._render_checked(messages, **render)
+        # a bad kwarg fails before any fetch
+        cfg = self.request_config(mm_processor_kwargs, media_io_kwargs)
         loaded = await self.items.aload_parts(parts, cfg, self.media_loader.new_decode_budget())
         return await asyncio.to_thread(
-            self._process_items, prompt, _items(parts, loaded), mm_processor_kwargs, namespace
+            self._process_items, prompt, _items(parts, loaded), cfg, namespace
         )
 
     # ---- helpers ------------------------------------------------------------------------
 
     def _render_checked(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool,
-        chat_template_kwargs: Mapping[str, Any] | None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        self, messages: Sequence[Mapping[str, Any]], **render: Any
     ) -> tuple[str, list[ChatImage]]:
         """render_chat_parts, then the item limits (before any media is fetched)."""
-        prompt, parts = self.render_chat_parts(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=chat_template_kwargs,
-            tools=tools,
-        )
+        prompt, parts = self.render_chat_parts(messages, **render)
         counts = {"image": 0, "video": 0}
         for part in parts:
             counts[part.modality] += 1

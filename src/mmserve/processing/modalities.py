@@ -11,6 +11,7 @@ the limits look a modality up here by its name ("image", "video") and call these
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -130,11 +131,14 @@ class VideoModality:
         assert isinstance(record, VideoMeta)
         vp = plan_video(record, cfg.video, cfg.image)
         h, w = vp.resized_hw
-        return Planned(vp.grid_thw, vp.num_tokens, (vp.num_frames, h, w, *vp.grid_thw), vp)
+        # Identity by effect: the frames kept, their size, the grid and the time per temporal
+        # patch (M-RoPE), not the raw fps / num_frames / max_frames that chose them.
+        seconds = struct.unpack("<q", struct.pack("<d", vp.second_per_grid_t))[0]
+        decision = (vp.num_frames, *vp.frame_indices, h, w, *vp.grid_thw, seconds)
+        return Planned(vp.grid_thw, vp.num_tokens, decision, vp)
 
     def fingerprint(self, cfg: ProcessingConfig) -> tuple[str | int, ...]:
-        # The sampling values pick the frames (and so the seconds per temporal patch).
-        return (*cfg.image.fingerprint(), *cfg.video.fingerprint())
+        return cfg.image.fingerprint()  # the sampling values act through the decision
 
     def content_key(self, item: DecodedVideo, namespace: str) -> ContentKey:
         meta = item.meta

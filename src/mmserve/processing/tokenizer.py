@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
+from jinja2 import Template
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mmserve.errors import InvalidRequestError
@@ -41,6 +42,7 @@ RESERVED_TEMPLATE_ARGS = frozenset(
     | {"documents", "continue_final_message", "chat_template"}
 )
 _MAX_KWARG_DEPTH = 32
+MAX_REQUEST_TEMPLATE_CHARS = 64 * 1024
 
 
 def _raise_exception(message: str) -> None:
@@ -113,21 +115,57 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def _compiled(self, chat_template: str) -> Template:
+        """A request's template, compiled in the same sandbox as the model's."""
+        if not isinstance(chat_template, str) or len(chat_template) > MAX_REQUEST_TEMPLATE_CHARS:
+            raise InvalidRequestError(
+                f"chat_template must be a string of at most {MAX_REQUEST_TEMPLATE_CHARS} "
+                "characters",
+                param="chat_template",
+            )
+        try:
+            return self._env.from_string(chat_template)
+        except Exception:  # noqa: BLE001 - the library's text is not the client's business
+            raise InvalidRequestError(
+                "chat_template is not a valid Jinja template", param="chat_template"
+            ) from None
+
     def apply_chat_template(
         self,
         messages: Sequence[dict[str, Any]],
         *,
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Render messages (already normalised by `processing.chat`) with the chat template.
 
         `template_kwargs` (the request's chat_template_kwargs) are extra template variables,
         e.g. {"add_vision_id": true}; they may not set what the renderer passes itself.
+        `continue_final_message` ends the prompt right after the last message's text (no
+        end-of-turn, no generation prompt), as Hugging Face's `apply_chat_template` does.
+        `chat_template` (a request's own, which the server must trust) replaces the model's.
         `tools` (OpenAI function tools) reach the template as `tools`, as in Hugging Face.
         """
-        if self._template is None:
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidRequestError(
+                    "continue_final_message and add_generation_prompt cannot both be true; "
+                    "send add_generation_prompt: false",
+                    param="continue_final_message",
+                )
+            rendered = self.apply_chat_template(
+                messages,
+                add_generation_prompt=False,
+                template_kwargs=template_kwargs,
+                chat_template=chat_template,
+                tools=tools,
+            )
+            return _cut_after_final_message(rendered, messages)
+        template = self._template if chat_template is None else self._compiled(chat_template)
+        if template is None:
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions (or LLM.generate) with a "
                 "prompt string instead"
@@ -135,7 +173,7 @@ class Tokenizer:
         kwargs = _checked_template_kwargs(template_kwargs)
         extra = {**kwargs, "tools": list(tools)} if tools else kwargs
         try:
-            return self._template.render(
+            return template.render(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
@@ -154,10 +192,13 @@ class Tokenizer:
                 detail += ", and the tools"
             if kwargs:
                 detail += f", and the types of chat_template_kwargs {sorted(kwargs)[:8]}"
+            whose = "the model's" if chat_template is None else "the request's"
             raise InvalidRequestError(
-                f"chat template failed: the model's chat template could not render this "
+                f"chat template failed: {whose} chat template could not render this "
                 f"request; {detail}",
-                param="chat_template_kwargs" if kwargs else "messages",
+                param="chat_template"
+                if chat_template is not None
+                else ("chat_template_kwargs" if kwargs else "messages"),
             ) from None
 
 
@@ -167,6 +208,23 @@ def _tojson(
     return json.dumps(
         value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
     )
+
+
+def _cut_after_final_message(rendered: str, messages: Sequence[dict[str, Any]]) -> str:
+    """`rendered` up to the end of the last message's text (its last text part)."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        content = texts[-1] if texts else None
+    final = content.strip() if isinstance(content, str) else ""
+    end = rendered.rfind(final) if final else -1
+    if end < 0:
+        raise InvalidRequestError(
+            "continue_final_message needs a last message with text that the chat template "
+            "renders; send a final (assistant) message with text content",
+            param="continue_final_message",
+        )
+    return rendered[: end + len(final)]
 
 
 def _checked_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Offline (`LLM.generate` multi_modal_data, `LLM.chat` video parts): a file path, bytes, a URL,
 or frames (a [T, H, W, 3] uint8 array, a list of H x W x 3 uint8 arrays or PIL images),
-frames counting as already sampled at 2 per second. Over HTTP: `video_url` parts only.
+frames counting as already sampled at 2 per second (or at a request's fps). Over HTTP:
+`video_url` parts only, sampled per request by mm_processor_kwargs or media_io_kwargs.video.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mmserve.config.media import VideoLimits
+from mmserve.config.media import DEFAULT_MAX_VIDEO_FPS, VideoLimits
 from mmserve.errors import InvalidRequestError, VideoTooLargeError
 from mmserve.processing.decode_budget import RequestDecodeBudget
 from mmserve.processing.image_processor import (
@@ -42,7 +43,9 @@ def split_processor_kwargs(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """mm_processor_kwargs -> (the image processor's keys, the video processor's keys).
 
-    min_pixels / max_pixels go to both; fps, max_frames, total_pixels to videos only."""
+    min_pixels / max_pixels go to both, and so does `size` (transformers' spelling of the two:
+    shortest_edge / longest_edge, in pixels per image or frame); fps, num_frames, max_frames,
+    total_pixels to videos only."""
     if not kwargs:
         return {}, {}
     if not isinstance(kwargs, Mapping):
@@ -50,7 +53,7 @@ def split_processor_kwargs(
             'mm_processor_kwargs must be an object such as {"max_pixels": 1003520}',
             param="mm_processor_kwargs",
         )
-    known = (*OVERRIDABLE_KEYS, *VIDEO_KEYS)
+    known = (*OVERRIDABLE_KEYS, *VIDEO_KEYS, "size")
     unknown = sorted(str(k) for k in kwargs if k not in known)
     if unknown:
         raise InvalidRequestError(
@@ -58,26 +61,116 @@ def split_processor_kwargs(
             f"{sorted(set(known))} can be set per request",
             param="mm_processor_kwargs",
         )
+    kwargs = _size_as_pixels(kwargs)
     image = {k: v for k, v in kwargs.items() if k in OVERRIDABLE_KEYS}
     video = {k: v for k, v in kwargs.items() if k in VIDEO_KEYS}
     return image, video
 
 
+_SIZE_KEYS = {"shortest_edge": "min_pixels", "longest_edge": "max_pixels"}
+
+
+def _size_as_pixels(kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`size: {"shortest_edge": a, "longest_edge": b}` -> min_pixels a, max_pixels b."""
+    size = kwargs.get("size")
+    if size is None:
+        return kwargs
+    if not isinstance(size, Mapping) or not size or set(size) - set(_SIZE_KEYS):
+        raise InvalidRequestError(
+            'mm_processor_kwargs.size must be an object with "shortest_edge" and/or '
+            '"longest_edge" (pixels per image or video frame)',
+            param="mm_processor_kwargs.size",
+        )
+    out = {k: v for k, v in kwargs.items() if k != "size"}
+    for edge, key in _SIZE_KEYS.items():
+        if edge not in size:
+            continue
+        value = size[edge]
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise InvalidRequestError(
+                f"mm_processor_kwargs.size.{edge} must be a positive integer, got {value!r}",
+                param=f"mm_processor_kwargs.size.{edge}",
+            )
+        if key in out and out[key] != value:
+            raise InvalidRequestError(
+                f"mm_processor_kwargs.size.{edge} ({value}) and mm_processor_kwargs.{key} "
+                f"({out[key]!r}) disagree; send one of them",
+                param=f"mm_processor_kwargs.size.{edge}",
+            )
+        out[key] = value
+    return out
+
+
+# vLLM's per-request media loading arguments that mmserve honours (media_io_kwargs.video).
+MEDIA_IO_VIDEO_KEYS = ("fps", "num_frames")
+
+
+def video_request_kwargs(
+    video_kwargs: Mapping[str, Any], media_io_kwargs: Any
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """A request's video keys from mm_processor_kwargs and vLLM's `media_io_kwargs: {"video":
+    {"fps", "num_frames"}}` together, and each key's field for errors. The same key in both
+    with different values is refused; anything else in media_io_kwargs is refused by name."""
+    merged, params = dict(video_kwargs), {}
+    if media_io_kwargs is None:
+        return merged, params
+    if not isinstance(media_io_kwargs, Mapping):
+        raise InvalidRequestError(
+            'media_io_kwargs must be an object such as {"video": {"fps": 4}}',
+            param="media_io_kwargs",
+        )
+    for modality in media_io_kwargs:
+        if modality != "video":
+            raise InvalidRequestError(
+                f"media_io_kwargs.{str(modality)[:40]} is not supported by this server; only "
+                f"media_io_kwargs.video ({', '.join(MEDIA_IO_VIDEO_KEYS)}) is",
+                param=f"media_io_kwargs.{str(modality)[:40]}",
+            )
+    video = media_io_kwargs.get("video")
+    if video is None:
+        return merged, params
+    if not isinstance(video, Mapping):
+        raise InvalidRequestError(
+            'media_io_kwargs.video must be an object such as {"fps": 4}',
+            param="media_io_kwargs.video",
+        )
+    for key, value in video.items():
+        param = f"media_io_kwargs.video.{str(key)[:40]}"
+        if key not in MEDIA_IO_VIDEO_KEYS:
+            raise InvalidRequestError(
+                f"{param} is not supported by this server; only "
+                f"{', '.join(MEDIA_IO_VIDEO_KEYS)} can be set there",
+                param=param,
+            )
+        if key in merged and merged[key] != value:
+            raise InvalidRequestError(
+                f"{param} ({value!r}) and mm_processor_kwargs.{key} ({merged[key]!r}) "
+                "disagree; send one of them",
+                param=param,
+            )
+        merged[key], params[key] = value, param
+    return merged, params
+
+
 def load_video_config(
-    model_dir: str | Path, server_kwargs: Mapping[str, Any] | None
+    model_dir: str | Path,
+    server_kwargs: Mapping[str, Any] | None,
+    max_fps: float = DEFAULT_MAX_VIDEO_FPS,
 ) -> VideoConfig:
     """The checkpoint's video_preprocessor_config.json (else qwen-vl-utils' defaults), with
-    --mm-processor-kwargs' video keys over it."""
+    --mm-processor-kwargs' video keys over it and --max-video-fps as the requests' ceiling."""
     path = Path(model_dir) / VIDEO_CONFIG_FILE
-    cfg = VideoConfig.from_dict(json.loads(path.read_text())) if path.is_file() else VideoConfig()
-    return cfg.with_server_overrides(server_kwargs)
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    cfg = VideoConfig.from_dict(raw)
+    return cfg.with_server_overrides(split_processor_kwargs(server_kwargs)[1], max_fps)
 
 
 def max_tokens_per_video(cfg: VideoConfig, image_cfg: ImageProcessorConfig) -> int:
     """An upper bound on the placeholder tokens of any one video a request may send.
 
-    Requests only lower these values (VideoConfig.for_request), and every frame count from
-    one to max_frames is tried: the per-frame cap falls as frames share the total budget."""
+    Requests stay within these values' frame and pixel ceilings (VideoConfig.for_request),
+    and every frame count from one to max_frames is tried: the per-frame cap falls as frames
+    share the total budget."""
     return max(
         _tokens_per_patch(n, cfg, image_cfg) * math.ceil(n / image_cfg.temporal_patch_size)
         for n in range(1, cfg.max_frames + 1)

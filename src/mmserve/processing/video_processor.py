@@ -22,7 +22,6 @@ from mmserve.multimodal import EncoderInput
 from mmserve.processing.image_processor import ImageProcessorConfig, smart_resize
 from mmserve.processing.video_resize import resize_frames
 from mmserve.processing.video_sampling import (
-    FPS,
     VideoConfig,
     frame_max_pixels,
     num_sampled_frames,
@@ -36,8 +35,8 @@ class VideoMeta:
     """What is known of a video before its frames are decoded (its container's header), and
     what a UUID-only reference keeps to plan the video again under another request's kwargs.
 
-    `is_sampled`: the frames were given as an array, already sampled (at FPS); then
-    `total_frames` is their count and `video_fps` is FPS.
+    `is_sampled`: the frames were given as an array, already sampled (at FPS, or at a
+    request's fps: `VideoConfig.frames_fps`); then `total_frames` is their count.
     """
 
     width: int
@@ -66,6 +65,12 @@ def plan_video(meta: VideoMeta, cfg: VideoConfig, image_cfg: ImageProcessorConfi
     """Frames to keep, their size, and the grid: qwen-vl-utils' rules (video_sampling.py)."""
     if meta.is_sampled:
         nframes = meta.total_frames
+        if cfg.num_frames is not None:
+            raise InvalidRequestError(
+                "num_frames samples a decoded video; frames given as a list are kept as "
+                "given (send fewer frames instead)",
+                param="mm_processor_kwargs.num_frames",
+            )
         if nframes > cfg.max_frames:
             raise InvalidRequestError(
                 f"the video has {nframes} frames, over the limit of {cfg.max_frames} "
@@ -73,7 +78,7 @@ def plan_video(meta: VideoMeta, cfg: VideoConfig, image_cfg: ImageProcessorConfi
                 param="multi_modal_data",
             )
         indices = tuple(range(nframes))
-        seconds = image_cfg.temporal_patch_size / FPS
+        seconds = image_cfg.temporal_patch_size / cfg.frames_fps
     else:
         nframes = num_sampled_frames(meta.total_frames, meta.video_fps, cfg)
         indices = tuple(sample_indices(meta.total_frames, nframes))

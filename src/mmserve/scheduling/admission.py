@@ -14,14 +14,6 @@ from mmserve.errors import EncoderItemTooLargeError, InvalidRequestError, Prompt
 from mmserve.multimodal import MultiModalFeature
 
 
-def bounded_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
-    """The most tokens a request may generate: its `max_tokens` (None: no limit of its own)
-    within what the prompt leaves of the model length, and at least 1 (a prompt that leaves
-    nothing is refused by `validate_request`)."""
-    room = max_model_len - num_prompt_tokens
-    return max(room if max_tokens is None else min(room, max_tokens), 1)
-
-
 def validate_request(
     num_prompt_tokens: int,
     max_tokens: int,
@@ -30,7 +22,7 @@ def validate_request(
     cache_config: CacheConfig,
 ) -> None:
     """Raise a typed error (a 4xx for the API) naming the limit and the fix; return if OK.
-    `max_tokens` is the bounded one (`bounded_max_tokens`)."""
+    `max_tokens` is the resolved one (`sampling_params.resolve_max_tokens`)."""
     num_prompt = num_prompt_tokens
     max_model_len = scheduler_config.max_model_len
     if num_prompt == 0:

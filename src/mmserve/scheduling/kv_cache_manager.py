@@ -113,6 +113,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return ComputedBlocks([], 0)
         self.update_block_hashes(request)
+        if request.skip_reading_prefix_cache:
+            return ComputedBlocks([], 0)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:

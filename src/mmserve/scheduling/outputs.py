@@ -116,3 +116,5 @@ class ModelRunnerOutput:
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     encoder_arrived: list[str] = field(default_factory=list)
     encoder_failed: dict[str, RequestFailure] = field(default_factory=dict)
+    # the whole prompt's logprobs of requests that asked, with their first sampled token
+    prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)

@@ -27,6 +27,10 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] | None = None
     cache_salt: str | None = None
+    # NOTE: prompt logprobs need the logits of every prompt position, which a prefix-cache hit
+    # would skip: such a request computes its whole prompt (its blocks are still cached for
+    # others), as in vLLM.
+    skip_reading_prefix_cache: bool = False
     payload: object = None
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -306,6 +306,7 @@ class Scheduler:
                 finished.append(request)
             if new_token_ids or request.is_finished:
                 logprobs = runner_output.logprobs.get(request_id) if new_token_ids else None
+                prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
                 updates.append(
                     RequestUpdate(
                         request_id,
@@ -315,6 +316,7 @@ class Scheduler:
                         num_cached_tokens=request.num_cached_tokens or 0,
                         first_scheduled_time_s=self._take_schedule_time(request),
                         logprobs=None if logprobs is None else logprobs.head(len(new_token_ids)),
+                        prompt_logprobs=prompt_logprobs,
                     )
                 )
         if finished:

@@ -82,7 +82,6 @@ def build_core(
         scheduler=scheduler,
         executor=InProcessExecutor(worker.runner),
         metrics=metrics,
-        max_model_len=shape.max_model_len,
         eos_token_ids=shape.eos_token_ids,
         structured_output=StructuredOutputManager(
             lambda: GrammarCompiler.from_tokenizer_file(

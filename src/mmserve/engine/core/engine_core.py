@@ -20,7 +20,6 @@ from mmserve.metrics import EngineMetrics, record_scheduler_stats
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.mrope import decode_positions
 from mmserve.sampling_params import SamplingParams
-from mmserve.scheduling.admission import bounded_max_tokens
 from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from mmserve.scheduling.request import Request
 from mmserve.scheduling.scheduler import Scheduler
@@ -39,14 +38,17 @@ def make_request(
     prompt: ProcessedPrompt,
     params: SamplingParams,
     *,
-    max_model_len: int,
     eos_token_ids: tuple[int, ...],
     cache_salt: str | None = None,
 ) -> Request:
     """The one scheduler request of an admitted prompt (`scheduling.admission`), with what the
     runner needs as its payload."""
     num_prompt = len(prompt.prompt_token_ids)
-    max_tokens = bounded_max_tokens(num_prompt, params.max_tokens, max_model_len)
+    if params.max_tokens is None:
+        raise ValueError(
+            f"request {request_id}: max_tokens is None; admission (LLMEngine.add_request) "
+            "resolves it before a core sees the request"
+        )
     positions, delta = prompt.mrope_positions, prompt.mrope_position_delta
     if positions is None:  # a text-only prompt built without the processor
         positions, delta = decode_positions(0, num_prompt, 0), 0
@@ -60,11 +62,12 @@ def make_request(
         request_id=request_id,
         prompt_token_ids=list(prompt.prompt_token_ids),
         mm_features=list(prompt.mm_features),
-        max_tokens=max_tokens,
+        max_tokens=params.max_tokens,
         min_tokens=params.min_tokens,
         ignore_eos=params.ignore_eos,
         stop_token_ids=params.stop_token_ids,
         cache_salt=cache_salt,
+        skip_reading_prefix_cache=params.prompt_logprobs is not None,
         payload=payload,
     )
 
@@ -85,14 +88,12 @@ class EngineCore:
         scheduler: Scheduler,
         executor: Executor,
         metrics: EngineMetrics,
-        max_model_len: int,
         eos_token_ids: tuple[int, ...],
         structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.metrics = metrics
-        self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.structured_output = structured_output  # grammar matchers; None: refused
         self.dead_reason: str | None = None  # set once, when the core can no longer run
@@ -119,7 +120,6 @@ class EngineCore:
             request_id,
             prompt,
             params,
-            max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
         )

@@ -116,6 +116,10 @@ class AsyncLLMEngine:
         multi_modal_uuids: dict[str, list[str | None]] | None = None,
         namespace: str = DEFAULT_NAMESPACE,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        media_io_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> ProcessedPrompt:
         self._raise_if_dead()  # no media fetch or decode for a request that cannot run
@@ -125,7 +129,11 @@ class AsyncLLMEngine:
             messages,
             mm_processor_kwargs=mm_processor_kwargs,
             namespace=namespace,
+            add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            media_io_kwargs=media_io_kwargs,
             tools=tools,
         )
 
@@ -151,8 +159,10 @@ class AsyncLLMEngine:
                 raise InvalidRequestError(
                     f"token id {tok} is a vision token; send images as image_url content parts"
                 )
-        # its length is admission's to check (`LLMEngine.add_request`), as for any prompt
-        return ProcessedPrompt(list(prompt), [], decode_positions(0, len(prompt), 0), 0, None)
+        # its length is admission's to check (`LLMEngine.add_request`), as for any prompt;
+        # its text (special tokens shown) is what `echo` prepends
+        text = processor.tokenizer.decode(prompt, skip_special_tokens=False)
+        return ProcessedPrompt(list(prompt), [], decode_positions(0, len(prompt), 0), 0, text)
 
     # ------------------------------------------------------------------------- generation
 
@@ -206,6 +216,9 @@ class AsyncLLMEngine:
 
     def is_healthy(self) -> bool:
         return self._error is None and self._thread.is_alive()
+
+    def decode_tokens(self, token_ids: list[int]) -> str:
+        return self.engine.input_processor.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def _raise_if_dead(self) -> None:
         if self._error is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -16,13 +16,12 @@ from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError, Re
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.input_processor import InputProcessor
-from mmserve.sampling_params import INT64_MIN, SamplingParams, check_seed
-from mmserve.scheduling.admission import bounded_max_tokens, validate_request
+from mmserve.sampling_params import INT64_MIN, SamplingParams, check_seed, resolve_max_tokens
+from mmserve.scheduling.admission import validate_request
 from mmserve.updates import RequestStatus
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 # The n core requests of a client request with n > 1 are "<request id>#<index>"; a client id
 # may not contain the separator, so a child id can never equal another request's id.
 CHILD_ID_SEPARATOR = "#"
@@ -45,7 +44,7 @@ class LLMEngine:
         output_processor: OutputProcessor,
         metrics: EngineMetrics,
         max_model_len: int,
-        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        max_logprobs: int,
         sampling_defaults: Mapping[str, Any] | None = None,
     ) -> None:
         """`sampling_defaults`: SamplingParams fields (by name) for those a client request
@@ -80,7 +79,8 @@ class LLMEngine:
                 f"request id {request_id!r} contains {CHILD_ID_SEPARATOR!r}, which is reserved "
                 "for the ids of parallel samples"
             )
-        self._admit(prompt, params)
+        params = self._admit(prompt, params)
+        params = with_bad_word_ids(params, self.input_processor.tokenizer.encode)
         core_ids = child_ids(request_id, params.n)
         added: list[str] = []
         # Before the core has it: an engine process may schedule it at once (queue time >= 0).
@@ -102,20 +102,24 @@ class LLMEngine:
             self.core.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
 
-    def _admit(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+    def _admit(self, prompt: ProcessedPrompt, params: SamplingParams) -> SamplingParams:
         """Every check a request passes before any core sees it, once (its n children share
-        the prompt and the limits): what the core could never run is refused here."""
+        the prompt and the limits): what the core could never run is refused here. Returns
+        `params` with the max_tokens the core will honour (`resolve_max_tokens`)."""
         check_engine_limits(params, self.max_logprobs, self.input_processor.tokenizer.vocab_size)
         if params.seed is not None:
             check_seed(params.seed)  # past SamplingParams (a caller that bypassed it)
         scheduler_config = self.core.scheduler_config
         num_prompt = len(prompt.prompt_token_ids)
-        max_tokens = bounded_max_tokens(
+        max_tokens = resolve_max_tokens(
             num_prompt, params.max_tokens, scheduler_config.max_model_len
         )
         validate_request(
             num_prompt, max_tokens, prompt.mm_features, scheduler_config, self.core.cache_config
         )
+        if max_tokens == params.max_tokens:
+            return params
+        return msgspec.structs.replace(params, max_tokens=max_tokens)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         ids = list(request_ids)
@@ -182,7 +186,9 @@ def child_ids(request_id: str, n: int) -> list[str]:
 
 def child_params(params: SamplingParams) -> list[SamplingParams]:
     """One SamplingParams per sample; child i of a seeded request uses seed + i (wrapped into
-    the 64-bit range), so the samples differ and the whole request is reproducible."""
+    the 64-bit range), so the samples differ and the whole request is reproducible. Only the
+    first child computes prompt logprobs (the others' would be the same, and they may take
+    its blocks from the prefix cache)."""
     if params.n == 1:
         return [params]
     out = []
@@ -190,22 +196,46 @@ def child_params(params: SamplingParams) -> list[SamplingParams]:
         seed = params.seed
         if seed is not None:
             seed = (seed + i - INT64_MIN) % 2**64 + INT64_MIN
-        out.append(msgspec.structs.replace(params, n=1, seed=seed))
+        prompt_logprobs = params.prompt_logprobs if i == 0 else None
+        out.append(msgspec.structs.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs))
     return out
 
 
 def check_engine_limits(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
-    """What SamplingParams cannot check alone: logprobs against --max-logprobs, logit_bias
-    against the vocabulary."""
-    if params.logprobs is not None and params.logprobs > max_logprobs:
-        raise InvalidRequestError(
-            f"logprobs asks for {params.logprobs} top logprobs but this server allows at most "
-            f"{max_logprobs} (--max-logprobs); ask for fewer",
-            param="logprobs",
-        )
-    for token_id in params.logit_bias or ():
-        if token_id >= vocab_size:
+    """What SamplingParams cannot check alone: logprobs and prompt_logprobs against
+    --max-logprobs, logit_bias and allowed_token_ids against the vocabulary."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
             raise InvalidRequestError(
-                f"logit_bias names token id {token_id}, outside the vocabulary [0, {vocab_size})",
-                param="logit_bias",
+                f"{name} asks for {value} top logprobs but this server allows at most "
+                f"{max_logprobs} (--max-logprobs); ask for fewer",
+                param=name,
             )
+    for name in ("logit_bias", "allowed_token_ids"):
+        for token_id in getattr(params, name) or ():
+            if token_id >= vocab_size:
+                raise InvalidRequestError(
+                    f"{name} names token id {token_id}, outside the vocabulary [0, {vocab_size})",
+                    param=name,
+                )
+
+
+def with_bad_word_ids(params: SamplingParams, encode: Callable[[str], list[int]]) -> SamplingParams:
+    """`params` with its bad words tokenized (vLLM's `update_from_tokenizer`): each word
+    without and with a leading space, the second kept only when it is a different sequence of
+    the same length (a space that merely adds a token adds no new word)."""
+    if not params.bad_words:
+        return params
+    sequences: list[tuple[int, ...]] = []
+    for word in params.bad_words:
+        plain = tuple(encode(word.lstrip()))
+        if not plain:
+            raise InvalidRequestError(
+                f"bad word {word[:40]!r} tokenizes to nothing", param="bad_words"
+            )
+        sequences.append(plain)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    return msgspec.structs.replace(params, bad_words_token_ids=tuple(sequences))

@@ -65,6 +65,8 @@ class _Request:
     core_ids: list[str]
     num_cached_tokens: int = 0
     failure: RequestFailure | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    is_prompt_logprobs_shown: bool = False  # a DELTA output has carried them
 
 
 class OutputProcessor:
@@ -176,6 +178,9 @@ class OutputProcessor:
         if seq.index == 0:
             # the first sample's hit is the prompt's (its siblings then hit what it computed)
             request.num_cached_tokens = update.num_cached_tokens
+        if update.prompt_logprobs is not None and request.prompt_logprobs is None:
+            entries, _ = decode_logprobs(update.prompt_logprobs, self._decode)
+            request.prompt_logprobs = [None, *entries]
         finish_reason = FINISH_REASONS.get(update.finish_status) if update.finished else None
         seq.stop_reason = update.stop_reason
         failure = update.error
@@ -262,6 +267,12 @@ class OutputProcessor:
         for c in outputs:  # a sibling's failure later in the step ended this one too
             c.finish_reason = seqs[c.index].finish_reason
             seqs[c.index].is_finish_shown = c.finish_reason is not None
+        prompt_logprobs = request.prompt_logprobs
+        if request.kind is OutputKind.DELTA:
+            if request.is_prompt_logprobs_shown:
+                prompt_logprobs = None
+            elif prompt_logprobs is not None:
+                request.is_prompt_logprobs_shown = True
         output = RequestOutput(
             request_id=request_id,
             prompt=request.prompt,
@@ -272,6 +283,7 @@ class OutputProcessor:
             error=None if request.failure is None else request.failure.message,
             error_kind=None if request.failure is None else request.failure.kind,
             error_param=None if request.failure is None else request.failure.param,
+            prompt_logprobs=prompt_logprobs,
         )
         if finished:
             self._forget(request_id)

@@ -78,3 +78,6 @@ class RequestOutput:
     error: str | None = None
     error_kind: FailureKind | None = None
     error_param: str | None = None
+    # when the request asked: one entry per prompt token, None for the first (vLLM's shape);
+    # a DELTA stream carries it on the first output only
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -50,6 +50,10 @@ class EngineClient(Protocol):
         multi_modal_uuids: dict[str, list[str | None]] | None = None,
         namespace: str = "default",
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        media_io_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,  # OpenAI function tools, for the template
     ) -> ProcessedPrompt: ...
 
@@ -78,6 +82,10 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def is_healthy(self) -> bool: ...
+
+    def decode_tokens(self, token_ids: list[int]) -> str:
+        """The text of token ids, special tokens shown (what `echo` shows of a prompt)."""
+        ...
 
     async def shutdown(self, timeout_s: float = 20.0) -> None: ...
 

@@ -213,6 +213,11 @@ def make_encoder_embed(
     if enforce_eager:
         logger.info("--enforce-eager: the vision encoder runs eagerly (no encoder CUDA graphs)")
         return eager, False
+    if not isinstance(model.visual, VisionTransformer):
+        raise ValueError(
+            "--enable-encoder-cuda-graph supports the Qwen2-VL and Qwen2.5-VL vision towers, "
+            f"not {type(model.visual).__name__}. Drop the flag."
+        )
     if device.type != "cuda":
         raise ValueError(
             f"--enable-encoder-cuda-graph needs a CUDA device; the engine runs on {device}. "

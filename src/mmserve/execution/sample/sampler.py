@@ -1,10 +1,11 @@
 """Token sampling for one step, on the device for the whole batch, with one host copy.
 
-Order: min_tokens bans EOS, then logit_bias and penalties (only rows that have some), then a
-grammar's bitmask, then greedy rows take the argmax and random rows draw by race (temperature,
-top-k, top-p; see `noise.py`). Everything the host decides (which rows are
-greedy, their parameters, their keys) is sent with non-blocking copies; the only read back is one
-`[3, num_rows]` copy of tokens and flags (`sample`), logprobs joined to it by `step.py`.
+Order: min_tokens bans EOS, then logit_bias and penalties (only rows that have some), then
+allowed_token_ids and bad_words (`masks.py`), then a grammar's bitmask, then greedy rows take
+the argmax and random rows draw by race (temperature, min-p, top-k, top-p; see `noise.py`).
+Everything the host decides (which rows are greedy, their parameters, their keys) is sent with
+non-blocking copies; the only read back is one `[3, num_rows]` copy of tokens and flags
+(`sample`), logprobs joined to it by `step.py`.
 
 A row that cannot be sampled (parameters that slipped past validation, NaN or +inf logits, a
 draw of a token of zero probability) gets a `RequestFailure` instead of a token; the other rows
@@ -23,6 +24,7 @@ import torch
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.host_copy import to_device
 from mmserve.execution.sample.bitmask import apply_token_bitmask_
+from mmserve.execution.sample.masks import apply_token_masks
 from mmserve.execution.sample.noise import (
     draw_keys,
     exponential_noise,
@@ -80,6 +82,7 @@ def sample_on_device(
     logits = logits.float()
     failures = _apply_min_tokens(logits, rows)
     failures.update(apply_penalties(logits, rows))  # nothing to do unless a row has some
+    failures.update(apply_token_masks(logits, rows))  # likewise
     if token_bitmask is not None:
         apply_token_bitmask_(logits, token_bitmask)
     # One pass gives the greedy picks and, since max propagates NaN and +inf, which rows are
@@ -166,11 +169,15 @@ def _draw(
         [max(float(r.params.temperature), _MIN_TEMPERATURE) for r in rows],
         [float(r.params.effective_top_k) for r in rows],
         [float(r.params.top_p) for r in rows],
+        [float(r.params.min_p) for r in rows],
     ]
-    temperature, top_k, top_p = to_device(values, torch.float32, device)  # [n] each
+    temperature, top_k, top_p, min_p = to_device(values, torch.float32, device)  # [n] each
     # Subtracting the max first keeps a tiny temperature finite: the best token scales to 0
     # and the rest to large negatives (or -inf), never inf - inf.
     scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temperature[:, None]
+    if any(r.params.min_p > 0.0 for r in rows):
+        # p / p_max = exp(scaled - 0): keep p >= min_p * p_max (log 0 = -inf keeps all)
+        scaled = scaled.masked_fill(scaled < torch.log(min_p)[:, None], float("-inf"))
     ks = [int(r.params.effective_top_k) for r in rows]
     max_k = max((k for k in ks if 0 < k < vocab_size), default=0)
     if max_k:
@@ -258,6 +265,9 @@ def _check_params(params: SamplingParams) -> RequestFailure | None:
     if not (_is_number(top_p) and 0 < top_p <= 1):
         message = f"top_p must be a number in (0, 1], got {_describe(top_p)}"
         return RequestFailure(message, FailureKind.REQUEST, "top_p")
+    if not (_is_number(params.min_p) and 0 <= params.min_p <= 1):
+        message = f"min_p must be a number in [0, 1], got {_describe(params.min_p)}"
+        return RequestFailure(message, FailureKind.REQUEST, "min_p")
     if not (_is_int(top_k) and top_k >= -1):
         message = f"top_k must be an integer >= 0 (0 or -1 disables it), got {_describe(top_k)}"
         return RequestFailure(message, FailureKind.REQUEST, "top_k")

@@ -17,11 +17,16 @@ logger = logging.getLogger(__name__)
 
 
 def select_backend(
-    name: str, device: torch.device | str, *, block_size: int | None = None
+    name: str,
+    device: torch.device | str,
+    *,
+    block_size: int | None = None,
+    head_dim: int | None = None,
 ) -> AttentionBackend:
     """auto: triton on CUDA, torch elsewhere. `triton` on a CPU runs Triton's interpreter and
     is allowed only when TRITON_INTERPRET=1 is set (a test and debugging aid: it is slow).
-    `block_size`, when given, is checked against what the backend supports, at start-up."""
+    `block_size` and the language model's `head_dim`, when given, are checked against what the
+    backend supports, at start-up (the torch backend takes any)."""
     device_type = torch.device(device).type
     has_triton = importlib.util.find_spec("triton") is not None
     if name == "auto":
@@ -31,6 +36,13 @@ def select_backend(
                 "attention on CUDA falls back to torch SDPA: the `triton` package is missing "
                 "(pip install 'triton>=3.4')"
             )
+        if name == "triton" and head_dim is not None and not _triton_takes(head_dim):
+            logger.warning(
+                "attention on CUDA falls back to torch SDPA: the triton kernels do not take "
+                "head_dim %d",
+                head_dim,
+            )
+            name = "torch"
     if name == "torch":
         return TorchAttentionBackend()
     if name != "triton":
@@ -47,8 +59,20 @@ def select_backend(
             f"{INTERPRET_ENV}=1 (Triton's interpreter, slow: for tests), "
             "or use --attention-backend torch"
         )
-    from mmserve.layers.attention.triton_backend import TritonAttentionBackend, check_block_size
+    from mmserve.layers.attention.triton_backend import (
+        TritonAttentionBackend,
+        check_block_size,
+        check_head_dim,
+    )
 
     if block_size is not None:
         check_block_size(block_size)
+    if head_dim is not None:
+        check_head_dim(head_dim)
     return TritonAttentionBackend()
+
+
+def _triton_takes(head_dim: int) -> bool:
+    from mmserve.layers.attention.triton_backend import takes_head_dim
+
+    return takes_head_dim(head_dim)

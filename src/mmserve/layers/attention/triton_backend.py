@@ -22,6 +22,11 @@ DUMMY_BLOCK = 0
 # New tokens of one sequence per query tile. Rows per tile are this times the query heads per
 # KV head (padded to a power of two); 16 keeps tl.dot's operands at least 16 wide.
 QUERY_TOKENS_PER_TILE = 16
+# The widest head the kernels take: flash attention's limit, and the widest lowered for sm_90
+# in tests/layers/aot_compile.py. A tile's float32 accumulator is rows x the head dim padded to
+# a power of two; wider heads (no served model has them) would spill it, untested, so they are
+# refused. Any even head dim up to it runs, the pad's tail masked (24 in 32, 72 in 128).
+MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,20 @@ def check_block_size(block_size: int) -> None:
         raise ValueError(
             f"--block-size {block_size}: the triton attention backend needs a power of two "
             ">= 16 (16, 32, ...); change --block-size or use --attention-backend torch"
+        )
+
+
+def takes_head_dim(head_dim: int) -> bool:
+    """Even (rotary rotates halves) and at most MAX_HEAD_DIM; not a power of two is fine."""
+    return 2 <= head_dim <= MAX_HEAD_DIM and head_dim % 2 == 0
+
+
+def check_head_dim(head_dim: int) -> None:
+    if not takes_head_dim(head_dim):
+        raise ValueError(
+            f"head_dim {head_dim}: the triton attention backend takes even head dims up to "
+            f"{MAX_HEAD_DIM} (multiples of 8 such as 24, 72, 80 and 128 included); "
+            "use --attention-backend torch for this model"
         )
 
 

@@ -16,7 +16,9 @@ times the GROUP query heads that share the program's KV head (GQA: K/V are read 
 
 The program walks the sequence's blocks up to the tile's last query position, one KV block per
 iteration, with an online softmax in float32 (running max `m`, normaliser `l`, accumulator).
-Head dims that are not a power of two (80) are padded to the next one with masks.
+Head dims that are not a power of two (24, 72, 80) are padded to the next one (HEAD_PAD: 32,
+128, 128; at least 16, tl.dot's narrowest operand) and the tail is masked: loads read it as 0,
+so it adds nothing to q.k, and stores skip it. `check_head_dim` bounds the head dim at start-up.
 
 NOTE: a decode is a tile of one token, so a decode program's rows are mostly padding and one
 program reads a whole sequence's KV serially. That is correct and simple; a split-K decode

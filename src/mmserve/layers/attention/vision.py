@@ -28,6 +28,9 @@ import torch.nn.functional as F
 # runs in chunks of ~400 queries.
 MAX_SCORE_ELEMENTS = 1 << 28
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)  # what the flash kernel behind varlen_attn takes
+# Flash attention's head dims: multiples of 8 up to 256, powers of two or not (Qwen3-VL's 72
+# runs in its 96-wide kernel). The reference path takes any head dim.
+VARLEN_HEAD_DIM_MULTIPLE, VARLEN_MAX_HEAD_DIM = 8, 256
 
 
 @dataclass(frozen=True)
@@ -83,10 +86,17 @@ def make_segments(
     )
 
 
-def has_varlen(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether `varlen_segment_attention` runs here: CUDA, half precision, and a torch that has
-    `torch.nn.attention.varlen` (2.10 and later; the CPU has no kernel behind it)."""
+def varlen_takes_head_dim(head_dim: int) -> bool:
+    return 0 < head_dim <= VARLEN_MAX_HEAD_DIM and head_dim % VARLEN_HEAD_DIM_MULTIPLE == 0
+
+
+def has_varlen(device: torch.device | str, dtype: torch.dtype, head_dim: int | None = None) -> bool:
+    """Whether `varlen_segment_attention` runs here: CUDA, half precision, a head dim the flash
+    kernel takes (when given), and a torch that has `torch.nn.attention.varlen` (2.10 and later;
+    the CPU has no kernel behind it)."""
     if torch.device(device).type != "cuda" or dtype not in VARLEN_DTYPES:
+        return False
+    if head_dim is not None and not varlen_takes_head_dim(head_dim):
         return False
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
