@@ -124,3 +124,34 @@ def test_top_logprobs_match_transformers(qwen3_vl_dir, qwen3_oracle, case):
         assert set(top) <= set(entry)
         for token_id, logprob in entry.items():
             assert abs(logprob.logprob - float(reference[step, token_id])) < 1e-4, (step, token_id)
+
+
+def test_deepstack_rows_reach_prefill_steps_only_each_row_once(qwen3_vl_dir, monkeypatch):
+    """Every step's decoder call is seen: text-only and decode steps get no DeepStack rows;
+    the prefill chunks of an image request get, all together, each image token exactly once."""
+    from mmserve.models.qwen3_lm import Qwen3Model
+
+    calls: list[tuple[int, list[int] | None]] = []  # (step tokens, DeepStack token indices)
+    original = Qwen3Model.forward
+
+    def recording(self, inputs_embeds, positions, attn_metadata, kv_caches, deepstack=None):
+        rows = None if deepstack is None else deepstack.index.tolist()
+        calls.append((inputs_embeds.shape[0], rows))
+        return original(self, inputs_embeds, positions, attn_metadata, kv_caches, deepstack)
+
+    monkeypatch.setattr(Qwen3Model, "forward", recording)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompt, images = QWEN3_CASES["two_images"]
+    with LLM(model=str(qwen3_vl_dir), max_num_batched_tokens=16) as llm:
+        calls.clear()  # the start-up profile run
+        llm.generate(QWEN3_CASES["text_only"][0], params)
+        assert calls and all(rows is None for _, rows in calls)
+        calls.clear()
+        out = llm.generate(_request(prompt, images), params)[0]
+    image_token_id = llm.engine.input_processor.token_ids.image_token_id
+    num_image_tokens = out.prompt_token_ids.count(image_token_id)
+    with_rows = [(n, rows) for n, rows in calls if rows is not None]
+    assert len(with_rows) > 1  # the images were cut into several chunks
+    assert sum(len(rows) for _, rows in with_rows) == num_image_tokens
+    assert all(0 <= i < n for n, rows in with_rows for i in rows)
+    assert calls[-2:] == [(1, None), (1, None)]  # the two decode steps: none

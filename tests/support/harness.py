@@ -15,18 +15,29 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+_PORTS_GIVEN: set[int] = set()
+
 
 def free_port() -> int:
-    """A free port: any the OS gives, or the first free one of `MMSERVE_TEST_PORTS`
-    ("9100-9119") on a machine where tests must keep to a range."""
+    """A free port: any the OS gives, or on a machine where tests must keep to a range, a free
+    one of `MMSERVE_TEST_PORTS` ("9100-9119") not given before in this process (callers often
+    take two before binding either)."""
     first, _, last = os.environ.get("MMSERVE_TEST_PORTS", "0-0").partition("-")
     for port in range(int(first), int(last or first) + 1):
+        if port and port in _PORTS_GIVEN:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return s.getsockname()[1]
+            given = s.getsockname()[1]
+        if port:
+            _PORTS_GIVEN.add(given)
+        return given
+    if _PORTS_GIVEN:  # every one given once: servers of earlier tests have stopped by now
+        _PORTS_GIVEN.clear()
+        return free_port()
     raise OSError(f"no free port in MMSERVE_TEST_PORTS={first}-{last}")
 
 

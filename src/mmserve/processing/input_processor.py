@@ -30,6 +30,7 @@ from mmserve.processing.remote_planning import (
     remote_modalities,
 )
 from mmserve.processing.tokenizer import Tokenizer
+from mmserve.processing.video_groups import pad_pieces, plan_stamps, stamp_tokens
 from mmserve.processing.video_inputs import (
     DEFAULT_VIDEO_LIMIT,
     largest_item_tokens,
@@ -226,7 +227,8 @@ class InputProcessor:
         for _, modality in pads:  # prompt order
             item = next(queues[modality])
             plans.append(self.resolver.plan(item.data, item.uuid, cfg, namespace, modality))
-        num_tokens = len(input_ids) + sum(p.num_tokens - 1 for p in plans)
+        stamps = plan_stamps(plans, self.tokenizer.encode)  # timestamped videos' group texts
+        num_tokens = len(input_ids) + sum(p.num_tokens - 1 for p in plans) + stamp_tokens(stamps)
         if num_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt is {num_tokens} tokens ({num_tokens - len(input_ids) + len(plans)} "
@@ -236,8 +238,9 @@ class InputProcessor:
                 param="messages",
             )
         resolved = [self.resolver.resolve(plan, cfg, namespace) for plan in plans]
+        pieces = pad_pieces(resolved, stamps, self.token_ids, self.resolver.hasher)
         expanded, features, mm_data = expand_pads(
-            input_ids, [pos for pos, _ in pads], resolved, self.pad_ids
+            input_ids, [pos for pos, _ in pads], pieces, self.pad_ids
         )
         videos_done = [f for f in features if f.modality == "video"]
         mrope = get_mrope_positions(

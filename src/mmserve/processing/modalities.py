@@ -132,9 +132,11 @@ class VideoModality:
         vp = plan_video(record, cfg.video, cfg.image)
         h, w = vp.resized_hw
         # Identity by effect: the frames kept, their size, the grid and the time per temporal
-        # patch (M-RoPE), not the raw fps / num_frames / max_frames that chose them.
+        # patch (M-RoPE), not the raw fps / num_frames / max_frames that chose them; with
+        # timestamps, each temporal patch's time (ms), which is prompt text.
         seconds = struct.unpack("<q", struct.pack("<d", vp.second_per_grid_t))[0]
-        decision = (vp.num_frames, *vp.frame_indices, h, w, *vp.grid_thw, seconds)
+        times = tuple(round(s * 1000) for s in vp.group_times)
+        decision = (vp.num_frames, *vp.frame_indices, h, w, *vp.grid_thw, seconds, *times)
         return Planned(vp.grid_thw, vp.num_tokens, decision, vp)
 
     def fingerprint(self, cfg: ProcessingConfig) -> tuple[str | int, ...]:

@@ -1,4 +1,8 @@
-"""M-RoPE position ids of a Qwen2-VL / Qwen2.5-VL prompt (numpy only, no torch).
+"""M-RoPE position ids of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL prompt (numpy only, no torch).
+
+Qwen3-VL needs nothing of its own here: its video's temporal groups are separate items of
+grid (1, h, w) with text between them (video_groups.py), which is exactly how its
+get_rope_index splits a video grid; the rotary layer interleaves the three axes.
 
 Every token gets three positions (temporal, height, width). Text tokens use the same value on
 all three axes and count up by one. An image or video item of grid (t, h, w) patches is

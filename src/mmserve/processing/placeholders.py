@@ -80,36 +80,54 @@ def find_mm_pads(
     return pads
 
 
+@dataclass(frozen=True, slots=True)
+class PadPiece:
+    """One run of placeholder ids in a pad's replacement and the text ids around it: a whole
+    item, or one temporal group of a timestamped video (video_groups.py)."""
+
+    item: ResolvedItem
+    before: tuple[int, ...] = ()
+    after: tuple[int, ...] = ()
+
+
 def expand_pads(
     input_ids: Sequence[int],
     pad_positions: Sequence[int],
-    items: Sequence[ResolvedItem],
+    replacements: Sequence[Sequence[PadPiece]],
     pad_ids: Mapping[str, int],
 ) -> tuple[list[int], list[MultiModalFeature], dict[str, ItemData]]:
-    """Replace each single pad by its item's num_tokens copies; record the ranges. Returns
-    the expanded ids, the item specs and each item's data by identifier.
+    """Replace each single pad by its pieces, each piece's item by num_tokens copies; record
+    the ranges. Returns the expanded ids, the item specs and each item's data by identifier.
 
     ids:       ... <vs> <pad> <ve> ...           one pad per item
     expanded:  ... <vs> <pad> x num_tokens <ve>  PlaceholderRange(offset, num_tokens)
+
+    A timestamped video's pad becomes one piece per temporal group, text between them:
+
+    expanded:  ... <vs> [before_k <pad> x n_k after_k for each group k] <ve> ...
     """
     expanded: list[int] = []
     features: list[MultiModalFeature] = []
     data: dict[str, ItemData] = {}
     prev = 0
-    for pos, item in zip(pad_positions, items, strict=True):
+    for pos, pieces in zip(pad_positions, replacements, strict=True):
         expanded += input_ids[prev:pos]
-        placeholder = PlaceholderRange(offset=len(expanded), length=item.num_tokens)
-        expanded += [pad_ids[item.modality]] * item.num_tokens
-        features.append(
-            MultiModalFeature(
-                identifier=item.identifier,
-                modality=item.modality,
-                placeholder=placeholder,
-                grid_thw=item.grid_thw,
-                is_remote=isinstance(item.data, RemoteItem),
+        for piece in pieces:
+            item = piece.item
+            expanded += piece.before
+            placeholder = PlaceholderRange(offset=len(expanded), length=item.num_tokens)
+            expanded += [pad_ids[item.modality]] * item.num_tokens
+            expanded += piece.after
+            features.append(
+                MultiModalFeature(
+                    identifier=item.identifier,
+                    modality=item.modality,
+                    placeholder=placeholder,
+                    grid_thw=item.grid_thw,
+                    is_remote=isinstance(item.data, RemoteItem),
+                )
             )
-        )
-        data[item.identifier] = item.data
+            data[item.identifier] = item.data
         prev = pos + 1
     expanded += input_ids[prev:]
     return expanded, features, data

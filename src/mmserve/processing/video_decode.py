@@ -15,6 +15,7 @@ is one full frame plus the kept frames. Worker processes run `serve_video` (deco
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import warnings
@@ -182,20 +183,23 @@ def decode_video_bytes(
         header = _read_header(container, limits)
         plan = plan_video(header.meta, cfg, image_cfg)
         release = admit(header, plan) if admit is not None else None
-        frames = _walk(container, header, plan, limits)
+        frames, times = _walk(container, header, plan, limits)
     except BaseException:
         if release is not None:
             release()
         raise
     finally:
         container.close()
-    video = DecodedVideo(frames, header.meta, data)
+    video = DecodedVideo(frames, dataclasses.replace(header.meta, frame_times=times), data)
     hold_until_collected(video, release)
     return video
 
 
-def _walk(container, header: VideoHeader, plan: VideoPlan, limits: VideoLimits) -> np.ndarray:
-    """Decode in order up to the last kept index; keep (resized) the planned frames."""
+def _walk(
+    container, header: VideoHeader, plan: VideoPlan, limits: VideoLimits
+) -> tuple[np.ndarray, tuple[tuple[int, float], ...]]:
+    """Decode in order up to the last kept index; keep (resized) the planned frames. Returns
+    them and the (index, seconds) of each one decoded (its presentation time)."""
     import av
 
     stream = container.streams.video[0]
@@ -207,6 +211,7 @@ def _walk(container, header: VideoHeader, plan: VideoPlan, limits: VideoLimits) 
     kept = np.empty((plan.num_frames, h, w, 3), dtype=np.uint8)
     filled = 0
     walked = pixels = 0
+    times: list[tuple[int, float]] = []
     try:
         for frame in container.decode(stream):
             walked += 1
@@ -225,6 +230,7 @@ def _walk(container, header: VideoHeader, plan: VideoPlan, limits: VideoLimits) 
                 rgb = frame.to_ndarray(format="rgb24")  # [H, W, 3] uint8
                 kept[k] = resize_frames(rgb[None], h, w)[0]
                 filled = k + 1
+                times.append((walked - 1, seconds))
             if walked - 1 >= last:
                 break
     except (av.FFmpegError, OSError, ValueError) as exc:
@@ -240,4 +246,4 @@ def _walk(container, header: VideoHeader, plan: VideoPlan, limits: VideoLimits) 
     # NOTE: a stream that ends before its header's frame count (truncated, or a header that
     # overstates it) repeats its last decoded frame for the missing indices.
     kept[filled:] = kept[filled - 1]
-    return kept
+    return kept, tuple(times)

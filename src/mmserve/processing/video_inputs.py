@@ -31,6 +31,11 @@ from mmserve.processing.modalities import ProcessingConfig
 from mmserve.processing.video_decode import DecodedVideo
 from mmserve.processing.video_processor import VideoMeta
 from mmserve.processing.video_sampling import FPS, VIDEO_KEYS, VideoConfig, frame_max_pixels
+from mmserve.processing.video_timestamps import (
+    is_timestamped_config,
+    max_tokens_per_group,
+    timestamped_config,
+)
 
 # Videos per prompt when --limit-mm-per-prompt does not name "video" (vLLM V1 allows 999 of
 # every modality): each video may cost up to the decode ceilings, so one unless raised.
@@ -158,10 +163,17 @@ def load_video_config(
     max_fps: float = DEFAULT_MAX_VIDEO_FPS,
 ) -> VideoConfig:
     """The checkpoint's video_preprocessor_config.json (else qwen-vl-utils' defaults), with
-    --mm-processor-kwargs' video keys over it and --max-video-fps as the requests' ceiling."""
+    --mm-processor-kwargs' video keys over it and --max-video-fps as the requests' ceiling.
+    A Qwen3-VL processor's files (by the processor types they name) are read as Qwen3-VL's
+    (video_timestamps.py)."""
     path = Path(model_dir) / VIDEO_CONFIG_FILE
     raw = json.loads(path.read_text()) if path.is_file() else {}
-    cfg = VideoConfig.from_dict(raw)
+    image_path = Path(model_dir) / "preprocessor_config.json"
+    image_raw = json.loads(image_path.read_text()) if image_path.is_file() else {}
+    if is_timestamped_config(raw) or (not raw and is_timestamped_config(image_raw)):
+        cfg = timestamped_config(raw, image_raw)
+    else:
+        cfg = VideoConfig.from_dict(raw)
     return cfg.with_server_overrides(split_processor_kwargs(server_kwargs)[1], max_fps)
 
 
@@ -193,7 +205,13 @@ def largest_item_tokens(
     Input patches are merge_size**2 per token for every modality."""
     tokens = max_tokens_per_item(image_cfg)
     if accepts_video(limit_mm_per_prompt):
-        tokens = max(tokens, min(max_tokens_per_video(video_cfg, image_cfg), max_model_len))
+        # a timestamped video's items are its temporal groups (video_groups.py)
+        per_video = (
+            max_tokens_per_group(video_cfg, image_cfg)
+            if video_cfg.timestamps
+            else max_tokens_per_video(video_cfg, image_cfg)
+        )
+        tokens = max(tokens, min(per_video, max_model_len))
     return tokens
 
 

@@ -12,7 +12,7 @@ Patches are laid out exactly as transformers' Qwen2VLVideoProcessor lays out
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -27,6 +27,14 @@ from mmserve.processing.video_sampling import (
     num_sampled_frames,
     sample_indices,
     second_per_grid_t,
+)
+from mmserve.processing.video_timestamps import (
+    clip_max_pixels,
+    clip_smart_resize,
+    group_times,
+    linspace_indices,
+    num_timestamped_frames,
+    sample_times,
 )
 
 
@@ -44,6 +52,9 @@ class VideoMeta:
     total_frames: int
     video_fps: float
     is_sampled: bool = False
+    # (index, seconds) of each frame the decoder kept, from its presentation time (empty
+    # before decoding, and for frames given as an array)
+    frame_times: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +66,7 @@ class VideoPlan:
     grid_thw: tuple[int, int, int]
     num_tokens: int
     second_per_grid_t: float
+    group_times: tuple[float, ...] = ()  # seconds of each temporal patch (timestamps only)
 
     @property
     def num_frames(self) -> int:
@@ -62,7 +74,10 @@ class VideoPlan:
 
 
 def plan_video(meta: VideoMeta, cfg: VideoConfig, image_cfg: ImageProcessorConfig) -> VideoPlan:
-    """Frames to keep, their size, and the grid: qwen-vl-utils' rules (video_sampling.py)."""
+    """Frames to keep, their size, and the grid: qwen-vl-utils' rules (video_sampling.py), or
+    Qwen3-VL's where the configuration says timestamps (video_timestamps.py)."""
+    if cfg.timestamps:
+        return _plan_timestamped(meta, cfg, image_cfg)
     if meta.is_sampled:
         nframes = meta.total_frames
         if cfg.num_frames is not None:
@@ -98,6 +113,56 @@ def plan_video(meta: VideoMeta, cfg: VideoConfig, image_cfg: ImageProcessorConfi
     )
     num_tokens = grid_num_tokens(grid, image_cfg.merge_size)
     return VideoPlan(indices, (resized_h, resized_w), grid, num_tokens, seconds)
+
+
+def _plan_timestamped(
+    meta: VideoMeta, cfg: VideoConfig, image_cfg: ImageProcessorConfig
+) -> VideoPlan:
+    t = image_cfg.temporal_patch_size
+    if meta.is_sampled:
+        _check_given_frames(meta.total_frames, cfg)
+        indices = tuple(range(meta.total_frames))
+        meta = replace(meta, video_fps=cfg.frames_fps)  # their times: index / frames_fps
+    else:
+        nframes = num_timestamped_frames(meta.total_frames, meta.video_fps, cfg)
+        indices = linspace_indices(meta.total_frames, nframes)
+    nframes = len(indices)
+    resized_h, resized_w = clip_smart_resize(
+        nframes,
+        meta.height,
+        meta.width,
+        factor=image_cfg.factor,
+        temporal_factor=t,
+        min_pixels=cfg.min_pixels,
+        max_pixels=clip_max_pixels(cfg),
+    )
+    grid = (
+        math.ceil(nframes / t),
+        resized_h // image_cfg.patch_size,
+        resized_w // image_cfg.patch_size,
+    )
+    times = sample_times(indices, meta.video_fps, dict(meta.frame_times))
+    if meta.is_sampled:
+        seconds = t / cfg.frames_fps
+    else:
+        seconds = second_per_grid_t(nframes, meta.total_frames, meta.video_fps)
+    return VideoPlan(
+        indices,
+        (resized_h, resized_w),
+        grid,
+        grid_num_tokens(grid, image_cfg.merge_size),
+        seconds,
+        group_times(times, t),
+    )
+
+
+def _check_given_frames(nframes: int, cfg: VideoConfig) -> None:
+    if nframes > cfg.max_frames:
+        raise InvalidRequestError(
+            f"the video has {nframes} frames, over the limit of {cfg.max_frames} "
+            "(max_frames); send fewer frames",
+            param="multi_modal_data",
+        )
 
 
 def _value_table(cfg: ImageProcessorConfig) -> np.ndarray:

@@ -62,6 +62,9 @@ class VideoConfig:
     """
 
     fps: float = FPS
+    # Qwen3-VL's rules (video_timestamps.py): frames sampled as its video processor does, the
+    # pixel limits over the whole clip, each temporal patch a group led by its time as text.
+    timestamps: bool = False
     min_frames: int = FPS_MIN_FRAMES
     max_frames: int = FPS_MAX_FRAMES
     min_pixels: int = VIDEO_MIN_PIXELS

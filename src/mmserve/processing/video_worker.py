@@ -76,7 +76,8 @@ def serve_video(conn: Connection, data: bytes, spec: bytes) -> None:
         send_error(conn, VideoDecodeError(e.message, param="video_url"))
         return
     n, h, w, _ = video.frames.shape
-    send_ok(conn, _SHAPE.pack(n, h, w), video.frames.tobytes())
+    times = json.dumps(video.meta.frame_times).encode()
+    send_ok(conn, _SHAPE.pack(n, h, w) + times, video.frames.tobytes())
 
 
 def decode_video_in_worker(
@@ -102,11 +103,21 @@ def decode_video_in_worker(
         _spec(cfg, image_cfg, limits), data, on_header, timeout_s, "video"
     )
     n, h, w = _SHAPE.unpack_from(body)
-    if not metas or len(payload) != n * h * w * 3:
+    times = _frame_times(body[_SHAPE.size :])
+    if not metas or len(payload) != n * h * w * 3 or times is None:
         if release is not None:
             release()
         raise VideoDecodeError("the video decode worker sent a malformed reply")
     frames = np.frombuffer(payload, dtype=np.uint8).reshape(n, h, w, 3)
-    video = DecodedVideo(frames, metas[0], data)
+    video = DecodedVideo(frames, dataclasses.replace(metas[0], frame_times=times), data)
     hold_until_collected(video, release)
     return video
+
+
+def _frame_times(raw: bytes) -> tuple[tuple[int, float], ...] | None:
+    """The kept frames' (index, seconds) from the K reply (None if malformed)."""
+    try:
+        pairs = json.loads(raw)
+        return tuple((int(i), float(t)) for i, t in pairs)
+    except (ValueError, TypeError):
+        return None
