@@ -4,9 +4,10 @@
 Only the standard library: the functions take the run's JSON document (or parts of it), so
 tests feed them canned values and `disagg_compare.py --report FILE.json` prints a saved run.
 
-Per token, for a model of hidden size d, L layers, H_kv KV heads of head_dim h, b bytes a value:
+Per token, for a model of hidden size d, L layers, H_kv KV heads of head_dim h, b bytes a value
+and S DeepStack levels (Qwen3-VL; 0 for Qwen2-VL and Qwen2.5-VL):
 
-    embedding shipped   d * b           (one vision-tower output row per image token)
+    embedding shipped   d * (1 + S) * b   (one vision-tower output row per image token)
     KV it becomes       2 * L * H_kv * h * b   (K and V, every layer)
 """
 
@@ -38,6 +39,7 @@ class ModelShape(NamedTuple):
     dtype: str
     patch_size: int = 14
     merge_size: int = 2
+    deepstack_levels: int = 0  # extra per-level rows beside the main embedding (Qwen3-VL)
 
     @property
     def dtype_bytes(self) -> int:
@@ -45,7 +47,7 @@ class ModelShape(NamedTuple):
 
     @property
     def embedding_bytes_per_token(self) -> int:
-        return self.hidden_size * self.dtype_bytes
+        return self.hidden_size * (1 + self.deepstack_levels) * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -88,6 +90,7 @@ def model_shape(name: str, config: dict, dtype: str) -> ModelShape:
         dtype=dtype,
         patch_size=vision.get("patch_size", 14),
         merge_size=vision.get("spatial_merge_size", 2),
+        deepstack_levels=len(vision.get("deepstack_visual_indexes") or ()),
     )
 
 
@@ -224,7 +227,8 @@ def bytes_lines(document: dict) -> list[str]:
         f"{big.name} (hidden {big.hidden_size}, {big.num_layers} layers, "
         f"{big.num_kv_heads}x{big.head_dim} KV, {big.dtype}) |",
         "|---|---:|---:|",
-        f"| Embedding bytes (hidden x dtype) | {shape.embedding_bytes_per_token:,} | "
+        f"| Embedding bytes (hidden x (1 + DeepStack levels) x dtype) | "
+        f"{shape.embedding_bytes_per_token:,} | "
         f"{big.embedding_bytes_per_token:,} |",
         f"| KV bytes (2 x layers x KV heads x head_dim x dtype) | {shape.kv_bytes_per_token:,} "
         f"| {big.kv_bytes_per_token:,} |",

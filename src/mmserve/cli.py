@@ -151,15 +151,22 @@ async def _serve(
         engine = await engine
     names = engine_config.checkpoint.served_model_names
     _log_configuration(engine_config, settings, engine, ", ".join(names))
-    app = create_app(
-        engine,
-        api_keys=settings.api_key,
-        served_model_name=names,
-        max_request_body_bytes=settings.max_request_body_bytes,
-        http_body_timeout_s=settings.http_body_timeout,
-        shutdown_timeout_s=settings.engine_shutdown_timeout_s,
-        trust_request_chat_template=settings.trust_request_chat_template,
-    )
+    try:
+        app = create_app(
+            engine,
+            api_keys=settings.api_key,
+            served_model_name=names,
+            max_request_body_bytes=settings.max_request_body_bytes,
+            http_body_timeout_s=settings.http_body_timeout,
+            shutdown_timeout_s=settings.engine_shutdown_timeout_s,
+            trust_request_chat_template=settings.trust_request_chat_template,
+            enable_auto_tool_choice=settings.enable_auto_tool_choice,
+            tool_call_parser=settings.tool_call_parser,
+            reasoning_parser=settings.reasoning_parser,
+        )
+    except ValueError:  # a flag the model cannot serve (--reasoning-parser)
+        await engine.shutdown(timeout_s=settings.engine_shutdown_timeout_s)
+        raise
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -188,8 +188,7 @@ def test_a_tiny_temperature_is_clamped_not_a_failure(open_server):
         ("length_penalty", 2.0),
         ("best_of", 3),
         ("chat_template", "{{ messages }}"),
-        ("tool_choice", "required"),
-        ("parallel_tool_calls", False),  # True is the OpenAI default (a no-op)
+        ("tool_choice", "required"),  # with no tools to choose from
         ("structural_tag", "{}"),
     ],
 )

@@ -155,8 +155,7 @@ async def test_edge_values_are_accepted_and_reach_the_engine_as_sent(
 
 # A value that matters, per unsupported field (each listed field must have one here).
 MEANINGFUL = {
-    "best_of": 2, "tools": [{"type": "function"}],
-    "tool_choice": "required", "parallel_tool_calls": False, "functions": [{"name": "f"}],
+    "best_of": 2, "functions": [{"name": "f"}],
     "function_call": {"name": "f"},
     "audio": {"voice": "x"}, "modalities": ["text", "audio"], "echo": True, "suffix": "x",
     "stream_options.continuous_usage_stats": True,

@@ -106,6 +106,16 @@ def test_bytes_per_token_of_the_tiny_checkpoint_and_of_qwen2_vl_7b() -> None:
     assert (fp32.embedding_bytes_per_token, fp32.kv_bytes_per_token) == (512, 1024)
 
 
+def test_deepstack_levels_ship_one_more_row_each() -> None:
+    """A Qwen3-VL-style config with 3 DeepStack levels ships 4 rows' worth per image token."""
+    vision = {**TINY_CONFIG["vision_config"], "deepstack_visual_indexes": [0, 1, 2]}
+    deep = disagg_report.model_shape("tiny", {**TINY_CONFIG, "vision_config": vision}, "bfloat16")
+    assert deep.deepstack_levels == 3
+    assert deep.embedding_bytes_per_token == 128 * (1 + 3) * 2
+    assert deep.kv_bytes_per_token == TINY.kv_bytes_per_token
+    assert disagg_report.shape_of({"model": deep._asdict()}) == deep
+
+
 def test_image_tokens_come_from_the_merged_grid() -> None:
     assert TINY.image_tokens(448, 448) == 16 * 16
     assert TINY.image_tokens(224, 224) == 8 * 8

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,9 @@ class Encoder:
 
     def __init__(self, model_dir: Path | str, log_path: Path, *extra: str) -> None:
         self.port = free_port()
-        self.zmq_port = free_port()
+        with socket.socket() as held:  # a range-bound free_port would give the same one again
+            held.bind(("127.0.0.1", self.port))
+            self.zmq_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mmserve.disaggregation.protocol import (
+    ENCODER_PROTOCOL_VERSION,
     Cancel,
     EncodeResult,
     Ping,
@@ -19,6 +20,7 @@ from mmserve.disaggregation.protocol import (
     content_digest,
     encode_message,
 )
+from mmserve.models.config import load_model_config
 from mmserve.models.loader import load_vision_tower
 from tests.disaggregation.encoder_harness import (
     EncoderClient,
@@ -76,7 +78,7 @@ def test_embeddings_equal_the_local_tower_for_bytes_rgb_and_url(
     local = local_towers[arch]
     data = png(64, 48, seed=3)
     result, payload = client.encode(bytes_item(model_dir, data))
-    assert result.cache_hit is False and result.shape[1] == local.model.config.hidden_size
+    assert result.cache_hit is False and result.shape[1] == local.model.config.mm_embedding_width
     np.testing.assert_array_equal(as_array(result, payload), local.embed_bytes(data))
 
     rgb = random_image(40, 56, seed=4)
@@ -206,6 +208,8 @@ def test_health_info_and_plan(encoder, media_server):
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
     info = httpx.get(f"{base}/v1/encode/info").json()
     assert info["zmq_port"] == port + 1 and info["dtype"] == "float32"
+    assert info["protocol_version"] == ENCODER_PROTOCOL_VERSION
+    assert info["embedding_width"] == load_model_config(model_dir).text.hidden_size  # levels 0
     body = {"url": f"{media_server.base}/img.png", "min_pixels": 3136, "max_pixels": 16384}
     answer = httpx.post(f"{base}/v1/encode/plan", json=body).json()
     assert answer["content_digest"] == content_digest(png_bytes())

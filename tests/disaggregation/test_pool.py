@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -12,12 +13,13 @@ from PIL import Image
 from mmserve.disaggregation.discovery import EncoderEndpoint, ModelIdentity, discover
 from mmserve.disaggregation.local_fallback import LocalFallback
 from mmserve.disaggregation.pool import PoolConfig, RemoteEncoderPool
-from mmserve.disaggregation.protocol import content_digest
+from mmserve.disaggregation.protocol import ENCODER_PROTOCOL_VERSION, content_digest
 from mmserve.errors import FailureKind
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import MultiModalFeature, PlaceholderRange, RemoteItem
 from mmserve.processing.image_processor import ImageProcessorConfig, process_image
 from mmserve.processing.media import MediaLoader
+from mmserve.routing import rendezvous_order
 from tests.support.fake_encoder import (
     FINGERPRINT,
     HIDDEN,
@@ -42,6 +44,25 @@ def remote(n: int, grid: tuple[int, int, int] = (1, 4, 4), offset: int = 3):
     return feature(n, grid, offset), item
 
 
+def tried_first(encoders: list[FakeEncoder], n: int = 1) -> list[FakeEncoder]:
+    """`encoders` in the order the pool tries them for item n when their loads are equal: it
+    ranks them by rendezvous hashing on the item's identity (mmserve/routing.py), and their
+    URLs hold random ports, so a test that needs one encoder met first orders them by this."""
+    order = rendezvous_order(feature(n).identifier, [e.url for e in encoders])
+    return [encoders[i] for i in order]
+
+
+def items_first_on(encoder: FakeEncoder, encoders: list[FakeEncoder], count: int) -> list[int]:
+    """The first `count` item numbers that `encoder` is tried first for among `encoders`."""
+    found: list[int] = []
+    n = 0
+    while len(found) < count:
+        n += 1
+        if tried_first(encoders, n)[0] is encoder:
+            found.append(n)
+    return found
+
+
 @pytest.fixture
 def fakes(request):
     made: list[FakeEncoder] = []
@@ -59,7 +80,7 @@ def fakes(request):
 def pools():
     made: list[RemoteEncoderPool] = []
 
-    def make(encoders, *, metrics=None, local=None, **kw) -> RemoteEncoderPool:
+    def make(encoders, *, metrics=None, local=None, identity=IDENTITY, **kw) -> RemoteEncoderPool:
         # pings every 50 ms; silent for 0.5 s (a starved CI machine's pause is shorter) is out
         defaults = {
             "fallback": "fail",
@@ -68,7 +89,7 @@ def pools():
             "missed_pings": 10,
         }
         kw = defaults | kw
-        config = PoolConfig(tuple(f.url for f in encoders), IDENTITY, **kw)
+        config = PoolConfig(tuple(f.url for f in encoders), identity, **kw)
         endpoints = [EncoderEndpoint(f.url, f.zmq_address) for f in encoders]
         pool = RemoteEncoderPool(
             config, endpoints, metrics=metrics or EngineMetrics(), local_fallback=local
@@ -128,8 +149,44 @@ def test_embeddings_arrive_exactly_and_are_counted(fakes, pools, dtype):
     assert labelled(metrics, "remote_encoder_latency_seconds")[a.url] > 0
 
 
+@pytest.mark.parametrize("levels", [1, 3])
+def test_deepstack_rows_arrive_whole_and_every_level_is_counted(fakes, pools, levels):
+    """A DeepStack model's rows are HIDDEN x (1 + levels) wide: they cross whole, and the
+    received bytes are tokens x HIDDEN x (1 + levels) x the dtype's size."""
+    width = HIDDEN * (1 + levels)
+    (a,) = fakes(1)
+    a.behaviour.embedding_width = width
+    metrics = EngineMetrics()
+    pool = pools([a], metrics=metrics, identity=ModelIdentity(FINGERPRINT, width, "float32"))
+    pool.submit("r1", *remote(1))
+    arrivals, failures = collect(pool, 1)
+    assert failures == [] and len(arrivals) == 1
+    want = expected_embeddings(feature(1).identifier, (1, 4, 4), width)
+    assert torch.equal(arrivals[0].embeddings, torch.from_numpy(want))
+    received = labelled(metrics, "embedding_transfer_bytes")["received"]
+    assert received == 4 * HIDDEN * (1 + levels) * 4  # 4 tokens, float32
+
+
+def test_a_reply_without_the_deepstack_levels_is_refused(fakes, pools):
+    """An encoder that answers the main embedding alone (rows HIDDEN wide) to a model whose
+    rows carry 2 levels is refused: the item fails, nothing is counted as received."""
+    width = HIDDEN * 3
+    (a,) = fakes(1)
+    a.behaviour.embedding_width = HIDDEN
+    metrics = EngineMetrics()
+    identity = ModelIdentity(FINGERPRINT, width, "float32")
+    pool = pools([a], metrics=metrics, identity=identity)
+    pool.submit("r1", *remote(1))
+    arrivals, failures = collect(pool, 1)
+    assert arrivals == [] and len(failures) == 1
+    message = failures[0].failure.message
+    assert f"embedding rows of width {HIDDEN}, the model's are {width} wide" in message
+    assert labelled(metrics, "remote_encoder_dropped_messages")["bad_payload"] == 1
+    assert labelled(metrics, "embedding_transfer_bytes")["received"] == 0
+
+
 def test_fan_out_by_input_patches_not_by_count(fakes, pools):
-    a, b = fakes(2)
+    a, b = tried_first(fakes(2), 1)
     a.behaviour.mode = b.behaviour.mode = "hang"  # nothing finishes: loads only grow
     pool = pools([a, b], timeout_s=5.0)
     pool.submit("r1", *remote(1, grid=(1, 40, 40)))  # 1600 patches: a 4K image's stand-in
@@ -153,7 +210,7 @@ def test_fan_out_counts_the_encoders_own_queue(fakes, pools):
 
 
 def test_a_hanging_encoder_times_out_and_the_item_is_retried_on_the_other(fakes, pools):
-    a, b = fakes(2)
+    a, b = tried_first(fakes(2), 1)
     a.behaviour.mode = "hang"
     metrics = EngineMetrics()
     pool = pools([a, b], metrics=metrics, timeout_s=0.3)
@@ -168,7 +225,7 @@ def test_a_hanging_encoder_times_out_and_the_item_is_retried_on_the_other(fakes,
 
 
 def test_an_encoder_killed_mid_item_leaves_rotation_and_the_item_moves(fakes, pools):
-    a, b = fakes(2)
+    a, b = tried_first(fakes(2), 1)
     a.behaviour.mode = "hang"
     pool = pools([a, b], timeout_s=30.0)  # the missed pings notice it, not the item's deadline
     pool.submit("r1", *remote(1))
@@ -179,7 +236,7 @@ def test_an_encoder_killed_mid_item_leaves_rotation_and_the_item_moves(fakes, po
 
 
 def test_an_internal_error_is_retried_elsewhere_and_an_input_error_is_not(fakes, pools):
-    a, b = fakes(2)
+    a, b = tried_first(fakes(2), 1)
     a.behaviour.mode = "error"
     pool = pools([a, b])
     pool.submit("r1", *remote(1))
@@ -198,7 +255,7 @@ def test_an_internal_error_is_retried_elsewhere_and_an_input_error_is_not(fakes,
 
 @pytest.mark.parametrize("mode", ["hang", "error"])
 def test_all_encoders_down_fail_mode_is_a_503_kind_failure_within_the_timeouts(fakes, pools, mode):
-    encoders = fakes(2)
+    encoders = tried_first(fakes(2), 1)  # the last one tried names the failure
     for fake in encoders:
         fake.behaviour.mode = mode
     pool = pools(encoders, timeout_s=0.3)
@@ -245,38 +302,40 @@ def test_local_fallback_fails_an_item_whose_grid_differs_from_the_plan(fakes, po
 
 def test_a_silent_encoder_leaves_rotation_and_comes_back_when_it_answers(fakes, pools):
     a, b = fakes(2)
+    first, again = items_first_on(a, [a, b], 2)
     a.behaviour.answer_pings = False
     metrics = EngineMetrics()
     pool = pools([a, b], metrics=metrics)
     gauge = lambda: metrics.snapshot().gauges["remote_encoder_healthy"]  # noqa: E731
     assert wait_until(lambda: gauge() == 1)
-    pool.submit("r1", *remote(1))
+    pool.submit("r1", *remote(first))  # a would be tried first: it is out of rotation
     assert [x.encoder for x in collect(pool, 1)[0]] == [b.url]
     a.behaviour.answer_pings = True
     assert wait_until(lambda: gauge() == 2)
-    pool.submit("r2", *remote(2))  # equal loads: the first encoder again
+    pool.submit("r2", *remote(again))  # equal loads: the first-ranked encoder again
     assert [x.encoder for x in collect(pool, 1)[0]] == [a.url]
 
 
 def test_duplicate_and_stale_replies_are_dropped_and_counted(fakes, pools):
     a, b = fakes(2)
+    n1, n2, n3 = items_first_on(a, [a, b], 3)
     a.behaviour.mode = "twice"
     metrics = EngineMetrics()
     pool = pools([a, b], metrics=metrics, timeout_s=0.3)
-    pool.submit("r1", *remote(1))
+    pool.submit("r1", *remote(n1))
     assert len(collect(pool, 1)[0]) == 1
     dropped = lambda: labelled(metrics, "remote_encoder_dropped_messages")  # noqa: E731
     assert wait_until(lambda: dropped().get("duplicate") == 1)
     a.behaviour.mode = "ok"
     a.behaviour.reply_delay_s = 0.6  # answers after the item moved to b
-    pool.submit("r2", *remote(2))
+    pool.submit("r2", *remote(n2))
     arrivals, _ = collect(pool, 1)
     assert [x.encoder for x in arrivals] == [b.url]
     assert wait_until(lambda: dropped().get("stale") == 1)
     a.behaviour.reply_delay_s = 0.0
     a.behaviour.mode = "stale_first"  # first an attempt number this item never had
     assert wait_until(lambda: metrics.snapshot().gauges["remote_encoder_healthy"] == 2)
-    pool.submit("r3", *remote(3))
+    pool.submit("r3", *remote(n3))
     assert [x.encoder for x in collect(pool, 1)[0]] == [a.url]
     assert wait_until(lambda: dropped().get("unknown") == 1)
     assert pool.poll() == ([], [])  # nothing dropped ever reaches the runner
@@ -365,10 +424,34 @@ def test_discovery_refuses_an_encoder_of_another_model(fakes):
     with pytest.raises(ValueError, match=f"encoder {a.url} serves another checkpoint"):
         discover(a.url, IDENTITY, secret=None, timeout_s=2)
     a.behaviour.fingerprint = FINGERPRINT
-    with pytest.raises(ValueError, match="hidden size 8, this model needs 16"):
+    with pytest.raises(ValueError, match="rows of width 8, this model needs 16"):
         discover(a.url, ModelIdentity(FINGERPRINT, 16, "float32"), secret=None, timeout_s=2)
     with pytest.raises(ValueError, match="encodes in float32, this server runs bfloat16"):
         discover(a.url, ModelIdentity(FINGERPRINT, HIDDEN, "bfloat16"), secret=None, timeout_s=2)
+
+
+def test_discovery_refuses_an_encoder_without_the_models_deepstack_levels(fakes):
+    (a,) = fakes(1)
+    deep = ModelIdentity(FINGERPRINT, HIDDEN * 4, "float32")  # 3 DeepStack levels
+    expected = (
+        f"encoder {a.url} returns embedding rows of width {HIDDEN}, this model needs "
+        f"{HIDDEN * 4} (hidden size x (1 + DeepStack levels))"
+    )
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        discover(a.url, deep, secret=None, timeout_s=2)
+    a.behaviour.embedding_width = HIDDEN * 4
+    assert discover(a.url, deep, secret=None, timeout_s=2).zmq_address == a.zmq_address
+
+
+def test_discovery_refuses_an_encoder_of_another_protocol_version(fakes):
+    """Version 1 named the width `hidden_size` (and did not name its version)."""
+    (a,) = fakes(1)
+    a.behaviour.protocol_version = None
+    with pytest.raises(ValueError, match=f"encoder {a.url} speaks encoder protocol 1, this"):
+        discover(a.url, IDENTITY, secret=None, timeout_s=2)
+    a.behaviour.protocol_version = ENCODER_PROTOCOL_VERSION + 1
+    with pytest.raises(ValueError, match="run the same mmserve version on both"):
+        discover(a.url, IDENTITY, secret=None, timeout_s=2)
 
 
 def test_discovery_names_a_secret_mismatch_and_a_missing_encoder(fakes):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -127,10 +128,12 @@ def test_inconsistent_items_are_refused(kw, payload, reason):
 
 def test_result_payload_checks_name_the_mismatch():
     ok = EncodeResult("r", 0, "i", 1, (1, 4, 4), "float32", (4, 8))
-    fit = dict(expected_grid=(1, 4, 4), expected_num_embeds=4, expected_hidden=8)
+    fit = dict(expected_grid=(1, 4, 4), expected_num_embeds=4, expected_width=8)
     assert check_result_payload(ok, 4 * 8 * 4, **fit) is None
     assert "payload bytes" in check_result_payload(ok, 10, **fit)
-    assert "hidden size" in check_result_payload(ok, 128, **{**fit, "expected_hidden": 16})
+    assert "rows of width 8, the model's are 16 wide" in check_result_payload(
+        ok, 128, **{**fit, "expected_width": 16}
+    )
     assert "placeholder tokens" in check_result_payload(
         ok, 128, **{**fit, "expected_num_embeds": 5}
     )
@@ -154,6 +157,17 @@ def test_fingerprint_follows_config_not_formatting(tmp_path):
     assert model_fingerprint(tmp_path) == first
     (tmp_path / "config.json").write_text('{"a": 1, "b": 3}')
     assert model_fingerprint(tmp_path) != first
+
+
+def test_fingerprint_tells_deepstack_levels_apart(tmp_path):
+    """Two checkpoints that differ only in their DeepStack levels return rows of different
+    widths: an LM server never pairs with the other's encoder."""
+    vision = {"depth": 4, "out_hidden_size": 64, "deepstack_visual_indexes": [0, 1, 2]}
+    (tmp_path / "config.json").write_text(json.dumps({"vision_config": vision}))
+    deep = model_fingerprint(tmp_path)
+    vision["deepstack_visual_indexes"] = [0, 1]
+    (tmp_path / "config.json").write_text(json.dumps({"vision_config": vision}))
+    assert model_fingerprint(tmp_path) != deep
 
 
 def test_protocol_imports_no_torch():

@@ -90,10 +90,10 @@ def test_the_secret_file_is_read_stripped_and_checked(tmp_path):
 
 
 def test_the_engine_core_gets_a_pool_that_fits_its_model(qwen2_vl_dir):
-    hidden = load_model_config(qwen2_vl_dir).hidden_size
+    width = load_model_config(qwen2_vl_dir).mm_embedding_width  # the hidden size: no DeepStack
     fake = FakeEncoder(secret=b"k")
     fake.behaviour.fingerprint = model_fingerprint(qwen2_vl_dir)
-    fake.behaviour.hidden_size = hidden
+    fake.behaviour.embedding_width = width
     try:
         args = EngineConfig.from_kwargs(
             model=str(qwen2_vl_dir),
@@ -107,8 +107,8 @@ def test_the_engine_core_gets_a_pool_that_fits_its_model(qwen2_vl_dir):
         assert isinstance(source, RemoteEncoderPool)
         assert source.config.fallback == "local" and source.config.secret == b"k"
         core.shutdown()
-        fake.behaviour.hidden_size = hidden + 1
-        with pytest.raises(ValueError, match=f"encoder {fake.url} returns embeddings"):
+        fake.behaviour.embedding_width = width + 1
+        with pytest.raises(ValueError, match=f"encoder {fake.url} returns embedding rows"):
             build_core(args, resolve_shape(args), EngineMetrics())
     finally:
         fake.close()

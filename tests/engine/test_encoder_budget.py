@@ -41,6 +41,8 @@ def test_the_log_states_both_budgets_and_an_item_over_them_is_refused_on_arrival
             (line,) = [r.getMessage() for r in caplog.records if "input patches" in r.message]
             assert f"at most {patch_budget} input patches per step" in line
             assert f"cache {config.encoder_cache_bytes} bytes" in line
+            # a slot is one encoder output row: hidden 64 x (1 + levels) x float32
+            assert "embeddings of 256 bytes: hidden 64 x (1 + 0 DeepStack levels)" in line
         num_embeds = patch_budget // 4 + 1  # one embedding (4 patches) over the budget
         assert num_embeds < config.max_model_len, "the item must fit the prompt length"
         video_token_id = llm.engine.input_processor.token_ids.video_token_id

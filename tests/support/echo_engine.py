@@ -8,6 +8,7 @@ byte ("" for placeholders), so every expected answer is computable from the requ
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -81,11 +82,14 @@ class EchoEngine:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         media_io_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> ProcessedPrompt:
         self.namespaces.append(namespace)
         self.chat_flags.append((add_generation_prompt, continue_final_message))
         if media_io_kwargs:
             raise InvalidRequestError("the echo engine has no media", param="media_io_kwargs")
+        if tools:  # the echo has no template: the tools read as a system turn
+            messages = [{"role": "system", "content": json.dumps(tools)}, *messages]
         unknown = set(mm_processor_kwargs or {}) - KNOWN_PROCESSOR_KWARGS
         if unknown:
             raise InvalidRequestError(
@@ -192,6 +196,11 @@ class EchoEngine:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
+
+    def token_id(self, text: str) -> int | None:
+        """One token per UTF-8 byte: only a one-byte text is a token."""
+        raw = text.encode()
+        return raw[0] if len(raw) == 1 else None
 
     def is_healthy(self) -> bool:
         return self.healthy

@@ -19,6 +19,7 @@ import torch
 import zmq
 
 from mmserve.disaggregation.protocol import (
+    ENCODER_PROTOCOL_VERSION,
     Cancel,
     EncodeItem,
     EncodeResult,
@@ -34,12 +35,15 @@ MERGE = 2
 FINGERPRINT = "f" * 64
 
 
-def expected_embeddings(identifier: str, grid_thw: tuple[int, int, int]) -> np.ndarray:
-    """[num_embeds, HIDDEN] float32: what the fake encoder answers for this item."""
+def expected_embeddings(
+    identifier: str, grid_thw: tuple[int, int, int], width: int = HIDDEN
+) -> np.ndarray:
+    """[num_embeds, width] float32: what the fake encoder answers for this item (`width`: its
+    behaviour's embedding_width, HIDDEN x (1 + DeepStack levels))."""
     t, h, w = grid_thw
     num_embeds = t * h * w // (MERGE * MERGE)
     base = int(identifier[:4], 16) % 97
-    return np.arange(num_embeds * HIDDEN, dtype=np.float32).reshape(num_embeds, HIDDEN) + base
+    return np.arange(num_embeds * width, dtype=np.float32).reshape(num_embeds, width) + base
 
 
 def _as_dtype(emb: np.ndarray, dtype: str) -> bytes:
@@ -57,7 +61,8 @@ class Behaviour:
     queued_patches: int = 0
     reply_delay_s: float = 0.0
     dtype: str = "float32"
-    hidden_size: int = HIDDEN
+    embedding_width: int = HIDDEN  # the rows it answers: a DeepStack model's are wider
+    protocol_version: int | None = ENCODER_PROTOCOL_VERSION  # None: an encoder of version 1
     fingerprint: str = FINGERPRINT
     plan: dict | None = None  # the /v1/encode/plan answer; None: 502
     plan_status: int = 200
@@ -98,11 +103,16 @@ class FakeEncoder:
         return f"tcp://127.0.0.1:{self.zmq_port}"
 
     def info(self) -> dict:
+        b = self.behaviour
+        if b.protocol_version is None:  # what an encoder of protocol 1 answered
+            width = {"hidden_size": b.embedding_width}
+        else:
+            width = {"protocol_version": b.protocol_version, "embedding_width": b.embedding_width}
         return {
             "zmq_port": self.zmq_port,
-            "model_fingerprint": self.behaviour.fingerprint,
-            "hidden_size": self.behaviour.hidden_size,
-            "dtype": self.behaviour.dtype,
+            "model_fingerprint": b.fingerprint,
+            **width,
+            "dtype": b.dtype,
             "spatial_merge_size": MERGE,
             "patch_size": 14,
             "temporal_patch_size": 2,
@@ -183,7 +193,7 @@ class FakeEncoder:
             )
             self._send(peer, result)
             return
-        emb = expected_embeddings(item.identifier, item.item.grid_thw)
+        emb = expected_embeddings(item.identifier, item.item.grid_thw, b.embedding_width)
         data = _as_dtype(emb, b.dtype)
         if b.mode == "garbage_first":
             self._send_frames(peer, [b"\xc1not msgpack", b"", b""])

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from mmserve.api.auth import ApiKeyMiddleware, request_namespace
 from mmserve.api.body_limit import RequestBodyMiddleware
+from mmserve.api.chat_output import AnswerParsing
 from mmserve.api.errors import (
     APIError,
     as_api_error,
@@ -36,6 +37,7 @@ from mmserve.api.generation import (
 from mmserve.api.json_body import read_json_body
 from mmserve.api.prometheus import build_registry, render
 from mmserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from mmserve.api.reasoning import think_token_ids, thinking_enabled
 from mmserve.api.responses import (
     new_response_id,
     parse_responses_request,
@@ -51,6 +53,7 @@ from mmserve.api.tokenize import (
     parse_tokenize_request,
     tokenize,
 )
+from mmserve.api.tools import tool_request, with_tools
 from mmserve.api.unsupported import refuse_unsupported_fields
 from mmserve.config.server import ServerConfig
 from mmserve.engine.frontend.outputs import OutputKind
@@ -81,13 +84,18 @@ def create_app(
     status_interval_s: float | None = 5.0,
     shutdown_timeout_s: float = ServerConfig.engine_shutdown_timeout_s,
     trust_request_chat_template: bool = False,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An app serving `engine` under `served_model_name` (one name or several: clients may send
-    any, answers carry the first); it shuts the engine down on exit."""
+    any, answers carry the first); it shuts the engine down on exit. The last three are the
+    flags of the same names (docs/tools.md)."""
     names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
     if not names:
         raise ValueError("served_model_name needs at least one name")
     primary = names[0]
+    think_ids = think_token_ids(engine, reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -135,7 +143,13 @@ def create_app(
                 _CHAT_ONLY_FIELDS | _TRUSTED if trust_request_chat_template else _CHAT_ONLY_FIELDS
             )
             body = await _parse(request, ChatCompletionRequest, supported)
-            params = _check_before_processing(body)
+            tools = tool_request(
+                body.tools,
+                body.tool_choice,
+                body.parallel_tool_calls,
+                enable_auto_tool_choice=enable_auto_tool_choice,
+            )
+            params = with_tools(_check_before_processing(body), tools)
             add_generation_prompt, continue_final_message = body.render_choice()
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
             prompt = await until_disconnect(
@@ -150,14 +164,24 @@ def create_app(
                     continue_final_message=continue_final_message,
                     chat_template=body.chat_template,
                     media_io_kwargs=body.media_io_kwargs,
+                    tools=tools.template_tools if tools is not None else None,
                 ),
             )
+            parsing = None
+            if tools is not None or think_ids is not None:
+                parsing = AnswerParsing(
+                    tools=tools,
+                    auto_tool_parser=tool_call_parser,
+                    think_token_ids=think_ids,
+                    thinking=thinking_enabled(body.chat_template_kwargs),
+                )
             fmt = ChatFormat(
                 f"chatcmpl-{uuid.uuid4().hex}",
                 primary,
                 num_top_logprobs=params.logprobs or 0,
                 prompt_token_ids=prompt.prompt_token_ids if body.return_token_ids else None,
                 role=body.response_role,
+                parsing=parsing,
             )
             return await _generate(request, body, params, prompt, fmt)
 

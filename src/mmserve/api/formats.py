@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from mmserve.api.chat_output import AnswerParsing, ChoiceParser
 from mmserve.engine.frontend.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 
 # JSON has no -inf: a prompt token of probability 0 is reported as this (vLLM's value)
@@ -94,31 +95,64 @@ class ChatFormat(_Format):
         num_top_logprobs: int = 0,
         prompt_token_ids: list[int] | None = None,
         role: str = "assistant",
+        parsing: AnswerParsing | None = None,
     ) -> None:
         super().__init__(
             request_id, model, num_top_logprobs=num_top_logprobs, prompt_token_ids=prompt_token_ids
         )
         self.role = role
+        self.parsing = parsing  # reasoning and tool calls to read out of the text
+        self._parsers: dict[int, ChoiceParser] = {}  # per choice
 
     def response(self, output: RequestOutput) -> dict[str, Any]:
         choices = []
         for c in _sorted(output):
+            message: dict[str, Any] = {"role": self.role, "content": c.text}
+            if self.parsing is not None:
+                message = {**self._parser(c.index).message(c.text, c.token_ids), "role": self.role}
             choice = {
                 "index": c.index,
-                "message": {"role": self.role, "content": c.text},
-                "finish_reason": c.finish_reason,
+                "message": message,
+                "finish_reason": self._finish_reason(c.index, c.finish_reason),
                 "logprobs": self._logprobs(c),
             }
             if self.returns_token_ids:
                 choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
         body = self._envelope(self.object_name, choices)
-        body["usage"] = usage_of(output)
+        body["usage"] = self._usage(output)
         if output.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
         if self.returns_token_ids:
             body["prompt_token_ids"] = self.prompt_token_ids
         return body
+
+    def usage_chunk(self, output: RequestOutput, completion_tokens: int) -> dict[str, Any]:
+        body = self._envelope(self.chunk_object_name, [])
+        body["usage"] = self._usage(output, completion_tokens)
+        return body
+
+    def _usage(self, output: RequestOutput, completion_tokens: int | None = None) -> dict:
+        usage = usage_of(output, completion_tokens)
+        if self.parsing is not None and self.parsing.reports_reasoning_tokens:
+            # completion_tokens include them, as in vLLM and OpenAI
+            reasoning = sum(p.num_reasoning_tokens for p in self._parsers.values())
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage
+
+    def _parser(self, index: int) -> ChoiceParser:
+        assert self.parsing is not None
+        if index not in self._parsers:
+            self._parsers[index] = ChoiceParser(self.parsing)
+        return self._parsers[index]
+
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        """The engine's reason, with "stop" read as "tool_calls" when an auto or required
+        tool_choice ended in calls (a named one stays "stop", as in OpenAI and vLLM)."""
+        parser = self._parsers.get(index)
+        if reason == "stop" and parser is not None and parser.mode in ("auto", "required"):
+            return "tool_calls" if parser.num_tool_calls else reason
+        return reason
 
     def start_chunks(self, n: int) -> list[dict[str, Any]]:
         chunks = [
@@ -141,18 +175,36 @@ class ChatFormat(_Format):
 
     def chunk(
         self, c: CompletionOutput, finish_reason: str | None, output: RequestOutput | None = None
-    ) -> dict[str, Any]:
-        text = c.delta_text
-        delta = {"content": text} if text or finish_reason is None else {}
+    ) -> dict[str, Any] | None:
+        """One choice's chunk; None when a parser holds this step's text back (it may be the
+        start of a tag) and there is nothing else to send."""
+        logprobs = self._logprobs(c)
+        if self.parsing is None:
+            text = c.delta_text
+            delta: dict[str, Any] = {"content": text} if text or finish_reason is None else {}
+        else:
+            delta = self._parsed_delta(c, finish_reason is not None)
+            sends_ids = self.returns_token_ids and bool(c.delta_token_ids)
+            if not delta and finish_reason is None and logprobs is None and not sends_ids:
+                return None
+            finish_reason = self._finish_reason(c.index, finish_reason)
         choice = {
             "index": c.index,
             "delta": delta,
             "finish_reason": finish_reason,
-            "logprobs": self._logprobs(c),
+            "logprobs": logprobs,
         }
         if self.returns_token_ids:
             choice["token_ids"] = list(c.delta_token_ids or [])
         return self._envelope(self.chunk_object_name, [choice])
+
+    def _parsed_delta(self, c: CompletionOutput, is_last: bool) -> dict[str, Any]:
+        parser = self._parser(c.index)
+        delta = parser.feed(c.delta_text, c.delta_token_ids or ()) or {}
+        if is_last:
+            for key, value in (parser.finish() or {}).items():
+                delta[key] = delta.get(key, type(value)()) + value
+        return delta
 
     def _logprobs(self, c: CompletionOutput) -> dict[str, Any] | None:
         if c.logprobs is None:

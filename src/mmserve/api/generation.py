@@ -128,6 +128,8 @@ async def stream_events(
     HTTP status instead of an event.
     """
     num_tokens: dict[int, int] = {}
+    # token ids with no text yet still go out when returned, or counted by an output parser
+    counts_ids = fmt.returns_token_ids or getattr(fmt, "parsing", None) is not None
     try:
         for start in fmt.start_chunks(n):
             yield _event(start)
@@ -137,10 +139,13 @@ async def stream_events(
                 raise_if_failed(output)
             for c in sorted(output.outputs, key=lambda c: c.index):
                 num_tokens[c.index] = c.num_tokens
+                chunk = None
                 if c.finish_reason is not None:
-                    yield _event(fmt.chunk(c, c.finish_reason, output))
-                elif c.delta_text or c.logprobs or (fmt.returns_token_ids and c.delta_token_ids):
-                    yield _event(fmt.chunk(c, None, output))
+                    chunk = fmt.chunk(c, c.finish_reason, output)
+                elif c.delta_text or c.logprobs or (counts_ids and c.delta_token_ids):
+                    chunk = fmt.chunk(c, None, output)  # None: a parser holds the text back
+                if chunk is not None:
+                    yield _event(chunk)
             if output.finished:
                 if include_usage:
                     yield _event(fmt.usage_chunk(output, sum(num_tokens.values())))

@@ -64,6 +64,11 @@ class ChatMessage(_Body):
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant turn's calls, and the id a tool result answers (processing/chat.py checks
+    # them and passes them to the chat template).
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class StreamOptions(_Body):
@@ -215,6 +220,10 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None  # with --trust-request-chat-template only
     add_generation_prompt: bool | None = None  # None: true
     continue_final_message: bool | None = None
+    # Checked by api/tools.py, which names the field at fault.
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0)] | None = None
 

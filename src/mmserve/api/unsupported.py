@@ -1,7 +1,7 @@
 """Request fields that would change the answer but that mmserve does not implement.
 
-A client that sends `length_penalty: 2` or `tools` and gets an
-answer that silently ignored it has been misled; so each such field is a 400 naming it, unless
+A client that sends `length_penalty: 2` and gets an answer that
+silently ignored it has been misled; so each such field is a 400 naming it, unless
 it holds its no-op value. Purely informational fields (`user`, `metadata`, `store`,
 `service_tier`, ...) are not listed: ignoring them changes nothing.
 """
@@ -18,10 +18,7 @@ from mmserve.errors import InvalidRequestError
 # extensions a vLLM client sends.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),  # "auto" with no tools (tools are refused) picks none
-    "parallel_tool_calls": (True,),
-    "functions": ([],),
+    "functions": ([],),  # the deprecated spelling of tools (send tools)
     "function_call": ("none", "auto"),
     "audio": (),
     "modalities": (["text"],),

@@ -25,9 +25,10 @@ class SchedulerConfig:
       vision tower's activations scale with them, not with the embeddings it returns.
       `encoder_patch_budget` defaults to `max_num_batched_tokens * patches_per_embed` (the
       patches behind as many embeddings as the step has tokens);
-    - the cache, in **bytes**: an entry holds `num_embeds * encoder_embed_bytes` (hidden size
-      x dtype size, exactly what the runner's tensor holds). `encoder_cache_bytes` sizes it,
-      else `encoder_cache_size` embedding slots (default `max_num_batched_tokens`) do.
+    - the cache, in **bytes**: an entry holds `num_embeds * encoder_embed_bytes` (one encoder
+      output row: hidden size x (1 + DeepStack levels) x dtype size, exactly what the runner's
+      tensor holds). `encoder_cache_bytes` sizes it, else `encoder_cache_size` embedding slots
+      (default `max_num_batched_tokens`) do.
 
     Both are floored at the largest item the server accepts (`max_patches_per_mm_item`,
     `max_tokens_per_mm_item`, every modality), so a worst-case item always fits alone.
@@ -76,8 +77,9 @@ class SchedulerConfig:
         type=int,
         group=CACHE,
         metavar="SLOTS",
-        help="Encoder cache size in embedding slots (hidden size x dtype bytes each); default "
-        "--max-num-batched-tokens, floored at the largest image or video.",
+        help="Encoder cache size in embedding slots (one encoder output row each: hidden size "
+        "x (1 + DeepStack levels) x dtype bytes); default --max-num-batched-tokens, floored at "
+        "the largest image or video.",
     )
     encoder_cache_bytes: int | None = flag(
         None,

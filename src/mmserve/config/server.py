@@ -10,6 +10,9 @@ API_KEY_ENV = "MMSERVE_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 FRONTEND = "Frontend (HTTP server)"
 DEFAULT_HOST = "127.0.0.1"
+# The output parsers a server can run on chat answers (api/hermes.py, api/reasoning.py).
+TOOL_CALL_PARSERS = ("hermes",)
+REASONING_PARSERS = ("qwen3",)
 
 
 def host_flag(help_text: str) -> str:
@@ -89,6 +92,28 @@ class ServerConfig:
     )
     log_level: str = log_level_flag()
     uvicorn_log_level: str = uvicorn_log_level_flag()
+    # Chat answers: tool calls and reasoning (docs/tools.md).
+    enable_auto_tool_choice: bool = flag(
+        False,
+        action="store_true",
+        group=FRONTEND,
+        help='Let requests send tool_choice "auto" (the default when tools are given): the '
+        "answer is parsed for tool calls by --tool-call-parser.",
+    )
+    tool_call_parser: str | None = flag(
+        None,
+        choices=TOOL_CALL_PARSERS,
+        group=FRONTEND,
+        help="How tool calls are written in the model's text (hermes: <tool_call>{json}"
+        "</tool_call>, as Qwen2.5 and Qwen3 do). Needed by --enable-auto-tool-choice.",
+    )
+    reasoning_parser: str | None = flag(
+        None,
+        choices=REASONING_PARSERS,
+        group=FRONTEND,
+        help="Split the model's reasoning (qwen3: <think>...</think>) from chat answers into "
+        "message.reasoning_content. Default: answers are returned as generated.",
+    )
     # Shutdown (no flags): how long in-flight requests may run after SIGTERM before they are
     # cancelled, then how long the engine is given to stop.
     graceful_shutdown_timeout_s: int = 20  # uvicorn takes whole seconds
@@ -105,6 +130,15 @@ class ServerConfig:
                 raise ValueError(f"ServerConfig.{name} must be > 0 s, got {getattr(self, name)}")
         check_choice("log_level", self.log_level, LOG_LEVELS)
         check_choice("uvicorn_log_level", self.uvicorn_log_level, LOG_LEVELS)
+        if self.tool_call_parser is not None:
+            check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        if self.reasoning_parser is not None:
+            check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(
+                "--enable-auto-tool-choice needs --tool-call-parser (one of "
+                f"{', '.join(TOOL_CALL_PARSERS)}) to read the tool calls out of the answers"
+            )
         if self.api_key is not None:
             keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
             if not keys or not all(isinstance(k, str) and k.strip() for k in keys):

@@ -1,8 +1,9 @@
 """Start-up discovery of the encoder pool: `GET /v1/encode/info` on every `--encoder-urls` entry.
 
 A language-model server refuses to pair with an encoder whose embeddings would not fit its
-model: another checkpoint (fingerprint), another hidden size, another dtype. An encoder that
-does not answer within the discovery window stops the start-up with its URL in the error.
+model: another handshake version, another checkpoint (fingerprint), another row width (hidden
+size x (1 + DeepStack levels)), another dtype. An encoder that does not answer within the
+discovery window stops the start-up with its URL in the error.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ from urllib.parse import urlsplit
 import httpx
 
 from mmserve.config.pool import normalise_encoder_url
+from mmserve.disaggregation.protocol import ENCODER_PROTOCOL_VERSION
 
 
 @dataclass(frozen=True, slots=True)
 class ModelIdentity:
-    """What an encoder must match: the LM's checkpoint, hidden size and embedding dtype."""
+    """What an encoder must match: the LM's checkpoint, the width of its encoder output rows
+    (`ModelConfig.mm_embedding_width`: hidden size x (1 + DeepStack levels)) and their dtype."""
 
     fingerprint: str
-    hidden_size: int
+    embedding_width: int
     dtype: str  # "float32" | "bfloat16" | "float16"
 
 
@@ -86,7 +89,13 @@ def _json(url: str, resp: httpx.Response) -> dict:
 
 
 def _check_info(url: str, info: dict, expected: ModelIdentity) -> EncoderEndpoint:
-    for key in ("zmq_port", "model_fingerprint", "hidden_size", "dtype"):
+    version = info.get("protocol_version", 1)  # version 1 did not name itself
+    if version != ENCODER_PROTOCOL_VERSION:
+        raise ValueError(
+            f"encoder {url} speaks encoder protocol {version!r}, this server speaks "
+            f"{ENCODER_PROTOCOL_VERSION}; run the same mmserve version on both"
+        )
+    for key in ("zmq_port", "model_fingerprint", "embedding_width", "dtype"):
         if key not in info:
             raise ValueError(f"encoder {url}: /v1/encode/info lacks {key!r}")
     if info["model_fingerprint"] != expected.fingerprint:
@@ -96,10 +105,10 @@ def _check_info(url: str, info: dict, expected: ModelIdentity) -> EncoderEndpoin
             f"{expected.fingerprint[:16]}... (config.json, preprocessor_config.json and the "
             "weight files must be the same on both)"
         )
-    if info["hidden_size"] != expected.hidden_size:
+    if info["embedding_width"] != expected.embedding_width:
         raise ValueError(
-            f"encoder {url} returns embeddings of hidden size {info['hidden_size']}, this "
-            f"model needs {expected.hidden_size}"
+            f"encoder {url} returns embedding rows of width {info['embedding_width']!r}, this "
+            f"model needs {expected.embedding_width} (hidden size x (1 + DeepStack levels))"
         )
     if info["dtype"] != expected.dtype:
         raise ValueError(

@@ -14,7 +14,8 @@ V = TypeVar("V")
 
 @dataclass(frozen=True, slots=True)
 class CachedEmbedding:
-    """One item's embeddings as they are sent: C-contiguous bytes of [num_embeds, hidden]."""
+    """One item's encoder output as it is sent: C-contiguous bytes of [num_embeds,
+    embedding_width] (hidden size x (1 + DeepStack levels)); the cache counts all of them."""
 
     data: bytes
     dtype: str  # "float32" | "bfloat16" | "float16"

@@ -27,7 +27,12 @@ from mmserve.disaggregation.encode_args import DEFAULT_PATCH_BUDGET, EncodeServe
 from mmserve.disaggregation.encoder_metrics import EncoderMetrics
 from mmserve.disaggregation.encoder_worker import EncoderWorker
 from mmserve.disaggregation.media_stage import ItemError, MediaStage
-from mmserve.disaggregation.protocol import MAX_HEADER_BYTES, is_input_error, model_fingerprint
+from mmserve.disaggregation.protocol import (
+    ENCODER_PROTOCOL_VERSION,
+    MAX_HEADER_BYTES,
+    is_input_error,
+    model_fingerprint,
+)
 from mmserve.disaggregation.vision_stage import VisionStage
 from mmserve.models.config import load_model_config
 from mmserve.models.loader import load_vision_tower
@@ -41,11 +46,14 @@ MAX_PLAN_BODY_BYTES = 64 * 1024
 
 @dataclass(frozen=True)
 class EncoderInfo:
-    """GET /v1/encode/info: what an LM server checks before it pairs with this encoder."""
+    """GET /v1/encode/info: what an LM server checks before it pairs with this encoder.
+    `embedding_width` is the width of the rows it returns: hidden size x (1 + DeepStack
+    levels)."""
 
+    protocol_version: int
     zmq_port: int
     model_fingerprint: str
-    hidden_size: int
+    embedding_width: int
     dtype: str
     spatial_merge_size: int
     patch_size: int
@@ -66,7 +74,9 @@ class EncoderServer:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device, load_model_config(config.model).dtype)
         tower, model_config = load_vision_tower(config.model, device, dtype)
-        self.vision = VisionStage(tower, device, dtype)
+        self.vision = VisionStage(
+            tower, device, dtype, embedding_width=model_config.mm_embedding_width
+        )
         image_config = ImageProcessorConfig.from_pretrained(config.model)
         media = MediaLoader(
             config.media.for_loader(
@@ -81,9 +91,10 @@ class EncoderServer:
         self.patch_budget = config.encoder_patch_budget or max(DEFAULT_PATCH_BUDGET, largest)
         vision_cfg = model_config.vision
         self.info = EncoderInfo(
+            protocol_version=ENCODER_PROTOCOL_VERSION,
             zmq_port=config.zmq_port,
             model_fingerprint=model_fingerprint(config.model),
-            hidden_size=self.vision.hidden_size,
+            embedding_width=self.vision.embedding_width,
             dtype=self.vision.dtype_name,
             spatial_merge_size=merge,
             patch_size=vision_cfg.patch_size,

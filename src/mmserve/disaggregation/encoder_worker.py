@@ -313,7 +313,7 @@ class EncoderWorker:
             attempt=item.attempt,
             grid_thw=item.item.grid_thw,
             dtype=self._vision.dtype_name,  # type: ignore[arg-type]
-            shape=(0, self._vision.hidden_size),
+            shape=(0, self._vision.embedding_width),
             error_code=code,
             error_message=message,
         )

@@ -280,13 +280,13 @@ class PoolIO:
             len(payload),
             expected_grid=p.item.grid_thw,
             expected_num_embeds=p.feature.num_embeds,
-            expected_hidden=self.config.identity.hidden_size,
+            expected_width=self.config.identity.embedding_width,
         )
         if problem is not None:
             self._drop("bad_payload", link)
             self._take_out(link, f"encoder {link.url} answered {p.describe()} with {problem}")
             return
-        # [num_embeds, hidden], copied out of the ZMQ frame (which is reused once we return)
+        # [num_embeds, embedding_width], copied out of the ZMQ frame (reused once we return)
         embeddings = torch.frombuffer(bytearray(payload), dtype=TORCH_DTYPES[msg.dtype])
         embeddings = embeddings.reshape(msg.shape)
         latency_s = time.monotonic() - p.sent_at_s

@@ -35,6 +35,10 @@ from mmserve.multimodal import RemoteItem
 
 MAX_HEADER_BYTES = 64 * 1024
 MAC_BYTES = 32  # SHA-256
+# The pairing handshake's version (`GET /v1/encode/info`); an LM server pairs only with an
+# encoder of the same one. 2: the info names `embedding_width` (the row width, hidden size x
+# (1 + DeepStack levels)) where 1 named `hidden_size`.
+ENCODER_PROTOCOL_VERSION = 2
 
 Source = Literal["bytes", "rgb", "url"]
 # The embedding dtypes on the wire, and their element sizes (embedding_dtypes.py maps the
@@ -81,7 +85,8 @@ class EncodeItem(msgspec.Struct, frozen=True, tag="encode", forbid_unknown_field
 
 
 class EncodeResult(msgspec.Struct, frozen=True, tag="result", forbid_unknown_fields=True):
-    """The answer to one EncodeItem: the payload holds the [num_embeds, hidden] embeddings."""
+    """The answer to one EncodeItem: the payload holds the item's encoder output,
+    [num_embeds, embedding_width] (each row the main embedding then every DeepStack level)."""
 
     request_id: str
     item_index: int
@@ -239,20 +244,24 @@ def check_result_payload(
     *,
     expected_grid: tuple[int, int, int],
     expected_num_embeds: int,
-    expected_hidden: int,
+    expected_width: int,
 ) -> str | None:
-    """Why a successful result does not fit the item it answers, in words; None if it fits."""
+    """Why a successful result does not fit the item it answers, in words; None if it fits.
+    `expected_width` is the model's row width (hidden size x (1 + DeepStack levels))."""
     if tuple(result.grid_thw) != tuple(expected_grid):
         return f"grid {tuple(result.grid_thw)} differs from the planned {tuple(expected_grid)}"
-    num_embeds, hidden = result.shape
+    num_embeds, width = result.shape
     if num_embeds != expected_num_embeds:
         return f"{num_embeds} embeddings for an item of {expected_num_embeds} placeholder tokens"
-    if hidden != expected_hidden:
-        return f"hidden size {hidden} differs from the model's {expected_hidden}"
-    expected_bytes = num_embeds * hidden * DTYPE_BYTES[result.dtype]
+    if width != expected_width:
+        return (
+            f"embedding rows of width {width}, the model's are {expected_width} wide "
+            "(hidden size x (1 + DeepStack levels))"
+        )
+    expected_bytes = num_embeds * width * DTYPE_BYTES[result.dtype]
     if payload_len != expected_bytes:
         return (
-            f"{payload_len} payload bytes for {num_embeds} x {hidden} {result.dtype} "
+            f"{payload_len} payload bytes for {num_embeds} x {width} {result.dtype} "
             f"({expected_bytes} bytes)"
         )
     return None

@@ -17,16 +17,27 @@ from mmserve.multimodal import EncoderInput
 
 class VisionStage:
     """Runs the vision tower alone (no language model on this server) on `device` in `dtype`;
-    embeddings come back to the host as the bytes that are sent."""
+    embeddings come back to the host as the bytes that are sent.
 
-    def __init__(self, tower: VisionTransformer, device: torch.device, dtype: torch.dtype) -> None:
+    `embedding_width` is the width of the tower's output rows (`ModelConfig.mm_embedding_width`:
+    the main embedding then every DeepStack level), what the rows sent are checked against.
+    """
+
+    def __init__(
+        self,
+        tower: VisionTransformer,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        embedding_width: int,
+    ) -> None:
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"the encoder runs in float32, bfloat16 or float16, not {dtype}")
         self.tower = tower
         self.device = device
         self.dtype = dtype
         self.dtype_name = DTYPE_NAMES[dtype]
-        self.hidden_size = tower.config.out_dim
+        self.embedding_width = embedding_width
         self.merge = tower.config.spatial_merge_size
 
     def encode(self, images: Sequence[EncoderInput]) -> list[CachedEmbedding]:
@@ -37,7 +48,12 @@ class VisionStage:
         pixels = torch.from_numpy(joined).to(device=self.device, dtype=self.dtype)
         checked = check_vision_inputs(pixels, grids, self.tower.config)
         with torch.inference_mode():
-            embeds = self.tower(pixels, checked)  # [total_patches / merge^2, hidden]
+            embeds = self.tower(pixels, checked)  # [total_patches / merge^2, embedding_width]
+        if embeds.shape[-1] != self.embedding_width:  # a bug: the LM would refuse every row
+            raise RuntimeError(
+                f"the vision tower returned rows of width {embeds.shape[-1]}, the model's are "
+                f"{self.embedding_width} wide"
+            )
         sizes = [grid_num_tokens(grid, self.merge) for grid in checked]
         host = embeds.to("cpu").contiguous()
         out = []

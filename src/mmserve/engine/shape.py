@@ -1,8 +1,9 @@
 """EngineShape: what both processes derive from the flags and the checkpoint's config files.
 
 Torch-free, so the API process can build its side from it: the device and the dtype (and the
-encoder cache's bytes per embedding, which follow from the dtype) are the engine core's to
-resolve (`engine.core.build`), and the API side admits requests by the budgets the core reports.
+encoder cache's bytes per embedding: the model's encoder output row width, hidden size x (1 +
+DeepStack levels), times the dtype's size) are the engine core's to resolve
+(`engine.core.build`), and the API side admits requests by the budgets the core reports.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class EngineShape:
     image_config: ImageProcessorConfig  # with --mm-processor-kwargs applied
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...]
-    # every budget but the encoder cache's bytes per embedding (the dtype's: the core sets it)
+    # every budget but the encoder cache's bytes per embedding (row width x dtype size: the
+    # core sets it, `engine.core.build.encoder_embed_bytes`)
     scheduler_config: SchedulerConfig
 
 

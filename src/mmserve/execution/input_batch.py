@@ -50,7 +50,7 @@ class StepBatch:
     input_ids: torch.Tensor  # [num_tokens] int64 (device)
     positions: torch.Tensor  # [3, num_tokens] int64 (device)
     mm_index: torch.Tensor | None  # [num_mm_tokens] flat indices of placeholder tokens
-    mm_embeds: torch.Tensor | None  # [num_mm_tokens, hidden]
+    mm_embeds: torch.Tensor | None  # [num_mm_tokens, mm_embedding_width]: the model splits it
     attn_metadata: AttentionMetadata
     sample_rows: torch.Tensor  # [num_samples] int64: last token of each request that samples
     sample_request_ids: list[str]

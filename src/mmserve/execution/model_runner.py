@@ -78,8 +78,10 @@ class ModelRunner:
         self.buffers = InputBuffers(limits or _default_limits(), device)
         self.decode_graphs: DecodeGraphs | None = None
         self.encoder_source = encoder_source
-        hidden_size = model.config.text.hidden_size if encoder_source is not None else 0
-        self.remote = RemoteItemIntake(encoder_source, encoder_runner, hidden_size)
+        # an item's encoder output rows: [num_embeds, mm_embedding_width] (the main embedding
+        # then every DeepStack level); they reach the model's splice at this width, unsplit
+        width = model.config.mm_embedding_width if encoder_source is not None else 0
+        self.remote = RemoteItemIntake(encoder_source, encoder_runner, width)
         self.item_data = item_data if item_data is not None else ItemDataStore(capacity_bytes=0)
 
     def add_mm_data(self, request_id: str, data: Mapping[str, ItemData]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -115,10 +116,15 @@ def _part_uuid(value: Any, where: str) -> str | None:
 
 
 def parse_chat_messages(
-    messages: Sequence[Mapping[str, Any]], reserved_tokens: Sequence[str]
+    messages: Sequence[Mapping[str, Any]],
+    reserved_tokens: Sequence[str],
+    *,
+    tools: Sequence[Any] | None = None,
 ) -> ParsedChat:
-    """Validate messages, refuse typed vision tokens, and collect image and video parts in
-    order."""
+    """Validate messages, refuse typed vision tokens (in the messages and in the `tools` the
+    template will render), and collect image and video parts in order."""
+    if tools:
+        check_tools_text(tools, reserved_tokens)
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
     rendered: list[dict[str, Any]] = []
@@ -132,12 +138,13 @@ def parse_chat_messages(
             raise InvalidRequestError(
                 f"{where}.role must be one of {list(ROLES)}, got {role!r}", param="messages"
             )
+        extras = _turn_fields(message, where, reserved_tokens)
         content = message.get("content")
         if content is None:
             content = ""
         if isinstance(content, str):
             check_user_text(content, reserved_tokens, f"{where}.content")
-            rendered.append({"role": role, "content": content})
+            rendered.append({"role": role, "content": content, **extras})
             continue
         if not isinstance(content, Sequence):
             raise InvalidRequestError(
@@ -163,5 +170,67 @@ def parse_chat_messages(
                     "'video_url'",
                     param="messages",
                 )
-        rendered.append({"role": role, "content": parts})
+        rendered.append({"role": role, "content": parts, **extras})
     return ParsedChat(messages=rendered, images=images)
+
+
+def _turn_fields(
+    message: Mapping[str, Any], where: str, reserved_tokens: Sequence[str]
+) -> dict[str, Any]:
+    """An assistant turn's tool calls (arguments as objects, as chat templates render them),
+    a tool result's tool_call_id, an assistant turn's reasoning_content."""
+    extras: dict[str, Any] = {}
+    for key in ("tool_call_id", "reasoning_content"):
+        value = message.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"{where}.{key} must be a string", param="messages")
+        check_user_text(value, reserved_tokens, f"{where}.{key}")
+        extras[key] = value
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if message.get("role") != "assistant" or not isinstance(calls, Sequence):
+            raise InvalidRequestError(
+                f"{where}.tool_calls must be a list, on an assistant message", param="messages"
+            )
+        extras["tool_calls"] = [
+            _tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
+        ]
+        rendered = json.dumps(extras["tool_calls"], ensure_ascii=False)
+        check_user_text(rendered, reserved_tokens, f"{where}.tool_calls")
+    return extras
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise InvalidRequestError(
+            f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+            '"arguments": "{...}"}}',
+            param="messages",
+        )
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            raise InvalidRequestError(
+                f"{where}.function.arguments is not valid JSON", param="messages"
+            ) from None
+    out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def check_tools_text(tools: Sequence[Any], reserved_tokens: Sequence[str]) -> None:
+    """Refuse tool definitions that spell a vision token (the template renders them into the
+    prompt, where it would read as an image's placeholder)."""
+    text = json.dumps(list(tools), ensure_ascii=False)
+    for token in reserved_tokens:
+        if token in text:
+            raise InvalidRequestError(
+                f"tools contain the reserved token {token!r}; remove it from the tool definitions",
+                param="tools",
+            )

@@ -309,15 +309,18 @@ class InputProcessor:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         continue_final_message: bool = False,
         chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[str, list[ChatImage]]:
-        """Chat messages -> (prompt text, its image and video parts in order)."""
-        parsed = parse_chat_messages(messages, self.reserved_tokens)
+        """Chat messages (and the request's tools) -> (prompt text, its image and video parts
+        in order)."""
+        parsed = parse_chat_messages(messages, self.reserved_tokens, tools=tools)
         prompt = self.tokenizer.apply_chat_template(
             parsed.messages,
             add_generation_prompt=add_generation_prompt,
             template_kwargs=chat_template_kwargs,
             continue_final_message=continue_final_message,
             chat_template=chat_template,
+            tools=tools,
         )
         return prompt, parsed.images
 

@@ -74,6 +74,8 @@ class Tokenizer:
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         self._env.globals["raise_exception"] = _raise_exception
+        # Hugging Face's tojson (tool schemas, call arguments): plain JSON, no HTML escaping.
+        self._env.filters["tojson"] = _tojson
         self._template = self._env.from_string(chat_template) if chat_template else None
 
     @classmethod
@@ -139,6 +141,7 @@ class Tokenizer:
         template_kwargs: Mapping[str, Any] | None = None,
         continue_final_message: bool = False,
         chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Render messages (already normalised by `processing.chat`) with the chat template.
 
@@ -147,6 +150,7 @@ class Tokenizer:
         `continue_final_message` ends the prompt right after the last message's text (no
         end-of-turn, no generation prompt), as Hugging Face's `apply_chat_template` does.
         `chat_template` (a request's own, which the server must trust) replaces the model's.
+        `tools` (OpenAI function tools) reach the template as `tools`, as in Hugging Face.
         """
         if continue_final_message:
             if add_generation_prompt:
@@ -160,6 +164,7 @@ class Tokenizer:
                 add_generation_prompt=False,
                 template_kwargs=template_kwargs,
                 chat_template=chat_template,
+                tools=tools,
             )
             return _cut_after_final_message(rendered, messages)
         template = self._template if chat_template is None else self._compiled(chat_template)
@@ -168,7 +173,8 @@ class Tokenizer:
                 "this model has no chat template; use /v1/completions (or LLM.generate) with a "
                 "prompt string instead"
             )
-        extra = _checked_template_kwargs(template_kwargs)
+        kwargs = _checked_template_kwargs(template_kwargs)
+        extra = {**kwargs, "tools": list(tools)} if tools else kwargs
         try:
             return template.render(
                 messages=list(messages),
@@ -185,16 +191,26 @@ class Tokenizer:
             # Whatever the template raised (TemplateError, TypeError on a kwarg of the wrong
             # type, ...), its text and traceback are the library's: the client gets ours.
             detail = "check the message roles and content parts"
-            if extra:
-                detail += f", and the types of chat_template_kwargs {sorted(extra)[:8]}"
+            if tools:
+                detail += ", and the tools"
+            if kwargs:
+                detail += f", and the types of chat_template_kwargs {sorted(kwargs)[:8]}"
             whose = "the model's" if chat_template is None else "the request's"
             raise InvalidRequestError(
                 f"chat template failed: {whose} chat template could not render this "
                 f"request; {detail}",
                 param="chat_template"
                 if chat_template is not None
-                else ("chat_template_kwargs" if extra else "messages"),
+                else ("chat_template_kwargs" if kwargs else "messages"),
             ) from None
+
+
+def _tojson(
+    value: Any, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _cut_after_final_message(rendered: str, messages: Sequence[dict[str, Any]]) -> str:

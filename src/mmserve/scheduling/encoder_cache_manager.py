@@ -12,9 +12,9 @@ from mmserve.scheduling.request import Request
 class EncoderCacheManager:
     """Tracks which encoder outputs are resident in the runner's cache, in bytes.
 
-    An entry costs `num_embeds * bytes_per_embed` bytes: the size of the [num_embeds, hidden]
-    tensor the runner keeps (hidden size x dtype size per embedding), so the ledger and the
-    runner's memory agree to the byte.
+    An entry costs `num_embeds * bytes_per_embed` bytes: the size of the [num_embeds, width]
+    tensor the runner keeps (one encoder output row per embedding: hidden size x (1 + DeepStack
+    levels) x dtype size), so the ledger and the runner's memory agree to the byte.
 
     - `cached`: identifier -> ids of the requests that still need it. An empty set means the
       entry is resident but unreferenced: it is also in `freeable` (LRU order, oldest first,

@@ -17,6 +17,7 @@ import tokenizers
 
 from mmserve.errors import InvalidRequestError
 from mmserve.structured_output.params import PARAM, StructuredOutputParams
+from mmserve.structured_output.vocabulary import ll_tokenizer
 
 # Compact JSON (no free whitespace between tokens): a model cannot pad its answer with
 # whitespace until max_tokens, and the output is what json.loads reads. A schema may still ask
@@ -103,10 +104,8 @@ class GrammarCompiler:
         model's logits width) bits wide, so a padded vocabulary's ids are never allowed."""
         text = path.read_text(encoding="utf-8")
         num_tokens = tokenizers.Tokenizer.from_str(text).get_vocab_size(with_added_tokens=True)
-        tokenizer = llguidance.LLTokenizer(
-            text, n_vocab=max(vocab_size, num_tokens), eos_token=list(eos_token_ids)
-        )
-        return cls(tokenizer)
+        n_vocab = max(vocab_size, num_tokens)
+        return cls(ll_tokenizer(text, n_vocab=n_vocab, eos_token_ids=eos_token_ids))
 
     @property
     def num_cached(self) -> int:

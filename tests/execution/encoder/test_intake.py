@@ -106,3 +106,23 @@ def test_a_local_encode_refuses_a_remote_item() -> None:
     encoder, _, _ = _setup()
     with pytest.raises(RuntimeError, match="no pixels"):
         encoder.encode([EncodeJob(_feature("a"), None)])
+
+
+def test_deepstack_rows_are_taken_whole_and_a_row_without_its_levels_is_refused() -> None:
+    """With L DeepStack levels a row is HIDDEN x (1 + L) wide: the cache keeps all of it (its
+    bytes are what the scheduler's ledger counts), and the main embedding alone does not fit."""
+    levels = 2
+    width = HIDDEN * (1 + levels)
+    rows = torch.arange(2 * width, dtype=torch.float32).reshape(2, width)
+    for sent, fits in ((rows, True), (rows[:, :HIDDEN], False)):
+        encoder, source, _ = _setup(sent)
+        intake = RemoteItemIntake(source, encoder, width)
+        source.register("a", _pixels())
+        intake.submit({"r": [_feature("a")]}, _remote_item)
+        results = intake.collect()
+        if fits:
+            assert results.arrived == ["a"] and torch.equal(encoder.cache.get("a"), rows)
+            assert encoder.cache.num_bytes == 2 * HIDDEN * (1 + levels) * 4  # float32
+        else:
+            assert not results.arrived and "a" not in encoder.cache
+            assert f"expected floating point [2, {width}]" in results.failed["a"].message

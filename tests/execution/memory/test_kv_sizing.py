@@ -27,6 +27,7 @@ from mmserve.execution.memory.profile import (
 )
 from mmserve.layers.attention import TorchAttentionBackend
 from mmserve.models.loader import load_model
+from tests.support.deepstack import with_deepstack_levels
 
 GIB, MIB = 1 << 30, 1 << 20
 
@@ -228,6 +229,55 @@ def test_the_profile_run_reads_the_peak_of_the_vit_and_the_lm_at_their_budgets(
     assert figures.encoder_grids == ((1, 6, 8), (1, 4, 8))  # 12 + 8 tokens: the 20-token budget
     assert figures.lm_seq_lens == (24, 16)
     assert figures.num_sampled_rows == 4
+
+
+class SpliceRecorder:
+    """The tiny model as a DeepStack model meets the profile run: it takes encoder rows
+    hidden x (1 + levels) wide and splices the main embedding (each row's first `hidden`
+    values); it records the rows it was given."""
+
+    def __init__(self, model: torch.nn.Module, hidden: int) -> None:
+        self.model = model
+        self.hidden = hidden
+        self.rows: list[tuple[tuple[int, ...], torch.dtype, list[int]]] = []
+
+    def embed_multimodal(self, pixels, grids):
+        return self.model.embed_multimodal(pixels, grids)
+
+    def embed_input_ids(self, input_ids, mm_embeds=None, mm_index=None):
+        self.rows.append((tuple(mm_embeds.shape), mm_embeds.dtype, mm_index.tolist()))
+        return self.model.embed_input_ids(input_ids, mm_embeds[:, : self.hidden], mm_index)
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def compute_logits(self, hidden):
+        return self.model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("levels", [0, 2])
+def test_the_lm_profile_splices_rows_of_every_deepstack_level(qwen2_vl_dir: Path, levels) -> None:
+    """A step's gathered encoder rows live through its forward: the profile run gives the model
+    one row per token at the full row width (hidden x (1 + levels)), so its peak holds them."""
+    at_start = MemorySnapshot(free_bytes=70 * GIB, total_bytes=80 * GIB, reserved_bytes=0)
+    after = MemorySnapshot(free_bytes=50 * GIB, total_bytes=80 * GIB, reserved_bytes=19 * GIB)
+    memory = RecordedMemory([16 * GIB, 16 * GIB + MIB], peak=20 * GIB, snapshot=after)
+    gpu = _gpu_profile(qwen2_vl_dir, memory.events, at_start)
+    config = with_deepstack_levels(gpu.model_config, levels)
+    model = SpliceRecorder(gpu.model, config.hidden_size)
+    profile_memory(
+        model,
+        config,
+        gpu.attention_backend,
+        gpu.shape,
+        memory,
+        at_start,
+        device=gpu.device,
+        dtype=gpu.dtype,
+    )
+    num_tokens = gpu.shape.max_num_batched_tokens
+    width = config.hidden_size * (1 + levels)
+    assert model.rows == [((num_tokens, width), torch.float32, list(range(num_tokens)))]
 
 
 def test_profiled_budget_logs_each_figure(qwen2_vl_dir: Path, caplog) -> None:

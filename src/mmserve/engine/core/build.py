@@ -43,17 +43,18 @@ def build_core(
     """Start the worker and build the scheduler and the executor: what the engine process runs."""
     device = resolve_device(config.device.device)
     dtype = resolve_dtype(config.checkpoint.dtype, device, shape.model_config.dtype)
-    # One embedding in the runner's cache is [hidden] in the model's dtype: the encoder cache's
-    # bytes are the engine's to size (the API side admits by what the core reports).
+    # The encoder cache's bytes are the engine's to size (the API side admits by what the core
+    # reports).
     scheduler_config = dataclasses.replace(
-        shape.scheduler_config, encoder_embed_bytes=shape.model_config.hidden_size * dtype.itemsize
+        shape.scheduler_config,
+        encoder_embed_bytes=encoder_embed_bytes(shape.model_config, dtype),
     )
     encoder_source = None
     if config.encoder_pool.encoder_urls:  # images arrive as RemoteItems: the pool encodes them
         encoder_source = build_encoder_pool(
             config.encoder_pool,
             model_dir=shape.model_dir,
-            hidden_size=shape.model_config.hidden_size,
+            embedding_width=shape.model_config.mm_embedding_width,
             dtype=dtype,
             image_config=shape.image_config,
             media_config=loader_media_config(
@@ -74,7 +75,7 @@ def build_core(
         item_data=worker.runner.item_data,
         eos_token_ids=shape.eos_token_ids,
     )
-    _log_encoder_budget(scheduler_config)
+    _log_encoder_budget(scheduler_config, shape.model_config)
     metrics.set_gauge("kv_blocks_total", worker.num_blocks)
     metrics.set_gauge("kv_blocks_free", worker.num_blocks)
     metrics.set_gauge("encoder_cache_total_slots", scheduler_config.effective_encoder_cache_size)
@@ -111,6 +112,14 @@ def build_core(
     return core, resolved
 
 
+def encoder_embed_bytes(model_config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one embedding slot of the encoder cache: one row of an item's encoder output,
+    [mm_embedding_width] = the main embedding and every DeepStack level, in the model's dtype.
+    Every byte count of the encoder cache (its size, admission, the ledger, the metrics)
+    multiplies this."""
+    return model_config.mm_embedding_width * dtype.itemsize
+
+
 def _worker_config(
     config: EngineConfig,
     shape: EngineShape,
@@ -143,17 +152,19 @@ def _worker_config(
     )
 
 
-def _log_encoder_budget(sched: SchedulerConfig) -> None:
+def _log_encoder_budget(sched: SchedulerConfig, model_config: ModelConfig) -> None:
     logger.info(
         "encoder: at most %d input patches per step (largest item %d; --encoder-patch-budget), "
-        "cache %d bytes (%.1f MiB = %d embeddings of %d bytes; largest item %d embeddings; "
-        "--encoder-cache-bytes or --encoder-cache-size)",
+        "cache %d bytes (%.1f MiB = %d embeddings of %d bytes: hidden %d x (1 + %d DeepStack "
+        "levels); largest item %d embeddings; --encoder-cache-bytes or --encoder-cache-size)",
         sched.effective_encoder_patch_budget,
         sched.max_patches_per_mm_item,
         sched.effective_encoder_cache_bytes,
         sched.effective_encoder_cache_bytes / (1 << 20),
         sched.effective_encoder_cache_size,
         sched.encoder_embed_bytes,
+        model_config.hidden_size,
+        model_config.deepstack_levels,
         sched.max_tokens_per_mm_item,
     )
 

@@ -22,19 +22,21 @@ def build_encoder_pool(
     pool: EncoderPoolConfig,
     *,
     model_dir: Path,
-    hidden_size: int,
+    embedding_width: int,
     dtype: torch.dtype,
     image_config: ImageProcessorConfig,
     media_config: MediaConfig,
     metrics: EngineMetrics,
 ) -> RemoteEncoderPool:
     """The engine core's client of the encoder pool (discovers every encoder; ValueError on
-    one that is unreachable or serves another model). `media_config`: the local fallback's
-    URL policy and decode limits, the same as the API process's."""
+    one that is unreachable or serves another model). `embedding_width`: the model's encoder
+    output row width (hidden size x (1 + DeepStack levels)), what every encoder must return.
+    `media_config`: the local fallback's URL policy and decode limits, the same as the API
+    process's."""
     assert pool.encoder_urls
     identity = ModelIdentity(
         fingerprint=model_fingerprint(model_dir),
-        hidden_size=hidden_size,
+        embedding_width=embedding_width,
         dtype=str(dtype).removeprefix("torch."),
     )
     local = None

@@ -121,6 +121,7 @@ class AsyncLLMEngine:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         media_io_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> ProcessedPrompt:
         self._raise_if_dead()  # no media fetch or decode for a request that cannot run
         if multi_modal_uuids:
@@ -134,7 +135,11 @@ class AsyncLLMEngine:
             continue_final_message=continue_final_message,
             chat_template=chat_template,
             media_io_kwargs=media_io_kwargs,
+            tools=tools,
         )
+
+    def token_id(self, text: str) -> int | None:
+        return self.engine.input_processor.tokenizer.token_to_id(text)
 
     async def process_prompt(
         self, prompt: str | list[int], *, namespace: str = DEFAULT_NAMESPACE

@@ -85,10 +85,13 @@ class LLM:
         *,
         mm_processor_kwargs: Mapping[str, Any] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of conversations."""
+        """One conversation (a list of messages) or a list of conversations. `tools` (OpenAI
+        function tools) reach the chat template, as in vLLM's `LLM.chat`; the text comes back
+        as generated (tool-call and reasoning parsing are the server's)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         processor = self.engine.input_processor
         processed = [
@@ -96,6 +99,7 @@ class LLM:
                 conv,
                 mm_processor_kwargs=mm_processor_kwargs,
                 chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
             )
             for conv in conversations  # type: ignore[union-attr]
         ]

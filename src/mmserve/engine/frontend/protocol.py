@@ -68,7 +68,13 @@ class EngineClient(Protocol):
         continue_final_message: bool = False,
         chat_template: str | None = None,
         media_io_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,  # OpenAI function tools, for the template
     ) -> ProcessedPrompt: ...
+
+    def token_id(self, text: str) -> int | None:
+        """The id of `text` when it is one token of the vocabulary (a tag the output parsers
+        count by), else None."""
+        ...
 
     async def process_prompt(
         self,

@@ -35,8 +35,8 @@ class EncoderCache:
         return self._embeddings.get(identifier)
 
     def put(self, identifier: str, embeddings: torch.Tensor) -> None:
-        """Keep `embeddings` [num_embeds, hidden], moved to the model's device and dtype (a
-        no-op for the vision tower's own output; embeddings from the remote pool may differ)."""
+        """Keep `embeddings` [num_embeds, mm_embedding_width], moved to the model's device and
+        dtype (a no-op for the vision tower's own output; the remote pool's may differ)."""
         self._embeddings[identifier] = embeddings.to(
             device=self.device, dtype=self.dtype
         ).contiguous()

@@ -31,14 +31,17 @@ class RemoteItemIntake:
     (cancelled since, or never sent) is dropped, so the cache only ever holds what the
     scheduler's ledger counts. Without a source (a server with no encoder pool) every remote
     item fails with an internal error: the factory never lets one reach such a runner.
+
+    `embedding_width` is the model's encoder output row width (`ModelConfig.mm_embedding_width`:
+    hidden size x (1 + DeepStack levels)); an item arrives as [num_embeds, embedding_width].
     """
 
     def __init__(
-        self, source: EncoderSource | None, encoder: EncoderRunner, hidden_size: int
+        self, source: EncoderSource | None, encoder: EncoderRunner, embedding_width: int
     ) -> None:
         self.source = source
         self.encoder = encoder
-        self.hidden_size = hidden_size
+        self.embedding_width = embedding_width
         self.pending: dict[str, MultiModalFeature] = {}  # identifier -> the feature sent
         self.num_dropped = 0  # replies for items not pending (cancelled or unknown)
 
@@ -118,7 +121,7 @@ class RemoteItemIntake:
 
     def _take(self, feature: MultiModalFeature, arrival: EncoderArrival) -> str | None:
         """Cache the arrival's embeddings; the mismatch, in words, or None."""
-        expected = (feature.num_embeds, self.hidden_size)
+        expected = (feature.num_embeds, self.embedding_width)
         if arrival.pixels is not None:  # the pool fell back to this side's vision tower
             if tuple(arrival.pixels.grid_thw) != tuple(feature.grid_thw):
                 return (

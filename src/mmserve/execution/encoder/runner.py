@@ -21,7 +21,8 @@ class EncodeJob(NamedTuple):
     pixels: EncoderInput | None
 
 
-# embed_multimodal(pixel_values [total_patches, C*T*P*P], grid_thw) -> one [n_i, hidden] per item
+# embed_multimodal(pixel_values [total_patches, C*T*P*P], grid_thw)
+#   -> one [n_i, mm_embedding_width] per item (the main embedding, then each DeepStack level)
 EmbedFn = Callable[[torch.Tensor, list[tuple[int, int, int]]], list[torch.Tensor]]
 
 

@@ -23,7 +23,7 @@ class EncoderArrival:
     """One item's result: its embeddings, or (the local fallback) its pixels to encode here."""
 
     identifier: str
-    embeddings: torch.Tensor | None = None  # [num_embeds, hidden], any device and dtype
+    embeddings: torch.Tensor | None = None  # [num_embeds, mm_embedding_width], any device, dtype
     pixels: EncoderInput | None = None  # the pool could not encode it: encode these here
     encoder: str = ""  # who answered: an encoder's URL, or "local"
 

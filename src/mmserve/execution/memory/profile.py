@@ -117,7 +117,8 @@ def profile_memory(
     embeds = model.embed_multimodal(pixels, grids)
     del pixels, embeds
     seq_lens = lm_profile_seq_lens(shape.max_num_batched_tokens, shape.max_model_len)
-    num_rows = _run_lm(model, attention_backend, kv_caches, seq_lens, shape, device)
+    mm_rows = (model_config.mm_embedding_width, dtype)
+    num_rows = _run_lm(model, attention_backend, kv_caches, seq_lens, shape, device, mm_rows)
     memory.synchronize()
     activation_peak_bytes = max(0, memory.peak_allocated_bytes() - live_before_bytes)
     del kv_caches
@@ -142,9 +143,17 @@ def _run_lm(
     seq_lens: list[int],
     shape: ProfileShape,
     device: torch.device,
+    mm_rows: tuple[int, torch.dtype],
 ) -> int:
     """One forward over `seq_lens` fresh prefills, then the LM head and the sampler on as many
-    rows as a step samples at most; the number of rows."""
+    rows as a step samples at most; the number of rows. `mm_rows`: the width and dtype of the
+    encoder cache's rows.
+
+    NOTE: every token is spliced as an image's: a step's gathered encoder rows
+    ([num_tokens, mm_embedding_width], the main embedding and every DeepStack level) stay live
+    through its forward and sampling, and the model may keep parts of them (DeepStack levels
+    for the first decoder layers), so the peak covers them at the token budget.
+    """
     tables = [[0] * -(-n // shape.block_size) for n in seq_lens]  # every entry: the one block
     metadata = attention_backend.build_metadata(
         seq_lens, seq_lens, tables, shape.block_size, device
@@ -153,13 +162,17 @@ def _run_lm(
     positions = torch.cat([torch.arange(n, device=device) for n in seq_lens])
     positions = positions.unsqueeze(0).expand(3, -1)  # [3, num_tokens]: text positions
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-    embeds = model.embed_input_ids(input_ids)  # [num_tokens, hidden]
+    width, dtype = mm_rows
+    mm_embeds = torch.zeros(num_tokens, width, dtype=dtype, device=device)  # [num_tokens, width]
+    mm_index = torch.arange(num_tokens, device=device)  # [num_tokens]
+    embeds = model.embed_input_ids(input_ids, mm_embeds, mm_index)  # [num_tokens, hidden]
     hidden = model(None, positions, metadata, kv_caches, inputs_embeds=embeds)
     num_rows = min(shape.max_num_seqs, num_tokens)
     logits = model.compute_logits(hidden[-num_rows:])  # [num_rows, vocab]
     # as in a step: the forward's embeddings are gone, its hidden states live through sampling
     del embeds
     _run_sampler(logits, shape.max_logprobs, device)
+    del mm_embeds
     return num_rows
 
 
