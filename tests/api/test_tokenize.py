@@ -65,7 +65,10 @@ async def test_rendering_options_reach_the_renderer(
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, None),
         ({"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, None),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, None),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]},
+            "tools[0].type",
+        ),
     ],
 )
 async def test_tokenize_refusals_name_the_field(
@@ -122,3 +125,12 @@ async def test_a_request_chat_template_needs_the_server_to_trust_it(engine: Echo
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
         assert (await c.post("/tokenize", json=body)).status_code == 200
+
+
+async def test_tools_reach_the_template_as_in_chat(client: httpx.AsyncClient) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "x"}]
+    plain = (await client.post("/tokenize", json={"messages": messages})).json()
+    with_tools = await client.post("/tokenize", json={"messages": messages, "tools": [tool]})
+    assert with_tools.status_code == 200, with_tools.text
+    assert with_tools.json()["count"] > plain["count"]  # the echo renders them as a system turn

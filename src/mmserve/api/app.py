@@ -216,7 +216,13 @@ def create_app(
                 body = parse_responses_request(await read_json_body(request))
                 names_of.num_instruction_messages = int(body.instructions is not None)
                 chat = to_chat_request(body)
-                params = _check_before_processing(chat)
+                tools = tool_request(
+                    chat.tools,
+                    chat.tool_choice,
+                    chat.parallel_tool_calls,
+                    enable_auto_tool_choice=enable_auto_tool_choice,
+                )
+                params = with_tools(_check_before_processing(chat), tools)
                 prompt = await until_disconnect(
                     request,
                     engine.process_chat(
@@ -224,9 +230,13 @@ def create_app(
                         mm_processor_kwargs=chat.mm_processor_kwargs,
                         namespace=namespace,
                         chat_template_kwargs=chat.chat_template_kwargs,
+                        tools=tools.template_tools if tools is not None else None,
                     ),
                 )
-                fmt = ResponsesFormat(body, primary, params, new_response_id())
+                parsing = None
+                if tools is not None:
+                    parsing = AnswerParsing(tools=tools, auto_tool_parser=tool_call_parser)
+                fmt = ResponsesFormat(body, primary, params, new_response_id(), parsing)
                 return await _generate(request, chat, params, prompt, fmt, response_events)
 
         return await _answer(run)

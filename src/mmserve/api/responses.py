@@ -23,6 +23,12 @@ from pydantic import ValidationError
 from mmserve.api.errors import APIError, validation_error
 from mmserve.api.protocol import ChatCompletionRequest
 from mmserve.api.responses_protocol import NO_OP_FIELDS, REFUSAL_REASONS, ResponsesRequest
+from mmserve.api.responses_tools import (
+    chat_tool_choice,
+    chat_tools,
+    function_call_message,
+    function_output_message,
+)
 from mmserve.api.unsupported import same_json_value
 from mmserve.errors import InvalidRequestError
 
@@ -32,6 +38,7 @@ _PARAM_NAMES = (
     ("response_format", "text.format"),
     ("max_completion_tokens", "max_output_tokens"),
     ("max_tokens", "max_output_tokens"),
+    ("tool_choice.function", "tool_choice"),
     ("messages", "input"),
 )
 
@@ -75,16 +82,11 @@ def parse_responses_request(data: dict[str, Any]) -> ResponsesRequest:
             'or send "medium"',
             param="text.verbosity",
         )
-    if body.tools:
+    if body.stream and body.tools and body.tool_choice != "none":
         raise InvalidRequestError(
-            "tools (function calling) are not supported by this server yet; omit tools",
-            param="tools",
-        )
-    if body.tool_choice not in (None, "none", "auto"):
-        raise InvalidRequestError(
-            "tool_choice needs tools, which this server does not support yet; omit it or "
-            'send "auto"',
-            param="tool_choice",
+            "stream: true with tools is not supported by this server's Responses API yet; "
+            "send stream: false (or tool_choice: none), or use chat completions",
+            param="stream",
         )
     return body
 
@@ -110,6 +112,9 @@ def to_chat_request(body: ResponsesRequest) -> ResponsesChatRequest:
         "mm_processor_kwargs": body.mm_processor_kwargs,
         "chat_template_kwargs": body.chat_template_kwargs,
         "response_format": _response_format(body),
+        "tools": chat_tools(body.tools),
+        "tool_choice": chat_tool_choice(body.tool_choice),
+        "parallel_tool_calls": body.parallel_tool_calls,
     }
     try:
         return ResponsesChatRequest.model_validate({k: v for k, v in chat.items() if v is not None})
@@ -192,11 +197,10 @@ def chat_messages(given: str | list[dict[str, Any]], instructions: str | None) -
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     kind = item.get("type", "message")
-    if kind in ("function_call", "function_call_output"):
-        raise InvalidRequestError(
-            f"{where} is a {kind} item; tool calling is not supported by this server yet",
-            param=f"{where}.type",
-        )
+    if kind == "function_call":
+        return function_call_message(item, where)
+    if kind == "function_call_output":
+        return function_output_message(item, where)
     if kind != "message":
         raise InvalidRequestError(
             f"{where}.type {_short(kind)} is not supported; input items are messages "

@@ -13,7 +13,9 @@ import time
 import uuid
 from typing import Any
 
+from mmserve.api.chat_output import AnswerParsing, ChoiceParser
 from mmserve.api.responses_protocol import ResponsesRequest
+from mmserve.api.responses_tools import function_call_items
 from mmserve.engine.frontend.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
@@ -22,9 +24,16 @@ class ResponsesFormat:
     """Builds the Response object (and its output items) of one request."""
 
     def __init__(
-        self, body: ResponsesRequest, model: str, params: SamplingParams, request_id: str
+        self,
+        body: ResponsesRequest,
+        model: str,
+        params: SamplingParams,
+        request_id: str,
+        parsing: AnswerParsing | None = None,
     ) -> None:
+        """`parsing`: the tool calls to read out of the answer (chat's parser)."""
         self.body = body
+        self.parsing = parsing
         self.model = model
         self.params = params
         self.request_id = request_id
@@ -35,11 +44,12 @@ class ResponsesFormat:
         """The whole answer of a finished request (non-streaming)."""
         (choice,) = final.outputs
         status = message_status(choice.finish_reason)
-        return self.snapshot(
-            status,
-            output=[self.message(choice.text, status)],
-            usage=usage(final, choice.num_tokens),
-        )
+        text, calls = choice.text, []
+        if self.parsing is not None:
+            message = ChoiceParser(self.parsing).message(choice.text, choice.token_ids)
+            text, calls = message.get("content") or "", function_call_items(message)
+        output = [self.message(text, status)] if text or not calls else []
+        return self.snapshot(status, output=output + calls, usage=usage(final, choice.num_tokens))
 
     def message(self, text: str, status: str) -> dict[str, Any]:
         """The assistant message output item; its one part holds `text`."""
@@ -84,7 +94,7 @@ class ResponsesFormat:
             if body.parallel_tool_calls is None
             else body.parallel_tool_calls,
             "tool_choice": body.tool_choice or "auto",
-            "tools": [],
+            "tools": body.tools or [],
             "text": {
                 "format": (
                     {"type": "text"}

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mmserve.api.errors import validation_error
 from mmserve.api.protocol import ChatMessage
+from mmserve.api.tools import tool_request
 from mmserve.engine.frontend.protocol import EngineClient, TextTokenizer
 from mmserve.errors import InvalidRequestError
 
@@ -52,7 +53,7 @@ class TokenizeChatRequest(_Strict):
     mm_processor_kwargs: dict[str, Any] | None = None
     media_io_kwargs: dict[str, Any] | None = None
     multi_modal_uuids: dict[str, list[str | None]] | None = None
-    tools: list[Any] | None = None
+    tools: Any = None  # checked by api/tools.py, as chat's
 
 
 class DetokenizeRequest(_Strict):
@@ -94,11 +95,6 @@ def _refuse_chat_options(body: TokenizeChatRequest, trust_request_chat_template:
             "--trust-request-chat-template (as chat completions); omit chat_template",
             param="chat_template",
         )
-    if body.tools:
-        raise InvalidRequestError(
-            "tools are not supported by this server's chat template rendering; omit tools",
-            param="tools",
-        )
     if body.add_special_tokens:
         raise InvalidRequestError(
             "add_special_tokens: true is not supported with messages: chat completions add "
@@ -111,6 +107,8 @@ async def tokenize(engine: EngineClient, body: TokenizeRequest, namespace: str) 
     """The token ids a prompt (or a chat) becomes, exactly as generation would see them."""
     tokenizer = engine.tokenizer
     if isinstance(body, TokenizeChatRequest):
+        # the tools as the chat template sees them (checked as chat checks them)
+        tools = tool_request(body.tools, "none", None, enable_auto_tool_choice=False)
         prompt = await engine.process_chat(
             [m.model_dump(exclude_none=True) for m in body.messages],
             mm_processor_kwargs=body.mm_processor_kwargs,
@@ -121,6 +119,7 @@ async def tokenize(engine: EngineClient, body: TokenizeRequest, namespace: str) 
             continue_final_message=body.continue_final_message,
             chat_template=body.chat_template,
             media_io_kwargs=body.media_io_kwargs,
+            tools=tools.template_tools if tools is not None else None,
         )
         token_ids = list(prompt.prompt_token_ids)
     elif len(body.prompt) > _ENCODE_IN_THREAD_CHARS:
