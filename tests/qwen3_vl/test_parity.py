@@ -155,3 +155,27 @@ def test_deepstack_rows_reach_prefill_steps_only_each_row_once(qwen3_vl_dir, mon
     assert sum(len(rows) for _, rows in with_rows) == num_image_tokens
     assert all(0 <= i < n for n, rows in with_rows for i in rows)
     assert calls[-2:] == [(1, None), (1, None)]  # the two decode steps: none
+
+
+def test_unchunked_items_a_patch_budget_and_misses_batched_across_requests(qwen3_vl_dir, expected):
+    """--disable-chunked-mm-input with a patch budget floored at the largest image (so a step's
+    misses take several encoder calls), then the default budget, which encodes the images of
+    several requests in one call: every answer of the batch still equals transformers'."""
+    requests = [_request(p, imgs) for p, imgs in QWEN3_CASES.values()]
+    num_images = sum(len(imgs) for _, imgs in QWEN3_CASES.values())
+    bounded = {
+        "mm_processor_kwargs": {"max_pixels": 128 * 128},  # the largest case image, unresized
+        "limit_mm_per_prompt": {"image": 2, "video": 0},
+    }
+    unchunked = {"max_num_batched_tokens": 64, "disable_chunked_mm_input": True}
+    with LLM(model=str(qwen3_vl_dir), encoder_patch_budget=1, **unchunked, **bounded) as llm:
+        batch = llm.generate(requests, GREEDY)
+        one_at_a_time = llm.engine.metrics.snapshot().counters["encoder_forward_calls"]
+    assert [o.outputs[0].token_ids for o in batch] == list(expected.values())
+    with LLM(model=str(qwen3_vl_dir), **bounded) as llm:
+        batch = llm.generate(requests, GREEDY)
+        together = llm.engine.metrics.snapshot().counters["encoder_forward_calls"]
+    assert [o.outputs[0].token_ids for o in batch] == list(expected.values())
+    # the budget splits the step's misses into several calls; without it, one call takes the
+    # images of several requests
+    assert together < one_at_a_time and together < num_images, (together, one_at_a_time)
