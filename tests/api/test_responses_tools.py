@@ -4,6 +4,7 @@ the template as chat's tool_calls / tool messages."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import httpx
@@ -90,7 +91,6 @@ async def test_tool_history_items_reach_the_template(
         ({"tools": [{**WEATHER, "extra": 1}]}, "tools[0].extra"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice.name"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, None),
-        ({"tools": [WEATHER], "stream": True}, "stream"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
         ({"input": [{"type": "function_call_output", "call_id": 1, "output": "x"}]}, None),
     ],
@@ -108,3 +108,35 @@ async def test_auto_tool_choice_needs_the_server_flag(client: httpx.AsyncClient)
     body = {"model": MODEL, "input": "x", "tools": [WEATHER]}
     error = assert_openai_error(await client.post("/v1/responses", json=body), 400)
     assert "--enable-auto-tool-choice" in error["message"]
+
+
+async def test_a_streamed_call_adds_up_to_the_whole_one(tools_client: httpx.AsyncClient) -> None:
+    body = {
+        "model": MODEL,
+        "input": "Paris?",
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 6,
+    }
+    whole = (await tools_client.post("/v1/responses", json=body)).json()["output"][0]
+    resp = await tools_client.post("/v1/responses", json={**body, "stream": True})
+    assert resp.status_code == 200, resp.text
+    events = [
+        json.loads(block.split("\n")[1].removeprefix("data: "))
+        for block in filter(None, resp.text.split("\n\n"))
+    ]
+    kinds = [e["type"] for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert events[2]["item"]["type"] == "function_call"
+    assert kinds[-3:] == [
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    deltas = "".join(
+        e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"
+    )
+    (call,) = events[-1]["response"]["output"]
+    assert deltas == call["arguments"] == whole["arguments"] == events[-3]["arguments"]
+    assert call["name"] == "get_weather" and call["status"] == "completed"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))

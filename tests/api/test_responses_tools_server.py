@@ -126,3 +126,23 @@ def test_tool_history_renders_like_chat(server) -> None:
     assert response.output_text == chat.choices[0].message.content
     assert response.usage is not None and chat.usage is not None
     assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_a_streamed_call_is_the_whole_call(server) -> None:
+    request = {
+        "model": _model(server),
+        "input": ASK,
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 200,
+        "temperature": 0,
+    }
+    whole = server.client.responses.create(**request)
+    with server.client.responses.stream(**request) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        final = stream.get_final_response()  # the call finished: response.completed
+    (call,) = final.output
+    (expected,) = whole.output
+    assert call.type == expected.type == "function_call"
+    assert "".join(deltas) == call.arguments == expected.arguments
+    jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMETERS)

@@ -82,12 +82,6 @@ def parse_responses_request(data: dict[str, Any]) -> ResponsesRequest:
             'or send "medium"',
             param="text.verbosity",
         )
-    if body.stream and body.tools and body.tool_choice != "none":
-        raise InvalidRequestError(
-            "stream: true with tools is not supported by this server's Responses API yet; "
-            "send stream: false (or tool_choice: none), or use chat completions",
-            param="stream",
-        )
     return body
 
 
