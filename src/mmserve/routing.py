@@ -4,8 +4,10 @@ Rendezvous (highest-random-weight) hashing ranks the nodes for a key: every send
 the same way without talking to the others, and removing a node moves only the keys it was
 first for. A picture sent by two language servers therefore meets the same encoder, whose
 embedding cache answers the second request. Load bounds the affinity: the first-ranked node
-is skipped while it carries more than its fair share (plus slack) of the work in flight, so
-a burst of one hot key cannot queue behind a single node while others idle.
+is skipped only while it carries both more than its fair share (1.25x the mean) of the work in
+flight and more than AFFINITY_SLACK beyond the least-loaded node, so a burst cannot queue
+behind one node while others idle, but a short queue (or a load figure a moment stale, as an
+encoder's last pong is) never sends a picture away from the node that has it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from collections.abc import Sequence
 import blake3
 
 LOAD_SLACK = 0.25  # a node may carry up to 1.25x the mean load (counting the new item) first
+# ... or this much more than the least-loaded node: in encoder input patches, four 1024x1024
+# pictures at patch 16 (a wait shorter than that costs less than encoding the item again)
+AFFINITY_SLACK = 16384
 
 
 def _weight(key: str, node: str) -> int:
@@ -28,18 +33,27 @@ def rendezvous_order(key: str, nodes: Sequence[str]) -> list[int]:
     return sorted(range(len(nodes)), key=lambda i: (-_weight(key, nodes[i]), nodes[i]))
 
 
-def choose_bounded(key: str, nodes: Sequence[str], loads: Sequence[int], cost: int) -> int | None:
+def choose_bounded(
+    key: str,
+    nodes: Sequence[str],
+    loads: Sequence[int],
+    cost: int,
+    *,
+    slack: int = AFFINITY_SLACK,
+) -> int | None:
     """The index of the node to send a `cost`-sized item with `key` to, or None if no nodes.
 
-    The highest-ranked node whose load after taking the item stays within the bound
-    ceil((1 + LOAD_SLACK) * (total load + cost) / len(nodes)); an idle node is always within
-    it. The least-loaded node always satisfies the bound, so a choice is always made."""
+    The highest-ranked node whose load after taking the item stays within the bound: the
+    larger of ceil((1 + LOAD_SLACK) * (total load + cost) / len(nodes)) and the least load +
+    cost + `slack`. An idle node is always within it, and so is the least-loaded node, so a
+    choice is always made."""
     if len(nodes) != len(loads):
         raise ValueError(f"{len(nodes)} nodes but {len(loads)} loads")
     if not nodes:
         return None
     cost = max(cost, 0)
-    bound = math.ceil((1 + LOAD_SLACK) * (sum(loads) + cost) / len(nodes))
+    fair = math.ceil((1 + LOAD_SLACK) * (sum(loads) + cost) / len(nodes))
+    bound = max(fair, min(loads) + cost + slack)
     order = rendezvous_order(key, nodes)
     for i in order:
         if loads[i] == 0 or loads[i] + cost <= bound:

@@ -189,17 +189,18 @@ def test_fan_out_by_input_patches_not_by_count(fakes, pools):
     a, b = tried_first(fakes(2), 1)
     a.behaviour.mode = b.behaviour.mode = "hang"  # nothing finishes: loads only grow
     pool = pools([a, b], timeout_s=5.0)
-    pool.submit("r1", *remote(1, grid=(1, 40, 40)))  # 1600 patches: a 4K image's stand-in
+    # 40,000 patches: a 4K image (beyond routing.AFFINITY_SLACK, so it outweighs the affinity)
+    pool.submit("r1", *remote(1, grid=(1, 200, 200)))
     for n in range(2, 5):
         pool.submit("r1", *remote(n, grid=(1, 4, 4)))  # 16 patches each: thumbnails
     assert wait_until(lambda: len(a.items) + len(b.items) == 4)
-    assert [i.item.grid_thw for i in a.items] == [(1, 40, 40)]
+    assert [i.item.grid_thw for i in a.items] == [(1, 200, 200)]
     assert len(b.items) == 3 and {i.item_index for i in b.items} == {1, 2, 3}
 
 
 def test_fan_out_counts_the_encoders_own_queue(fakes, pools):
     a, b = fakes(2)
-    a.behaviour.queued_patches = 10_000  # busy with other servers' work
+    a.behaviour.queued_patches = 100_000  # busy with other servers' work, beyond the slack
     pool = pools([a, b])
     # the pool sends a ping only after handling what arrived before it: its first pong is in
     assert wait_until(lambda: a.pings >= 3)
