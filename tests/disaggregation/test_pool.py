@@ -1,8 +1,8 @@
-"""RemoteEncoderPool against fake encoders: fan-out, timeouts, retries, fallback, drops."""
+"""RemoteEncoderPool against fake encoders: arrivals, routing by identity and load, timeouts,
+retries, fallback (faults: test_pool_faults.py; discovery: test_pool_discovery.py)."""
 
 from __future__ import annotations
 
-import re
 import time
 
 import numpy as np
@@ -10,118 +10,26 @@ import pytest
 import torch
 from PIL import Image
 
-from mmserve.disaggregation.discovery import EncoderEndpoint, ModelIdentity, discover
+from mmserve.disaggregation.discovery import ModelIdentity
 from mmserve.disaggregation.local_fallback import LocalFallback
-from mmserve.disaggregation.pool import PoolConfig, RemoteEncoderPool
-from mmserve.disaggregation.protocol import ENCODER_PROTOCOL_VERSION, content_digest
 from mmserve.errors import FailureKind
 from mmserve.metrics import EngineMetrics
-from mmserve.multimodal import MultiModalFeature, PlaceholderRange, RemoteItem
 from mmserve.processing.image_processor import ImageProcessorConfig, process_image
 from mmserve.processing.media import MediaLoader
-from mmserve.routing import rendezvous_order
+from tests.disaggregation.pool_helpers import (
+    RGB,
+    collect,
+    feature,
+    labelled,
+    remote,
+    tried_first,
+    wait_until,
+)
 from tests.support.fake_encoder import (
     FINGERPRINT,
     HIDDEN,
-    FakeEncoder,
     expected_embeddings,
 )
-
-IDENTITY = ModelIdentity(FINGERPRINT, HIDDEN, "float32")
-RGB_SIZE = (56, 56)  # 56x56 under the default processor: a (1, 4, 4) grid, 4 embeddings
-RGB = np.random.default_rng(0).integers(0, 256, (56, 56, 3), dtype=np.uint8).tobytes()
-
-
-def feature(n: int, grid: tuple[int, int, int] = (1, 4, 4), offset: int = 3) -> MultiModalFeature:
-    num_embeds = grid[0] * grid[1] * grid[2] // 4
-    placeholder = PlaceholderRange(offset, num_embeds)
-    return MultiModalFeature(f"{n:04x}" + "ab" * 30, "image", placeholder, grid, is_remote=True)
-
-
-def remote(n: int, grid: tuple[int, int, int] = (1, 4, 4), offset: int = 3):
-    """What `pool.submit` takes for item n: its spec and its RemoteItem (an RGB array)."""
-    item = RemoteItem("rgb", RGB, None, RGB_SIZE, 3136, 12845056, grid, content_digest(RGB))
-    return feature(n, grid, offset), item
-
-
-def tried_first(encoders: list[FakeEncoder], n: int = 1) -> list[FakeEncoder]:
-    """`encoders` in the order the pool tries them for item n when their loads are equal: it
-    ranks them by rendezvous hashing on the item's identity (mmserve/routing.py), and their
-    URLs hold random ports, so a test that needs one encoder met first orders them by this."""
-    order = rendezvous_order(feature(n).identifier, [e.url for e in encoders])
-    return [encoders[i] for i in order]
-
-
-def items_first_on(encoder: FakeEncoder, encoders: list[FakeEncoder], count: int) -> list[int]:
-    """The first `count` item numbers that `encoder` is tried first for among `encoders`."""
-    found: list[int] = []
-    n = 0
-    while len(found) < count:
-        n += 1
-        if tried_first(encoders, n)[0] is encoder:
-            found.append(n)
-    return found
-
-
-@pytest.fixture
-def fakes(request):
-    made: list[FakeEncoder] = []
-
-    def make(count: int = 2, **kw) -> list[FakeEncoder]:
-        made.extend(FakeEncoder(**kw) for _ in range(count))
-        return made[-count:]
-
-    yield make
-    for fake in made:
-        fake.close()
-
-
-@pytest.fixture
-def pools():
-    made: list[RemoteEncoderPool] = []
-
-    def make(encoders, *, metrics=None, local=None, identity=IDENTITY, **kw) -> RemoteEncoderPool:
-        # pings every 50 ms; silent for 0.5 s (a starved CI machine's pause is shorter) is out
-        defaults = {
-            "fallback": "fail",
-            "timeout_s": 0.5,
-            "ping_interval_s": 0.05,
-            "missed_pings": 10,
-        }
-        kw = defaults | kw
-        config = PoolConfig(tuple(f.url for f in encoders), identity, **kw)
-        endpoints = [EncoderEndpoint(f.url, f.zmq_address) for f in encoders]
-        pool = RemoteEncoderPool(
-            config, endpoints, metrics=metrics or EngineMetrics(), local_fallback=local
-        )
-        made.append(pool)
-        return pool
-
-    yield make
-    for pool in made:
-        pool.shutdown()
-
-
-def collect(pool: RemoteEncoderPool, count: int, timeout_s: float = 15.0):
-    arrivals, failures = [], []
-    deadline = time.monotonic() + timeout_s
-    while len(arrivals) + len(failures) < count and time.monotonic() < deadline:
-        pool.wait(0.05)
-        got, failed = pool.poll()
-        arrivals += got
-        failures += failed
-    return arrivals, failures
-
-
-def labelled(metrics: EngineMetrics, name: str) -> dict[str, float]:
-    return metrics.snapshot().labelled_counters[name]
-
-
-def wait_until(check, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return check()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -299,196 +207,3 @@ def test_local_fallback_fails_an_item_whose_grid_differs_from_the_plan(fakes, po
     _, failures = collect(pool, 1)
     assert len(failures) == 1 and failures[0].failure.kind is FailureKind.REQUEST
     assert "planned as (1, 8, 8)" in failures[0].failure.message
-
-
-def test_a_silent_encoder_leaves_rotation_and_comes_back_when_it_answers(fakes, pools):
-    a, b = fakes(2)
-    first, again = items_first_on(a, [a, b], 2)
-    a.behaviour.answer_pings = False
-    metrics = EngineMetrics()
-    pool = pools([a, b], metrics=metrics)
-    gauge = lambda: metrics.snapshot().gauges["remote_encoder_healthy"]  # noqa: E731
-    assert wait_until(lambda: gauge() == 1)
-    pool.submit("r1", *remote(first))  # a would be tried first: it is out of rotation
-    assert [x.encoder for x in collect(pool, 1)[0]] == [b.url]
-    a.behaviour.answer_pings = True
-    assert wait_until(lambda: gauge() == 2)
-    pool.submit("r2", *remote(again))  # equal loads: the first-ranked encoder again
-    assert [x.encoder for x in collect(pool, 1)[0]] == [a.url]
-
-
-def test_duplicate_and_stale_replies_are_dropped_and_counted(fakes, pools):
-    a, b = fakes(2)
-    n1, n2, n3 = items_first_on(a, [a, b], 3)
-    a.behaviour.mode = "twice"
-    metrics = EngineMetrics()
-    pool = pools([a, b], metrics=metrics, timeout_s=0.3)
-    pool.submit("r1", *remote(n1))
-    assert len(collect(pool, 1)[0]) == 1
-    dropped = lambda: labelled(metrics, "remote_encoder_dropped_messages")  # noqa: E731
-    assert wait_until(lambda: dropped().get("duplicate") == 1)
-    a.behaviour.mode = "ok"
-    a.behaviour.reply_delay_s = 0.6  # answers after the item moved to b
-    pool.submit("r2", *remote(n2))
-    arrivals, _ = collect(pool, 1)
-    assert [x.encoder for x in arrivals] == [b.url]
-    assert wait_until(lambda: dropped().get("stale") == 1)
-    a.behaviour.reply_delay_s = 0.0
-    a.behaviour.mode = "stale_first"  # first an attempt number this item never had
-    assert wait_until(lambda: metrics.snapshot().gauges["remote_encoder_healthy"] == 2)
-    pool.submit("r3", *remote(n3))
-    assert [x.encoder for x in collect(pool, 1)[0]] == [a.url]
-    assert wait_until(lambda: dropped().get("unknown") == 1)
-    assert pool.poll() == ([], [])  # nothing dropped ever reaches the runner
-
-
-def test_garbage_truncated_and_unsigned_frames_are_dropped_and_the_pool_goes_on(fakes, pools):
-    (a,) = fakes(1, secret=b"k3y")
-    a.behaviour.mode = "garbage_first"
-    metrics = EngineMetrics()
-    pool = pools([a], metrics=metrics, secret=b"k3y")
-    pool.submit("r1", *remote(1))
-    arrivals, failures = collect(pool, 1)
-    assert failures == [] and len(arrivals) == 1
-    dropped = labelled(metrics, "remote_encoder_dropped_messages")
-    assert dropped == {"bad_mac": 3, "frame_count": 1}
-    a.behaviour.mode = "bad_payload"  # a result whose bytes do not fit its shape
-    pool.submit("r2", *remote(2))
-    _, failures = collect(pool, 1)
-    assert len(failures) == 1 and "payload bytes" in failures[0].failure.message
-    assert labelled(metrics, "remote_encoder_dropped_messages")["bad_payload"] == 1
-
-
-def test_replies_signed_with_another_secret_are_dropped(fakes, pools):
-    (a,) = fakes(1, secret=b"shared")
-    a.behaviour.sign_with = b"not-the-shared-one"
-    metrics = EngineMetrics()
-    pool = pools([a], metrics=metrics, secret=b"shared", timeout_s=0.3)
-    pool.submit("r1", *remote(1))
-    arrivals, failures = collect(pool, 1)
-    assert arrivals == [] and failures[0].failure.kind is FailureKind.UNAVAILABLE
-    assert labelled(metrics, "remote_encoder_dropped_messages")["bad_mac"] >= 1
-
-
-def test_cancel_stops_a_pending_item_and_its_late_reply_is_dropped(fakes, pools):
-    (a,) = fakes(1)
-    a.behaviour.reply_delay_s = 0.2
-    metrics = EngineMetrics()
-    pool = pools([a], metrics=metrics)
-    pool.submit("r1", *remote(1))
-    assert a.wait_for_items(1)
-    pool.cancel([feature(1).identifier, "never-submitted"])
-    assert pool.num_pending() == 0
-    assert wait_until(lambda: a.cancels)
-    assert a.cancels[0].attempts == [a.items[0].attempt]
-    dropped = lambda: labelled(metrics, "remote_encoder_dropped_messages")  # noqa: E731
-    assert wait_until(lambda: dropped().get("cancelled") == 1)
-    assert pool.poll() == ([], [])
-    a.behaviour.reply_delay_s = 0.0
-    pool.submit("r2", *remote(2))
-    assert wait_until(lambda: pool.num_pending() == 0)  # arrived, not polled yet
-    pool.cancel(iter([feature(2).identifier]))  # its request went away meanwhile
-    assert pool.poll() == ([], [])
-
-
-def test_an_item_too_large_for_a_message_header_fails_alone(fakes, pools):
-    (a,) = fakes(1)
-    pool = pools([a])
-    url = "https://img.example/" + "x" * (70 * 1024)
-    item = RemoteItem("url", None, url, None, 3136, 12845056, (1, 4, 4), "d" * 64)
-    spec = MultiModalFeature("e" * 64, "image", PlaceholderRange(0, 4), (1, 4, 4), is_remote=True)
-    pool.submit("r1", spec, item)
-    _, failures = collect(pool, 1)
-    failure = failures[0].failure
-    assert failure.kind is FailureKind.REQUEST and "header" in failure.message
-    pool.submit("r2", *remote(2))  # the pool goes on
-    assert len(collect(pool, 1)[0]) == 1 and a.items[0].request_id == "r2"
-
-
-def test_a_dead_io_thread_fails_every_pending_item_and_every_later_one(fakes, pools):
-    (a,) = fakes(1)
-    a.behaviour.mode = "hang"
-    pool = pools([a], timeout_s=5.0)
-    pool.submit("r1", *remote(1))
-    pool.io_failed("RuntimeError in the encoder pool's I/O thread")  # what its thread reports
-    pool.submit("r2", *remote(2))
-    _, failures = collect(pool, 2)
-    assert [f.identifier for f in failures] == [feature(1).identifier, feature(2).identifier]
-    assert {f.failure.kind for f in failures} == {FailureKind.INTERNAL}
-    assert pool.num_pending() == 0
-
-
-def test_discovery_refuses_an_encoder_of_another_model(fakes):
-    (a,) = fakes(1)
-    assert discover(a.url, IDENTITY, secret=None, timeout_s=2).zmq_address == a.zmq_address
-    a.behaviour.fingerprint = "0" * 64
-    with pytest.raises(ValueError, match=f"encoder {a.url} serves another checkpoint"):
-        discover(a.url, IDENTITY, secret=None, timeout_s=2)
-    a.behaviour.fingerprint = FINGERPRINT
-    with pytest.raises(ValueError, match="rows of width 8, this model needs 16"):
-        discover(a.url, ModelIdentity(FINGERPRINT, 16, "float32"), secret=None, timeout_s=2)
-    with pytest.raises(ValueError, match="encodes in float32, this server runs bfloat16"):
-        discover(a.url, ModelIdentity(FINGERPRINT, HIDDEN, "bfloat16"), secret=None, timeout_s=2)
-
-
-def test_discovery_refuses_an_encoder_without_the_models_deepstack_levels(fakes):
-    (a,) = fakes(1)
-    deep = ModelIdentity(FINGERPRINT, HIDDEN * 4, "float32")  # 3 DeepStack levels
-    expected = (
-        f"encoder {a.url} returns embedding rows of width {HIDDEN}, this model needs "
-        f"{HIDDEN * 4} (hidden size x (1 + DeepStack levels))"
-    )
-    with pytest.raises(ValueError, match=re.escape(expected)):
-        discover(a.url, deep, secret=None, timeout_s=2)
-    a.behaviour.embedding_width = HIDDEN * 4
-    assert discover(a.url, deep, secret=None, timeout_s=2).zmq_address == a.zmq_address
-
-
-def test_discovery_refuses_an_encoder_of_another_protocol_version(fakes):
-    """Version 1 named the width `hidden_size` (and did not name its version)."""
-    (a,) = fakes(1)
-    a.behaviour.protocol_version = None
-    with pytest.raises(ValueError, match=f"encoder {a.url} speaks encoder protocol 1, this"):
-        discover(a.url, IDENTITY, secret=None, timeout_s=2)
-    a.behaviour.protocol_version = ENCODER_PROTOCOL_VERSION + 1
-    with pytest.raises(ValueError, match="run the same mmserve version on both"):
-        discover(a.url, IDENTITY, secret=None, timeout_s=2)
-
-
-def test_discovery_names_a_secret_mismatch_and_a_missing_encoder(fakes):
-    (a,) = fakes(1, secret=b"right")
-    with pytest.raises(ValueError, match="secret differs"):
-        discover(a.url, IDENTITY, secret=b"wrong", timeout_s=2)
-    with pytest.raises(ValueError, match="did not answer GET /v1/encode/info within 0.3 s"):
-        discover("http://127.0.0.1:9", IDENTITY, secret=None, timeout_s=0.3)
-
-
-def test_start_discovers_then_encodes(fakes):
-    (a,) = fakes(1, secret=b"s")
-    config = PoolConfig((a.url,), IDENTITY, fallback="fail", secret=b"s", timeout_s=1.0)
-    pool = RemoteEncoderPool.start(config, metrics=EngineMetrics())
-    try:
-        pool.submit("r1", *remote(1))
-        assert len(collect(pool, 1)[0]) == 1
-    finally:
-        pool.shutdown()
-        pool.shutdown()  # idempotent
-
-
-def test_pool_config_refuses_bad_values():
-    with pytest.raises(ValueError, match="--encoder-urls 'localhost'"):
-        PoolConfig(("localhost",), IDENTITY)
-    with pytest.raises(ValueError, match="names an encoder twice"):
-        PoolConfig(("http://a:1", "http://a:1/"), IDENTITY)
-    with pytest.raises(ValueError, match="--encoder-fallback"):
-        PoolConfig(("http://a:1",), IDENTITY, fallback="maybe")
-    with pytest.raises(ValueError, match="needs the local CPU stage"):
-        RemoteEncoderPool(PoolConfig(("http://a:1",), IDENTITY), [], metrics=EngineMetrics())
-
-
-def test_an_encoder_taken_out_again_and_again_waits_longer_each_time():
-    from mmserve.disaggregation.pool_state import MAX_REJOIN_BACKOFF_S, rejoin_backoff_s
-
-    waits = [rejoin_backoff_s(n, 0.5) for n in range(1, 9)]
-    assert waits[:5] == [0.0, 1.0, 2.0, 4.0, 8.0]  # the first time: back on its next pong
-    assert waits[-1] == MAX_REJOIN_BACKOFF_S and waits == sorted(waits)

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.factory import QWEN2_VL_CHAT_TEMPLATE, build_tokenizer, preprocessor_config
+from tests.support.factory import QWEN2_VL_CHAT_TEMPLATE, build_tokenizer
+from tests.support.processor_configs import preprocessor_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 

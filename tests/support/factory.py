@@ -16,6 +16,8 @@ import numpy as np
 from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from tests.support.processor_configs import preprocessor_config, qwen3_vl_preprocessor_config
+
 # The Qwen2-VL special tokens, in the order the real vocabulary has them.
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -104,46 +106,6 @@ def special_token_ids(tok: Tokenizer) -> dict[str, int]:
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     assert all(v is not None for v in ids.values())
     return ids  # type: ignore[return-value]
-
-
-def preprocessor_config(min_pixels: int = 56 * 56, max_pixels: int = 16384 * 28 * 28) -> dict:
-    return {
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2VLProcessor",
-        "do_resize": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "min_pixels": min_pixels,
-        "max_pixels": max_pixels,
-        "patch_size": 14,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "resample": 3,
-    }
-
-
-def qwen3_vl_preprocessor_config(min_pixels: int, max_pixels: int) -> dict:
-    """Qwen3-VL's file: patch 16, mean/std 0.5, the pixel caps as `size` (shortest/longest edge)."""
-    return {
-        "image_processor_type": "Qwen2VLImageProcessorFast",
-        "processor_class": "Qwen3VLProcessor",
-        "do_resize": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "resample": 3,
-    }
 
 
 # Qwen3-VL's tiny shapes are odd on purpose: text head_dim 24 (not hidden / heads = 16),

@@ -13,6 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.factory import build_tokenizer, special_token_ids
+from tests.support.processor_configs import (
+    qwen3_vl_preprocessor_config,
+    qwen3_vl_video_preprocessor_config,
+)
 
 IMAGE_MIN_PIXELS = 8 * 32 * 32
 IMAGE_MAX_PIXELS = 64 * 32 * 32
@@ -23,46 +27,13 @@ VIDEO_MAX_PIXELS = 96 * 32 * 32  # over all frames
 def qwen3_preprocessor_config(
     min_pixels: int = IMAGE_MIN_PIXELS, max_pixels: int = IMAGE_MAX_PIXELS
 ) -> dict[str, Any]:
-    return {
-        "image_processor_type": "Qwen2VLImageProcessorFast",
-        "processor_class": "Qwen3VLProcessor",
-        "do_resize": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "resample": 3,
-    }
+    return qwen3_vl_preprocessor_config(min_pixels, max_pixels)
 
 
 def qwen3_video_preprocessor_config(
     min_pixels: int = VIDEO_MIN_PIXELS, max_pixels: int = VIDEO_MAX_PIXELS
 ) -> dict[str, Any]:
-    return {
-        "video_processor_type": "Qwen3VLVideoProcessor",
-        "processor_class": "Qwen3VLProcessor",
-        "do_resize": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "fps": 2,
-        "min_frames": 4,
-        "max_frames": 768,
-        "do_sample_frames": True,
-    }
+    return qwen3_vl_video_preprocessor_config(min_pixels, max_pixels)
 
 
 def tiny_qwen3_vl_config(ids: dict[str, int], vocab_size: int) -> Any:
