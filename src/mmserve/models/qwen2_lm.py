@@ -1,6 +1,13 @@
-"""The Qwen2 decoder used by Qwen2-VL and Qwen2.5-VL, over a flat batch with a paged KV cache."""
+"""The Qwen2 decoder used by Qwen2-VL and Qwen2.5-VL, over a flat batch with a paged KV cache.
+
+The same stack, with Qwen3's attention (`qwen3_lm.py`), is Qwen3-VL's decoder; it takes the
+step's DeepStack rows (`DeepstackInputs`) and adds level k at the visual positions after layer
+k. Qwen2-VL and Qwen2.5-VL never pass any: nothing extra runs.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -13,20 +20,41 @@ from mmserve.layers.rotary import MRotaryEmbedding
 from mmserve.models.config import TextConfig
 
 
+@dataclass(frozen=True)
+class DeepstackInputs:
+    """The step's DeepStack rows: `embeds[k, i]` is added at token `index[i]` after layer k.
+
+    index [num_mm] int64 flat token indices of the step's visual positions; embeds
+    [levels, num_mm, hidden] in the model's dtype.
+    """
+
+    index: torch.Tensor
+    embeds: torch.Tensor
+
+
 class Qwen2Attention(nn.Module):
     """GQA self-attention with q/k/v biases and M-RoPE."""
 
-    def __init__(self, config: TextConfig, ops: LayerOps) -> None:
+    def __init__(
+        self, config: TextConfig, ops: LayerOps, *, qkv_bias: bool = True, o_bias: bool = False
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=True)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+
+    def project_qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, heads, head_dim], k [n, kv_heads, head_dim] before the rotary."""
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        return q, k
 
     def forward(
         self,
@@ -37,8 +65,7 @@ class Qwen2Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.project_qk(x)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         q, k = self.ops.rotate_qk(q, k, cos, sin)
         # The step's metadata names the backend that built it (chosen once at start-up).
@@ -104,8 +131,11 @@ class Qwen2Model(nn.Module):
     """Token embedding, decoder layers and the final norm (no LM head).
 
     `ops` does the layers' norms, SwiGLU and rotary (chosen at start-up with the attention
-    backend: `layers/fused/`); the torch reference by default.
+    backend: `layers/fused/`); the torch reference by default. `attention` is the layers'
+    attention class (Qwen3Model's differs).
     """
+
+    attention: type[nn.Module] = Qwen2Attention
 
     def __init__(self, config: TextConfig, ops: LayerOps | None = None) -> None:
         super().__init__()
@@ -113,10 +143,15 @@ class Qwen2Model(nn.Module):
         ops = ops or TorchLayerOps()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [Qwen2DecoderLayer(config, ops) for _ in range(config.num_hidden_layers)]
+            [
+                Qwen2DecoderLayer(config, ops, self.attention)
+                for _ in range(config.num_hidden_layers)
+            ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.rotary = MRotaryEmbedding(config.head_dim, config.rope_theta, config.mrope_section)
+        self.rotary = MRotaryEmbedding(
+            config.head_dim, config.rope_theta, config.mrope_section, config.mrope_interleaved
+        )
 
     def forward(
         self,
@@ -124,17 +159,30 @@ class Qwen2Model(nn.Module):
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
         kv_caches: list[torch.Tensor],
+        deepstack: DeepstackInputs | None = None,
     ) -> torch.Tensor:
-        """inputs_embeds [num_tokens, hidden], positions [3, num_tokens] -> [num_tokens, hidden]."""
+        """inputs_embeds [num_tokens, hidden], positions [3, num_tokens] -> [num_tokens, hidden].
+
+        `deepstack`: the step's visual rows (None on text-only and decode steps, and always
+        for Qwen2-VL / Qwen2.5-VL). Levels past the last layer are unused, as in transformers.
+        """
         if len(kv_caches) != len(self.layers):
             raise ValueError(
                 f"got {len(kv_caches)} KV caches for {len(self.layers)} decoder layers; "
                 "allocate them with allocate_kv_caches(model_config, ...)"
             )
         cos, sin = self.rotary(positions)  # [num_tokens, head_dim] float32
+        num_levels = 0 if deepstack is None else deepstack.embeds.shape[0]
         x, residual = inputs_embeds, None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer_idx, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+            if layer_idx < num_levels:
+                # The layer's output is x + residual (the next norm would add them): add them
+                # here, add the level at the visual rows, and start the next layer afresh.
+                assert deepstack is not None
+                hidden = x + residual
+                x = hidden.index_add(0, deepstack.index, deepstack.embeds[layer_idx])
+                residual = None
         if residual is None:  # a model without layers
             return self.norm(x)
         return self.norm.add_and_norm(x, residual)[0]

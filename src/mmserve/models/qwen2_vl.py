@@ -9,6 +9,14 @@ The engine's model runner drives a model with four calls:
 
 Parameter names follow the hub checkpoint layout (`visual.*`, `model.*`, `lm_head.*`), so the
 loader maps file tensors onto `state_dict()` names one to one.
+
+An item's rows are `ModelConfig.mm_embedding_width` wide: the main embedding, then one part per
+DeepStack level (Qwen3-VL, `qwen3_vl.py`; none for Qwen2-VL and Qwen2.5-VL). The splice puts the
+main part at the placeholders and hands the levels to the forward that follows it: it keeps
+them with their token indices (`DeepstackInputs`) and `forward` takes them, once. The runner
+always calls the two in that order for one step, and a splice without images leaves nothing,
+so decode and text-only steps (and the decode graphs captured over them) pay nothing. Chunked
+prefill may give any subset of an item's rows: what is added is exactly the rows spliced.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from mmserve.grid import grid_num_tokens
 from mmserve.layers.attention import AttentionMetadata
 from mmserve.layers.fused import LayerOps
 from mmserve.models.config import ModelConfig
-from mmserve.models.qwen2_lm import Qwen2Model
+from mmserve.models.qwen2_lm import DeepstackInputs, Qwen2Model
 from mmserve.models.qwen2_vl_vision import VisionTransformer
 from mmserve.models.vision_metadata import check_vision_inputs
 
@@ -32,17 +40,21 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     """Qwen2-VL; the vision block structure (and Qwen2.5-VL windows) follows `config.vision`.
     `layer_ops` does the decoder's norms, SwiGLU and rotary (torch by default)."""
 
+    vision_tower: type[nn.Module] = VisionTransformer
+    decoder: type[Qwen2Model] = Qwen2Model
+
     def __init__(self, config: ModelConfig, layer_ops: LayerOps | None = None) -> None:
         super().__init__()
         self.config = config
-        self.visual = VisionTransformer(config.vision)
-        self.model = Qwen2Model(config.text, layer_ops)
+        self.visual = self.vision_tower(config.vision)
+        self.model = self.decoder(config.text, layer_ops)
         # Tied checkpoints have no lm_head tensor: logits reuse the embedding matrix.
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
         )
+        self._deepstack: DeepstackInputs | None = None  # the last splice's levels
 
     def embed_multimodal(
         self, pixel_values: torch.Tensor, grid_thw: Sequence[tuple[int, int, int]]
@@ -50,11 +62,11 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         """Encode many images / clips in one ViT call.
 
         pixel_values [sum(t*h*w), C*T*P*P] (items concatenated in order), grid_thw one
-        (t, h, w) per item. Returns one [t*h*w / merge^2, hidden_size] tensor per item.
+        (t, h, w) per item. Returns one [t*h*w / merge^2, mm_embedding_width] tensor per item.
         """
         grid_thw = check_vision_inputs(pixel_values, grid_thw, self.config.vision)
         merge = self.config.vision.spatial_merge_size
-        embeds = self.visual(pixel_values, grid_thw)  # [num_patches / merge^2, hidden]
+        embeds = self.visual(pixel_values, grid_thw)  # [num_patches / merge^2, width]
         sizes = [grid_num_tokens(grid, merge) for grid in grid_thw]
         return list(embeds.split(sizes))
 
@@ -64,14 +76,16 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         mm_embeds: torch.Tensor | None = None,
         mm_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token embeddings [num_tokens, hidden]; with `mm_embeds` [num_mm, hidden], row
-        `mm_index[i]` becomes `mm_embeds[i]` (the one splice of image embeddings).
+        """Token embeddings [num_tokens, hidden]; with `mm_embeds` [num_mm, mm_embedding_width],
+        row `mm_index[i]` becomes the main part of `mm_embeds[i]` (the one splice of image
+        embeddings) and its DeepStack parts wait for `forward` (the module docstring).
 
         `mm_index` [num_mm] int64 holds flat token indices; the runner passes it, having
         matched each item's rows to the prompt's placeholders (a generated token that happens
         to be a vision id is text). Without it, every image or video placeholder id is spliced
         in order. The counts must match exactly.
         """
+        self._deepstack = None
         embeds = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         if mm_embeds is None:
             return embeds
@@ -85,7 +99,18 @@ class Qwen2VLForConditionalGeneration(nn.Module):
                 f"Attempted to assign {tuple(mm_embeds.shape)} = {mm_embeds.shape[0]} multimodal "
                 f"tokens to {mm_index.shape[0]} placeholders"
             )
-        embeds[mm_index] = mm_embeds.to(embeds.dtype)
+        hidden, width = self.config.hidden_size, self.config.mm_embedding_width
+        if mm_embeds.shape[1] != width:
+            raise ValueError(
+                f"multimodal rows have {mm_embeds.shape[1]} values, this model's are {width} "
+                f"(hidden {hidden} x (1 + {self.config.deepstack_levels} DeepStack levels))"
+            )
+        mm_embeds = mm_embeds.to(embeds.dtype)
+        embeds[mm_index] = mm_embeds[:, :hidden]
+        if self.config.deepstack_levels:
+            # [num_mm, L * hidden] -> [L, num_mm, hidden]
+            levels = mm_embeds[:, hidden:].reshape(-1, self.config.deepstack_levels, hidden)
+            self._deepstack = DeepstackInputs(mm_index, levels.transpose(0, 1))
         return embeds
 
     def forward(
@@ -100,12 +125,14 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 
         input_ids [num_tokens] or inputs_embeds [num_tokens, hidden] (exactly one of them),
         positions [3, num_tokens] M-RoPE positions, kv_caches one per layer (written in place).
+        The DeepStack rows of the splice that made `inputs_embeds` are added.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_input_ids(input_ids)
-        return self.model(inputs_embeds, positions, attn_metadata, kv_caches)
+        deepstack, self._deepstack = self._deepstack, None
+        return self.model(inputs_embeds, positions, attn_metadata, kv_caches, deepstack)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [n, hidden] -> logits [n, vocab_size] (in the model's dtype)."""

@@ -53,6 +53,29 @@ __all__ = [
 VISION_ATTENTION = ("auto", "reference", "varlen")
 
 
+def check_vision_attention(attention: str) -> str:
+    """A tower's `attention` setting, refused by name if unknown."""
+    if attention not in VISION_ATTENTION:
+        raise ValueError(f"vision attention must be one of {VISION_ATTENTION}, got {attention!r}")
+    return attention
+
+
+def uses_varlen(
+    attention: str, device: torch.device | str, dtype: torch.dtype, head_dim: int
+) -> bool:
+    """Whether a tower with this `attention` setting runs flash varlen on `device` / `dtype`:
+    "auto" where it can, "varlen" or an error naming why it cannot, "reference" never."""
+    if attention == "auto":
+        return has_varlen(device, dtype, head_dim)
+    if attention == "varlen" and not has_varlen(device, dtype, head_dim):
+        raise ValueError(
+            f"varlen vision attention needs CUDA, float16/bfloat16, a head dim that is a "
+            f"multiple of 8 up to 256 and a torch with torch.nn.attention.varlen; got "
+            f"{device} {dtype}, head_dim {head_dim}"
+        )
+    return attention == "varlen"
+
+
 class PatchEmbed(nn.Module):
     """Conv3d with kernel = stride = (T, P, P), i.e. a Linear over each flattened patch."""
 
@@ -167,28 +190,15 @@ class VisionTransformer(nn.Module):
 
     def __init__(self, config: VisionConfig, attention: str = "auto") -> None:
         super().__init__()
-        if attention not in VISION_ATTENTION:
-            raise ValueError(
-                f"vision attention must be one of {VISION_ATTENTION}, got {attention!r}"
-            )
         self.config = config
-        self.attention = attention
+        self.attention = check_vision_attention(attention)
         self.patch_embed = PatchEmbed(config)
         self.rotary = VisionRotaryEmbedding(config.head_dim, config.rope_theta)
         self.blocks = nn.ModuleList([VisionBlock(config) for _ in range(config.depth)])
         self.merger = PatchMerger(config)
 
     def uses_varlen(self, device: torch.device | str, dtype: torch.dtype) -> bool:
-        head_dim = self.config.head_dim
-        if self.attention == "auto":
-            return has_varlen(device, dtype, head_dim)
-        if self.attention == "varlen" and not has_varlen(device, dtype, head_dim):
-            raise ValueError(
-                f"varlen vision attention needs CUDA, float16/bfloat16, a head dim that is a "
-                f"multiple of 8 up to 256 and a torch with torch.nn.attention.varlen; got "
-                f"{device} {dtype}, head_dim {head_dim}"
-            )
-        return self.attention == "varlen"
+        return uses_varlen(self.attention, device, dtype, self.config.head_dim)
 
     def build_metadata(
         self,

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.layers.activation import get_activation
-from mmserve.layers.attention.vision import VisionAttentionMetadata, has_varlen
+from mmserve.layers.attention.vision import VisionAttentionMetadata
 from mmserve.layers.rotary import VisionRotaryEmbedding
 from mmserve.models.config import VisionConfig
-from mmserve.models.qwen2_vl_vision import VISION_ATTENTION, VisionAttention
+from mmserve.models.qwen2_vl_vision import VisionAttention, check_vision_attention, uses_varlen
 from mmserve.models.vision_metadata import (
     PaddedShape,
     build_vision_metadata,
@@ -148,14 +148,10 @@ class Qwen3VisionTransformer(nn.Module):
 
     def __init__(self, config: VisionConfig, attention: str = "auto") -> None:
         super().__init__()
-        if attention not in VISION_ATTENTION:
-            raise ValueError(
-                f"vision attention must be one of {VISION_ATTENTION}, got {attention!r}"
-            )
         if config.model_type != "qwen3_vl":
             raise ValueError(f"Qwen3VisionTransformer needs a qwen3_vl config, got {config}")
         self.config = config
-        self.attention = attention
+        self.attention = check_vision_attention(attention)
         self.patch_embed = PatchEmbed(config)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.embed_dim)
         self.rotary = VisionRotaryEmbedding(config.head_dim, config.rope_theta)
@@ -168,16 +164,7 @@ class Qwen3VisionTransformer(nn.Module):
         self._levels = {block: level for level, block in enumerate(config.deepstack_visual_indexes)}
 
     def uses_varlen(self, device: torch.device | str, dtype: torch.dtype) -> bool:
-        head_dim = self.config.head_dim
-        if self.attention == "auto":
-            return has_varlen(device, dtype, head_dim)
-        if self.attention == "varlen" and not has_varlen(device, dtype, head_dim):
-            raise ValueError(
-                f"varlen vision attention needs CUDA, float16/bfloat16, a head dim that is a "
-                f"multiple of 8 up to 256 and a torch with torch.nn.attention.varlen; got "
-                f"{device} {dtype}, head_dim {head_dim}"
-            )
-        return self.attention == "varlen"
+        return uses_varlen(self.attention, device, dtype, self.config.head_dim)
 
     def build_metadata(
         self,
