@@ -53,7 +53,7 @@ from mmserve.api.tokenize import (
     parse_tokenize_request,
     tokenize,
 )
-from mmserve.api.tools import tool_request, with_tools
+from mmserve.api.tools import ToolRequest, tool_request, with_tools
 from mmserve.api.unsupported import refuse_unsupported_fields
 from mmserve.config.server import ServerConfig
 from mmserve.engine.frontend.outputs import OutputKind
@@ -136,6 +136,36 @@ def create_app(
         ]
         return {"object": "list", "data": cards}
 
+    async def _chat_prompt(
+        request: Request, body: ChatCompletionRequest, namespace: str
+    ) -> tuple[SamplingParams, ProcessedPrompt, ToolRequest | None]:
+        """What chat and Responses share: tools checked, sampling params, the rendered and
+        processed prompt (the same path, so the same input gives the same answer)."""
+        tools = tool_request(
+            body.tools,
+            body.tool_choice,
+            body.parallel_tool_calls,
+            enable_auto_tool_choice=enable_auto_tool_choice,
+        )
+        params = with_tools(_check_before_processing(body), tools)
+        add_generation_prompt, continue_final_message = body.render_choice()
+        prompt = await until_disconnect(
+            request,
+            engine.process_chat(
+                [m.model_dump(exclude_none=True) for m in body.messages],
+                mm_processor_kwargs=body.mm_processor_kwargs,
+                multi_modal_uuids=body.multi_modal_uuids,
+                namespace=namespace,
+                chat_template_kwargs=body.chat_template_kwargs,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=body.chat_template,
+                media_io_kwargs=body.media_io_kwargs,
+                tools=tools.template_tools if tools is not None else None,
+            ),
+        )
+        return params, prompt, tools
+
     @v1.post("/chat/completions")
     async def chat_completions(request: Request, namespace: str = Depends(request_namespace)):
         async def run() -> Response:
@@ -143,30 +173,7 @@ def create_app(
                 _CHAT_ONLY_FIELDS | _TRUSTED if trust_request_chat_template else _CHAT_ONLY_FIELDS
             )
             body = await _parse(request, ChatCompletionRequest, supported)
-            tools = tool_request(
-                body.tools,
-                body.tool_choice,
-                body.parallel_tool_calls,
-                enable_auto_tool_choice=enable_auto_tool_choice,
-            )
-            params = with_tools(_check_before_processing(body), tools)
-            add_generation_prompt, continue_final_message = body.render_choice()
-            messages = [m.model_dump(exclude_none=True) for m in body.messages]
-            prompt = await until_disconnect(
-                request,
-                engine.process_chat(
-                    messages,
-                    mm_processor_kwargs=body.mm_processor_kwargs,
-                    multi_modal_uuids=body.multi_modal_uuids,
-                    namespace=namespace,
-                    chat_template_kwargs=body.chat_template_kwargs,
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    chat_template=body.chat_template,
-                    media_io_kwargs=body.media_io_kwargs,
-                    tools=tools.template_tools if tools is not None else None,
-                ),
-            )
+            params, prompt, tools = await _chat_prompt(request, body, namespace)
             parsing = None
             if tools is not None or think_ids is not None:
                 parsing = AnswerParsing(
@@ -216,23 +223,7 @@ def create_app(
                 body = parse_responses_request(await read_json_body(request))
                 names_of.num_instruction_messages = int(body.instructions is not None)
                 chat = to_chat_request(body)
-                tools = tool_request(
-                    chat.tools,
-                    chat.tool_choice,
-                    chat.parallel_tool_calls,
-                    enable_auto_tool_choice=enable_auto_tool_choice,
-                )
-                params = with_tools(_check_before_processing(chat), tools)
-                prompt = await until_disconnect(
-                    request,
-                    engine.process_chat(
-                        [m.model_dump(exclude_none=True) for m in chat.messages],
-                        mm_processor_kwargs=chat.mm_processor_kwargs,
-                        namespace=namespace,
-                        chat_template_kwargs=chat.chat_template_kwargs,
-                        tools=tools.template_tools if tools is not None else None,
-                    ),
-                )
+                params, prompt, tools = await _chat_prompt(request, chat, namespace)
                 parsing = None
                 if tools is not None:
                     parsing = AnswerParsing(tools=tools, auto_tool_parser=tool_call_parser)

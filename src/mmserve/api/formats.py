@@ -76,8 +76,11 @@ class _Format:
 
     def usage_chunk(self, output: RequestOutput, completion_tokens: int) -> dict[str, Any]:
         body = self._envelope(self.chunk_object_name, [])
-        body["usage"] = usage_of(output, completion_tokens)
+        body["usage"] = self._usage(output, completion_tokens)
         return body
+
+    def _usage(self, output: RequestOutput, completion_tokens: int | None = None) -> dict:
+        return usage_of(output, completion_tokens)
 
 
 class ChatFormat(_Format):
@@ -125,11 +128,6 @@ class ChatFormat(_Format):
             body["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
         if self.returns_token_ids:
             body["prompt_token_ids"] = self.prompt_token_ids
-        return body
-
-    def usage_chunk(self, output: RequestOutput, completion_tokens: int) -> dict[str, Any]:
-        body = self._envelope(self.chunk_object_name, [])
-        body["usage"] = self._usage(output, completion_tokens)
         return body
 
     def _usage(self, output: RequestOutput, completion_tokens: int | None = None) -> dict:

@@ -77,16 +77,17 @@ def uses_varlen(
 
 
 class PatchEmbed(nn.Module):
-    """Conv3d with kernel = stride = (T, P, P), i.e. a Linear over each flattened patch."""
+    """Conv3d with kernel = stride = (T, P, P), i.e. a Linear over each flattened patch (with a
+    bias in Qwen3-VL's tower)."""
 
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: VisionConfig, bias: bool = False) -> None:
         super().__init__()
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, config.embed_dim, kernel, kernel, bias=False)
+        self.proj = nn.Conv3d(config.in_channels, config.embed_dim, kernel, kernel, bias=bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight.flatten(1)  # [embed_dim, C*T*P*P], same order as the patches
-        return F.linear(pixel_values.to(weight.dtype), weight)
+        return F.linear(pixel_values.to(weight.dtype), weight, self.proj.bias)
 
 
 class VisionAttention(nn.Module):

@@ -30,7 +30,12 @@ from mmserve.layers.activation import get_activation
 from mmserve.layers.attention.vision import VisionAttentionMetadata
 from mmserve.layers.rotary import VisionRotaryEmbedding
 from mmserve.models.config import VisionConfig
-from mmserve.models.qwen2_vl_vision import VisionAttention, check_vision_attention, uses_varlen
+from mmserve.models.qwen2_vl_vision import (
+    PatchEmbed,
+    VisionAttention,
+    check_vision_attention,
+    uses_varlen,
+)
 from mmserve.models.vision_metadata import (
     PaddedShape,
     build_vision_metadata,
@@ -78,19 +83,6 @@ def position_table_taps(
     index = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
     weight = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4)
     return index, weight
-
-
-class PatchEmbed(nn.Module):
-    """Conv3d with kernel = stride = (T, P, P) and a bias, i.e. a Linear over each patch."""
-
-    def __init__(self, config: VisionConfig) -> None:
-        super().__init__()
-        kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, config.embed_dim, kernel, kernel, bias=True)
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        weight = self.proj.weight.flatten(1)  # [embed_dim, C*T*P*P], same order as the patches
-        return F.linear(pixel_values.to(weight.dtype), weight, self.proj.bias)
 
 
 class VisionMLP(nn.Module):
@@ -152,7 +144,7 @@ class Qwen3VisionTransformer(nn.Module):
             raise ValueError(f"Qwen3VisionTransformer needs a qwen3_vl config, got {config}")
         self.config = config
         self.attention = check_vision_attention(attention)
-        self.patch_embed = PatchEmbed(config)
+        self.patch_embed = PatchEmbed(config, bias=True)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.embed_dim)
         self.rotary = VisionRotaryEmbedding(config.head_dim, config.rope_theta)
         self.blocks = nn.ModuleList([VisionBlock(config) for _ in range(config.depth)])
