@@ -1,4 +1,9 @@
-"""Executes one SchedulerOutput: encoder items, the splice, the LM forward, sampling."""
+"""Executes one SchedulerOutput: encoder items, the splice, the LM forward, sampling.
+
+Over a tensor-parallel group every rank runs a ModelRunner on the same SchedulerOutputs: the
+same states, the same encoder cache (encoder/step.py), the same forward (its layers
+all-reduce); the first rank samples and broadcasts the tokens (sample/broadcast.py).
+"""
 
 from __future__ import annotations
 
@@ -14,17 +19,21 @@ from mmserve.execution.encoder.intake import RemoteItemIntake, RemoteResults
 from mmserve.execution.encoder.pixels import ItemDataStore
 from mmserve.execution.encoder.runner import EncodeJob, EncoderRunner
 from mmserve.execution.encoder.source import EncoderSource
+from mmserve.execution.encoder.step import StepEncoder
 from mmserve.execution.graphs.capture import GraphFactory
 from mmserve.execution.graphs.decode import DecodeGraphs
 from mmserve.execution.input_batch import InputBuffers, SpliceError, StepBatch, prepare_batch
+from mmserve.execution.mm_splice import gather_mm_embeddings
 from mmserve.execution.request_state import RequestState, RunnerPayload
 from mmserve.execution.sample.bitmask import sampling_bitmask
+from mmserve.execution.sample.broadcast import broadcast_tokens
 from mmserve.execution.sample.prompt_logprobs import add_window_rows, take_prompt_logprobs
 from mmserve.execution.sample.rows import SamplingRow
 from mmserve.execution.sample.sampler import make_device_generator
 from mmserve.execution.sample.step import sample_step
 from mmserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from mmserve.layers.attention.buffers import BatchLimits
+from mmserve.layers.parallel import SINGLE, TPGroup
 from mmserve.multimodal import EncoderInput, ItemData, MultiModalFeature
 from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from mmserve.updates import Logprobs
@@ -44,7 +53,17 @@ def _default_limits() -> BatchLimits:
 
 
 class ModelRunner:
-    """Holds per-request state, the KV caches and the encoder cache of one model."""
+    """Holds per-request state, the KV caches and the encoder cache of one model (of one
+    tensor-parallel rank's shard of it).
+
+    With `tp` of size N, N runners (one per rank, each in its worker process) execute every
+    step alike; only the first rank's `ModelRunnerOutput` is the executor's answer: it alone
+    samples (with its generator, the grammar masks, penalties and logprobs) and sends the
+    tokens to the others, whose outputs carry the same tokens but no logprobs, and whose
+    failures repeat the first rank's decisions (messages aside). Every per-request decision
+    (a bad item, a count mismatch, a sampling failure) is taken alike on every rank, from
+    identical inputs or by an exchange, so the ranks' states never diverge.
+    """
 
     def __init__(
         self,
@@ -60,14 +79,31 @@ class ModelRunner:
         limits: BatchLimits | None = None,
         encoder_source: EncoderSource | None = None,
         item_data: ItemDataStore | None = None,
+        tp: TPGroup = SINGLE,
+        mm_encoder_tp_mode: str = "data",
     ) -> None:
         """`encoder_source` encodes remote items (a disaggregated server); without one a
         remote item fails its requests. `item_data` holds the items' pixels (see
-        encoder/pixels.py); None: one that keeps nothing for a re-encode."""
+        encoder/pixels.py); None: one that keeps nothing for a re-encode. `tp`: this rank's
+        group, the model built for it; `mm_encoder_tp_mode`: "data" (a replicated tower, the
+        step's items split across the ranks) or "weights" (a sharded tower: every rank
+        encodes every item); see encoder/step.py."""
+        if tp.size > 1 and encoder_source is not None:
+            raise ValueError(
+                "--encoder-urls cannot be combined with --tensor-parallel-size > 1: the remote "
+                "encoder pool feeds one runner; run the language model on one device per "
+                "server, or encode locally"
+            )
         self.model = model
         self.kv_caches = kv_caches
         self.encoder = encoder_runner
         self.encoder_cache = encoder_runner.cache
+        self.tp = tp
+        self.step_encoder = StepEncoder(
+            tp=tp,
+            mode=mm_encoder_tp_mode,
+            embedding_width=model.config.mm_embedding_width if tp.size > 1 else 0,
+        )
         self.block_size = block_size
         self.placeholder_token_ids = placeholder_token_ids
         self.device = device
@@ -192,13 +228,19 @@ class ModelRunner:
         sampled: dict[str, list[int]],
         logprobs: dict[str, Logprobs],
     ) -> None:
+        # every rank computes the logits: a vocab-parallel head gathers them over the group
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_samples, vocab]
-        rows = [self._sampling_row(self.states[r]) for r in batch.sample_request_ids]
-        bitmask = sampling_bitmask(grammar_output, batch.sample_request_ids)
-        step = sample_step(logits, rows, self._generator, bitmask)  # the step's one host sync
-        for i, (request_id, token) in enumerate(
-            zip(batch.sample_request_ids, step.tokens, strict=True)
-        ):
+        tokens: list[int | RequestFailure] | None = None
+        step_logprobs: dict[int, Logprobs] = {}
+        if self.tp.is_first:
+            rows = [self._sampling_row(self.states[r]) for r in batch.sample_request_ids]
+            bitmask = sampling_bitmask(grammar_output, batch.sample_request_ids)
+            step = sample_step(logits, rows, self._generator, bitmask)  # the one host sync
+            tokens, step_logprobs = step.tokens, step.logprobs
+        if self.tp.size > 1:
+            tokens = broadcast_tokens(self.tp, tokens, len(batch.sample_request_ids), self.device)
+        assert tokens is not None
+        for i, (request_id, token) in enumerate(zip(batch.sample_request_ids, tokens, strict=True)):
             if isinstance(token, RequestFailure):
                 errors[request_id] = token
                 if token.kind is FailureKind.INTERNAL:  # its KV may hold NaN
@@ -206,8 +248,8 @@ class ModelRunner:
                 continue
             self.states[request_id].token_ids.append(token)
             sampled[request_id] = [token]
-            if i in step.logprobs:
-                logprobs[request_id] = step.logprobs[i]
+            if i in step_logprobs:
+                logprobs[request_id] = step_logprobs[i]
 
     def _scrub_kv(self, state: RequestState) -> None:
         """Zero the KV blocks a failed request wrote itself.
@@ -280,23 +322,7 @@ class ModelRunner:
             for request_id, item_idxs in so.scheduled_encoder_inputs.items()
             for i in item_idxs
         ]
-        if not features:
-            return
-        try:
-            self.encoder.encode([f for _, f in features])
-        except Exception as exc:  # noqa: BLE001 - the retry below finds the item at fault
-            # One bad item must fail only its own request: retry item by item. The traceback
-            # is logged once, by the item that fails again.
-            logger.warning("batched encoder call failed (%s); retrying item by item", exc)
-            for request_id, feature in features:
-                try:
-                    self.encoder.encode([feature])
-                except Exception as item_exc:  # noqa: BLE001 - reported to that request only
-                    logger.exception("request %s: encoding a multimodal item failed", request_id)
-                    errors[request_id] = RequestFailure(
-                        f"encoding multimodal item failed: {type(item_exc).__name__}",
-                        FailureKind.INTERNAL,
-                    )
+        self.step_encoder.encode(self.encoder, features, errors)
 
     def _with_pixels(self, feature: MultiModalFeature) -> EncodeJob:
         """The item and its pixels; None pixels when they are gone (a bug: the scheduler asks
@@ -309,53 +335,9 @@ class ModelRunner:
     def _gather_mm_embeddings(
         self, state: RequestState, start: int, end: int, window_ids: list[int]
     ) -> tuple[list[int], list[torch.Tensor]]:
-        """Slices of each item's embeddings that fall in [start, end), and where they go.
-
-        Item at [offset, offset + length) vs. the scheduled window:
-
-            tokens   ... | start ............................. end | ...
-            item           | offset ........ offset+length |
-            slice          emb[max(start,offset)-offset : min(end,offset+length)-offset]
-
-        The rows gathered must equal the placeholder ids in the window, one for one.
-        """
-        local_index: list[int] = []
-        parts: list[torch.Tensor] = []
-        sizes: list[int] = []
-        for feature in state.mm_features:
-            lo = max(start, feature.placeholder.offset)
-            hi = min(end, feature.placeholder.end)
-            if lo >= hi:
-                continue
-            emb = self._embeddings(feature)
-            if emb is None:
-                raise SpliceError(
-                    f"encoder cache miss for item {feature.identifier[:16]} (a scheduler bug)",
-                    FailureKind.INTERNAL,
-                )
-            if emb.shape[0] != feature.placeholder.length:
-                raise SpliceError(
-                    f"Attempted to assign {emb.shape[0]} multimodal tokens of item "
-                    f"{feature.identifier[:16]} to {feature.placeholder.length} placeholders"
-                )
-            parts.append(emb[lo - feature.placeholder.offset : hi - feature.placeholder.offset])
-            sizes.append(hi - lo)
-            local_index.extend(range(lo - start, hi - start))
-        # Only prompt tokens can be placeholders: a generated token that happens to be a vision
-        # id is ordinary text (the model produced it; there is no image behind it).
-        num_prompt_in_window = max(0, min(end, state.payload.num_prompt_tokens) - start)
-        placeholders = [
-            i
-            for i, t in enumerate(window_ids[:num_prompt_in_window])
-            if t in self.placeholder_token_ids
-        ]
-        if placeholders != local_index:
-            expr = " + ".join(str(s) for s in sizes) or "0"
-            raise SpliceError(
-                f"Attempted to assign {expr} = {len(local_index)} multimodal tokens to "
-                f"{len(placeholders)} placeholders"
-            )
-        return local_index, parts
+        return gather_mm_embeddings(
+            state, start, end, window_ids, self._embeddings, self.placeholder_token_ids
+        )
 
     def _embeddings(self, feature: MultiModalFeature) -> torch.Tensor | None:
         """The item's embeddings from the encoder cache, encoding it now if it is missing.

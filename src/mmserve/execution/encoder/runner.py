@@ -65,6 +65,14 @@ class EncoderRunner:
             for batch in self._pack(group):
                 self._run(batch)
 
+    def count_encoded(self, jobs: Sequence[EncodeJob]) -> None:
+        """Count items other tensor-parallel ranks ran through the tower for this group (data
+        mode: the first rank's metrics speak for the group, each item once)."""
+        if self._metrics is None:
+            return
+        for job in jobs:
+            self._metrics.inc("encoder_items_encoded", modality=job.feature.modality)
+
     def _pack(self, group: list[EncodeJob]) -> list[list[EncodeJob]]:
         batches: list[list[EncodeJob]] = []
         current: list[EncodeJob] = []
