@@ -1,0 +1,91 @@
+"""ModelRunners on two gloo ranks answer as one device does: rank 0's tokens and top-k
+logprobs equal the single-device runner's, the other rank's request states follow rank 0's
+tokens step by step, and every rank's encoder cache holds every item with the same bytes.
+
+Images, chunked prefill cutting through them, prefix caching, encoder-cache hits (a picture
+repeated), a seeded sampled request; every architecture, both `--mm-encoder-tp-mode`s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mmserve import SamplingParams
+from tests.support.distributed import run_ranks
+from tests.support.factory import random_image, write_tiny_checkpoint
+from tests.support.parity_cases import DIVERSE, IMG, chat
+from tests.support.tp_replay import record, replay_on_rank, summary
+
+ENGINE_ARGS = {"max_num_batched_tokens": 64, "block_size": 4}
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp(f"tp_{request.param}")
+    return write_tiny_checkpoint(out, request.param, seed=3, **DIVERSE)
+
+
+def requests() -> list:
+    a, b, c = random_image(56, 84, seed=1), random_image(112, 60, seed=2), random_image(84, 84, 3)
+    return [
+        ({"prompt": chat(f"{IMG}What is it?"), "multi_modal_data": {"image": [a]}}, GREEDY),
+        (chat("Describe a red circle."), GREEDY),
+        (
+            {"prompt": chat(f"{IMG} then{IMG} Same?"), "multi_modal_data": {"image": [b, c]}},
+            GREEDY,
+        ),
+        ({"prompt": chat(f"{IMG}And this?"), "multi_modal_data": {"image": [c]}}, SEEDED),
+        ({"prompt": chat(f"{IMG}What is it?"), "multi_modal_data": {"image": [a]}}, GREEDY),
+    ]
+
+
+def max_items_per_step(calls: list[tuple]) -> int:
+    """The most distinct items one step scheduled to encode."""
+    most = 0
+    for call in calls:
+        if call[0] == "execute":
+            so = call[1]
+            ids = set()
+            for new in so.scheduled_new_reqs:
+                for i in so.scheduled_encoder_inputs.get(new.request_id, ()):
+                    ids.add(new.mm_features[i].identifier)
+            most = max(most, len(ids))
+    return most
+
+
+def assert_same_answers(expected: dict, got: dict) -> None:
+    assert got["sampled"] == expected["sampled"]
+    assert got["errors"] == expected["errors"]
+    assert got["logprobs"].keys() == expected["logprobs"].keys()
+    for rid, (ids, values) in expected["logprobs"].items():
+        assert got["logprobs"][rid][0] == ids, rid
+        np.testing.assert_allclose(got["logprobs"][rid][1], values, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["data", "weights"])
+def test_two_ranks_answer_as_one_device(checkpoint: Path, mode: str) -> None:
+    recorder, results, num_encoded = record(checkpoint, ENGINE_ARGS, requests())
+    assert all(len(r.outputs[0].token_ids) == 6 for r in results)
+    assert max_items_per_step(recorder.calls) >= 2  # some step splits items across the ranks
+    single = [summary(o) for o in recorder.outputs]
+
+    (rank0, encoded0), (rank1, encoded1) = run_ranks(
+        replay_on_rank, 2, checkpoint, ENGINE_ARGS, recorder.calls, mode
+    )
+
+    assert len(rank0) == len(rank1) == len(single)
+    for step, (expected, first, second) in enumerate(zip(single, rank0, rank1, strict=True)):
+        assert_same_answers(expected, first["output"])
+        assert second["output"]["sampled"] == first["output"]["sampled"], step
+        assert second["states"] == first["states"], step
+        assert second["cache"] == first["cache"], step
+    assert any(step["cache"] for step in rank0)
+    if mode == "data":  # each item through one rank's tower, and both ranks had a share
+        assert encoded0 + encoded1 == num_encoded and encoded0 > 0 and encoded1 > 0
+    else:  # the (sharded) tower runs every item on every rank
+        assert encoded0 == encoded1 == num_encoded
