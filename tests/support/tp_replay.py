@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mmserve import LLM
 from mmserve.execution.encoder.pixels import ItemDataStore
 from mmserve.execution.encoder.runner import EncoderRunner
@@ -165,6 +167,17 @@ def summary(output: ModelRunnerOutput) -> dict:
             for rid, lp in output.logprobs.items()
         },
     }
+
+
+def assert_same_answers(expected: dict, got: dict) -> None:
+    """Two steps' `summary`s: the same tokens, failures and top-k ids; logprobs to float
+    rounding (one device and the ranks may batch the vision tower's calls differently)."""
+    assert got["sampled"] == expected["sampled"]
+    assert got["errors"] == expected["errors"]
+    assert got["logprobs"].keys() == expected["logprobs"].keys()
+    for rid, (ids, values) in expected["logprobs"].items():
+        assert got["logprobs"][rid][0] == ids, rid
+        np.testing.assert_allclose(got["logprobs"][rid][1], values, rtol=1e-5, atol=1e-5)
 
 
 def _encoder(runner: ModelRunner, embed: Any) -> EncoderRunner:

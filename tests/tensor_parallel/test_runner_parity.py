@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from mmserve import SamplingParams
 from tests.support.distributed import run_ranks
 from tests.support.factory import random_image, write_tiny_checkpoint
 from tests.support.parity_cases import DIVERSE, IMG, chat
-from tests.support.tp_replay import record, replay_on_rank, summary
+from tests.support.tp_replay import assert_same_answers, record, replay_on_rank, summary
 
 ENGINE_ARGS = {"max_num_batched_tokens": 64, "block_size": 4}
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
@@ -56,15 +55,6 @@ def max_items_per_step(calls: list[tuple]) -> int:
                     ids.add(new.mm_features[i].identifier)
             most = max(most, len(ids))
     return most
-
-
-def assert_same_answers(expected: dict, got: dict) -> None:
-    assert got["sampled"] == expected["sampled"]
-    assert got["errors"] == expected["errors"]
-    assert got["logprobs"].keys() == expected["logprobs"].keys()
-    for rid, (ids, values) in expected["logprobs"].items():
-        assert got["logprobs"][rid][0] == ids, rid
-        np.testing.assert_allclose(got["logprobs"][rid][1], values, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["data", "weights"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container, Mapping
 
 import torch
 
@@ -68,3 +68,23 @@ def gather_mm_embeddings(
             f"{len(placeholders)} placeholders"
         )
     return local_index, parts
+
+
+def items_missing_in_windows(
+    num_scheduled_tokens: Mapping[str, int],
+    states: Mapping[str, RequestState],
+    cached: Container[str],
+) -> list[tuple[str, MultiModalFeature]]:
+    """(request, item) pairs whose item this step's windows splice but `cached` lacks (and
+    that are not remote): what the splice would have to encode on the spot."""
+    missing: list[tuple[str, MultiModalFeature]] = []
+    for request_id, num_tokens in num_scheduled_tokens.items():
+        state = states[request_id]
+        start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
+        if start >= state.payload.num_prompt_tokens:  # decoding: no placeholder in its window
+            continue
+        for feature in state.mm_features:
+            lo, hi = max(start, feature.placeholder.offset), min(end, feature.placeholder.end)
+            if lo < hi and not feature.is_remote and feature.identifier not in cached:
+                missing.append((request_id, feature))
+    return missing

@@ -23,7 +23,7 @@ from mmserve.execution.encoder.step import StepEncoder
 from mmserve.execution.graphs.capture import GraphFactory
 from mmserve.execution.graphs.decode import DecodeGraphs
 from mmserve.execution.input_batch import InputBuffers, SpliceError, StepBatch, prepare_batch
-from mmserve.execution.mm_splice import gather_mm_embeddings
+from mmserve.execution.mm_splice import gather_mm_embeddings, items_missing_in_windows
 from mmserve.execution.request_state import RequestState, RunnerPayload
 from mmserve.execution.sample.bitmask import sampling_bitmask
 from mmserve.execution.sample.broadcast import broadcast_tokens
@@ -322,6 +322,15 @@ class ModelRunner:
             for request_id, item_idxs in so.scheduled_encoder_inputs.items()
             for i in item_idxs
         ]
+        if self.tp.size > 1:
+            # NOTE: the splice encodes an item missing from the cache on the spot (see
+            # `_embeddings`); over a group that is a group decision (a failure on one rank
+            # fails the request on all, a sharded tower needs every rank): taken here.
+            missing = items_missing_in_windows(
+                so.num_scheduled_tokens, self.states, self.encoder_cache
+            )
+            jobs = [(request_id, self._with_pixels(f)) for request_id, f in missing]
+            features += [(request_id, job) for request_id, job in jobs if job.pixels is not None]
         self.step_encoder.encode(self.encoder, features, errors)
 
     def _with_pixels(self, feature: MultiModalFeature) -> EncodeJob:
