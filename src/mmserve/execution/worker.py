@@ -44,6 +44,7 @@ from mmserve.host_allocator import tune_host_allocator
 from mmserve.layers.attention import AttentionBackend, select_backend
 from mmserve.layers.attention.buffers import BatchLimits
 from mmserve.layers.fused import LayerOps, select_layer_ops
+from mmserve.layers.parallel import SINGLE, TPGroup
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import ModelConfig, load_model_config
 from mmserve.models.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
@@ -79,6 +80,9 @@ class WorkerConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
     enable_encoder_cuda_graph: bool = False
+    # tensor parallelism: "data" (a replicated vision tower, the step's items split across the
+    # ranks) or "weights" (a sharded one); see execution/encoder/step.py
+    mm_encoder_tp_mode: str = "data"
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -102,7 +106,7 @@ class Worker:
     """One device's model, KV cache and runner, built in the order of the module docstring.
 
     `encoder_source` (a disaggregated server's encoder pool) encodes remote items; without one
-    a remote item fails its requests.
+    a remote item fails its requests. `tp`: this worker's rank in its tensor-parallel group.
     """
 
     def __init__(
@@ -110,8 +114,10 @@ class Worker:
         config: WorkerConfig,
         metrics: EngineMetrics,
         encoder_source: EncoderSource | None = None,
+        tp: TPGroup = SINGLE,
     ) -> None:
         self.config = config
+        self.tp = tp
         self.metrics = metrics
         self.encoder_source = encoder_source
 
@@ -264,6 +270,8 @@ class Worker:
             limits=self.batch_limits(),
             encoder_source=self.encoder_source,
             item_data=ItemDataStore(cfg.mm_reencode_cache_bytes),
+            tp=self.tp,
+            mm_encoder_tp_mode=cfg.mm_encoder_tp_mode,
         )
         return runner, encoder_cuda_graph
 
