@@ -106,7 +106,8 @@ class Worker:
     """One device's model, KV cache and runner, built in the order of the module docstring.
 
     `encoder_source` (a disaggregated server's encoder pool) encodes remote items; without one
-    a remote item fails its requests. `tp`: this worker's rank in its tensor-parallel group.
+    a remote item fails its requests. `tp`: this worker's rank in its tensor-parallel group:
+    it loads only its shard, and its KV cache (its budget, its blocks) holds only its KV heads.
     """
 
     def __init__(
@@ -114,12 +115,13 @@ class Worker:
         config: WorkerConfig,
         metrics: EngineMetrics,
         encoder_source: EncoderSource | None = None,
+        *,
         tp: TPGroup = SINGLE,
     ) -> None:
         self.config = config
-        self.tp = tp
         self.metrics = metrics
         self.encoder_source = encoder_source
+        self.tp = tp
 
     def start(self) -> StartedWorker:
         """The recipe."""
