@@ -3,13 +3,15 @@
 A single-device `LLM` runs the requests while `RecordingExecutor` keeps every call the engine
 core makes on its executor (item data, each step's SchedulerOutput, frees) and each answer.
 `replay_on_rank` then runs on every rank of a gloo group (`run_ranks`): it builds the same
-engine, puts a `ModelRunner` with the rank's `TPGroup` over its model, replays the calls and
-returns, per step, the runner's answer, its request states and its encoder cache's bytes.
+engine (for its settings) and its model, puts a `ModelRunner` with the
+rank's `TPGroup` over them, replays the calls and returns, per step, the runner's answer, its
+request states and its encoder cache's bytes.
 If TP gives the same answers as one device, the recorded SchedulerOutputs are exactly the
 ones a TP engine would have scheduled, so the replay is the TP engine's run.
 
 `fail_grids` injects an encoder failure: a vision-tower call holding an item of one of these
-grids raises (on the ranks in `fail_ranks`; every rank when None).
+grids raises (on the ranks in `fail_ranks`; every rank when None), before the tower runs or,
+with `fail_after_compute`, after it (a sharded tower's collectives then still match).
 """
 
 from __future__ import annotations
@@ -64,18 +66,25 @@ class RecordingExecutor:
 
 class CountingEmbed:
     """`embed` that counts the items it encodes and raises for a call holding an item of one
-    of `fail_grids`."""
+    of `fail_grids` (before the tower runs, or after it with `after`)."""
 
-    def __init__(self, embed: Any, fail_grids: Iterable[tuple[int, int, int]] = ()) -> None:
+    def __init__(
+        self, embed: Any, fail_grids: Iterable[tuple[int, int, int]] = (), after: bool = False
+    ) -> None:
         self.embed = embed
         self.bad = {tuple(g) for g in fail_grids}
+        self.after = after
         self.num_items = 0
 
     def __call__(self, pixels: Any, grids: list[tuple[int, int, int]]) -> Any:
-        if self.bad & {tuple(g) for g in grids}:
+        fails = bool(self.bad & {tuple(g) for g in grids})
+        if fails and not self.after:
             raise RuntimeError("injected encoder failure")
+        out = self.embed(pixels, grids)
+        if fails:
+            raise RuntimeError("injected encoder failure after the tower ran")
         self.num_items += len(grids)
-        return self.embed(pixels, grids)
+        return out
 
 
 def record(
@@ -106,17 +115,21 @@ def replay_on_rank(
     mode: str,
     fail_grids: Iterable[tuple[int, int, int]] = (),
     fail_ranks: Iterable[int] | None = None,
-) -> tuple[list[dict], int]:
+    fail_after_compute: bool = False,
+) -> tuple[list[dict], int, int]:
     """Replay `calls` on a runner of this rank; per step: the answer in plain data, the
     states' token ids and the encoder cache as {identifier: sha256 of its bytes}; and the
-    number of items this rank's vision tower encoded."""
+    number of items this rank's vision tower encoded; and the parameters its shard holds."""
     llm = LLM(model=str(model_dir), **engine_args)
     base = llm.engine.core.executor.runner
     fails = fail_ranks is None or group.rank in set(fail_ranks)
-    embed = CountingEmbed(base.model.embed_multimodal, fail_grids if fails else ())
+    # NOTE: the whole model on each rank until the parallel layers land (models built with
+    # SINGLE: replicated, no collective in the forward)
+    model, kv_caches = base.model, base.kv_caches
+    embed = CountingEmbed(model.embed_multimodal, fail_grids if fails else (), fail_after_compute)
     runner = ModelRunner(
-        base.model,
-        base.kv_caches,
+        model,
+        kv_caches,
         _encoder(base, embed),
         block_size=base.block_size,
         placeholder_token_ids=base.placeholder_token_ids,
@@ -140,7 +153,7 @@ def replay_on_rank(
             output = runner.execute(call[1], call[2])
             steps.append(step_record(runner, output, identifiers))
     llm.shutdown()
-    return steps, embed.num_items
+    return steps, embed.num_items, sum(p.numel() for p in model.parameters())
 
 
 def step_record(runner: ModelRunner, output: ModelRunnerOutput, identifiers: set[str]) -> dict:

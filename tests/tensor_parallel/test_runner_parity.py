@@ -18,7 +18,8 @@ from tests.support.factory import random_image, write_tiny_checkpoint
 from tests.support.parity_cases import DIVERSE, IMG, chat
 from tests.support.tp_replay import assert_same_answers, record, replay_on_rank, summary
 
-ENGINE_ARGS = {"max_num_batched_tokens": 64, "block_size": 4}
+# a small KV cache: zeroing the CPU default (2 GiB) costs each engine seconds
+ENGINE_ARGS = {"max_num_batched_tokens": 64, "block_size": 4, "kv_cache_memory_bytes": 16 << 20}
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
 SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
 
@@ -64,7 +65,7 @@ def test_two_ranks_answer_as_one_device(checkpoint: Path, mode: str) -> None:
     assert max_items_per_step(recorder.calls) >= 2  # some step splits items across the ranks
     single = [summary(o) for o in recorder.outputs]
 
-    (rank0, encoded0), (rank1, encoded1) = run_ranks(
+    (rank0, encoded0, _), (rank1, encoded1, _) = run_ranks(
         replay_on_rank, 2, checkpoint, ENGINE_ARGS, recorder.calls, mode
     )
 

@@ -166,8 +166,12 @@ class StepEncoder:
         """Weights mode: every rank runs every item through its shard of the tower.
 
         NOTE: the tower's layers all-reduce, so the ranks must make the same calls. Whether the
-        batched call failed is agreed first (then all retry item by item in the same order),
-        and an item that failed on any rank fails everywhere and leaves every cache.
+        batched calls failed is agreed first; if they failed anywhere, every rank drops what
+        they cached and runs every item alone, in the same order (a rank whose calls
+        succeeded would otherwise skip the items it holds). An item that failed on any rank
+        fails everywhere and leaves every cache. A failure on one rank only, inside the tower
+        before its collectives, leaves the others waiting in them: that is a rank lost, for
+        the executor's step timeout and health check, not a request's failure.
         """
         if not todo:  # the same on every rank
             return {}
@@ -181,6 +185,7 @@ class StepEncoder:
         cache = encoder.cache
         flag = torch.tensor([batch_failed], dtype=torch.int64, device=cache.device)
         if self.tp.all_reduce(flag).item() > 0:
+            cache.free([job.feature.identifier for job in todo])
             failed = _encode_each(encoder, todo)
         flags = torch.tensor(
             [int(job.feature.identifier in failed) for job in todo],
