@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ab_summary import BASE, CANDIDATE, ENGINES, VLLM
+from ab_workloads import RANDOM_MM, client_of, resolve_dtype
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,8 +32,17 @@ class Settings:
     mmserve_args: tuple[str, ...]
     vllm_args: tuple[str, ...]
     startup_timeout_s: float
+    dtype: str  # passed to every server as --dtype
+    dtype_reason: str  # why that dtype: printed and recorded with the results
+    workload: str  # one of ab_workloads.WORKLOADS
 
     def __post_init__(self) -> None:
+        client_of(self.workload)  # refuses an unknown workload
+        for name, args in (("MMSERVE_ARGS", self.mmserve_args), ("VLLM_ARGS", self.vllm_args)):
+            if any(a == "--dtype" or a.startswith("--dtype=") for a in args):
+                raise ValueError(
+                    f"{name} sets --dtype; set DTYPE (--dtype) instead, which every engine gets"
+                )
         if self.rounds < 1 or self.num_prompts < 1:
             raise ValueError("ROUNDS and NUM_PROMPTS must be at least 1")
         if not self.concurrencies or min(self.concurrencies) < 1:
@@ -136,6 +146,8 @@ def parse_args(argv: list[str], environ: dict[str, str], description: str) -> ar
     flag("--mmserve-args", default=environ.get("MMSERVE_ARGS", ""))
     flag("--vllm-args", default=environ.get("VLLM_ARGS", ""))
     flag("--startup-timeout-s", type=float, default=environ.get("STARTUP_TIMEOUT_S", "600"))
+    flag("--dtype", default=environ.get("DTYPE", "auto"), help="auto, float32 or bfloat16")
+    flag("--workload", default=environ.get("WORKLOAD", RANDOM_MM), help="random-mm, repeated-image")
     args = parser.parse_args(argv)
     if args.command == "summarize" and args.summary_dir is None:
         parser.error("summarize needs the out dir of a run")
@@ -144,6 +156,7 @@ def parse_args(argv: list[str], environ: dict[str, str], description: str) -> ar
 
 def settings_from(args: argparse.Namespace) -> Settings:
     vllm_root = Path(args.vllm_root)
+    dtype, dtype_reason = resolve_dtype(args.dtype)
     return Settings(
         vllm_root=vllm_root,
         out_dir=Path(args.out_dir or vllm_root / "runs" / time.strftime("%Y%m%d-%H%M%S")),
@@ -160,4 +173,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         mmserve_args=tuple(shlex.split(args.mmserve_args)),
         vllm_args=tuple(shlex.split(args.vllm_args)),
         startup_timeout_s=args.startup_timeout_s,
+        dtype=dtype,
+        dtype_reason=dtype_reason,
+        workload=args.workload,
     )

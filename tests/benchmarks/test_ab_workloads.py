@@ -1,0 +1,108 @@
+"""compare_vllm_cpu.py on equal terms: one dtype for every engine (native bf16 or float32), and
+the repeated-image workload's results read like vLLM's."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\n"
+SAPPHIRE_RAPIDS = "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+
+
+@pytest.fixture
+def harness(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module("compare_vllm_cpu")
+
+
+@pytest.fixture
+def workloads(harness: ModuleType) -> ModuleType:
+    return importlib.import_module("ab_workloads")
+
+
+def settings(harness: ModuleType, argv: list[str], environ: dict[str, str] | None = None):
+    return harness.settings_from(harness.parse_args(["run", *argv], environ or {}, "test"))
+
+
+def test_float32_without_native_bf16_and_bfloat16_with_it(workloads: ModuleType) -> None:
+    dtype, why = workloads.default_dtype(AVX2_ONLY)
+    assert dtype == "float32" and "emulated" in why
+    dtype, why = workloads.default_dtype(SAPPHIRE_RAPIDS)
+    assert dtype == "bfloat16" and "amx_bf16, avx512_bf16" in why
+    assert workloads.default_dtype("")[0] == "float32"  # no flags line: not an x86 we know
+
+
+def test_both_engines_get_the_same_dtype(harness: ModuleType, tmp_path: Path) -> None:
+    s = settings(harness, ["--dtype", "bfloat16", "--mmserve-args", "--max-num-seqs 8"])
+    assert (s.dtype, s.workload) == ("bfloat16", "random-mm")
+    vllm_cmd, _ = harness.vllm_command(s, tmp_path)
+    mmserve_cmd, _ = harness.mmserve_command(s, tmp_path, "mmserve")
+    for cmd in (vllm_cmd, mmserve_cmd):
+        assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+        assert cmd.count("--dtype") == 1
+
+
+def test_auto_reads_this_cpu(harness: ModuleType, workloads: ModuleType) -> None:
+    expected = workloads.default_dtype(workloads.read_cpuinfo())
+    s = settings(harness, [], {})
+    assert (s.dtype, s.dtype_reason) == expected
+    assert settings(harness, [], {"DTYPE": "float32"}).dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--dtype", "float16"], "DTYPE must be auto"),
+        (["--workload", "sharegpt"], "WORKLOAD must be one of"),
+        (["--mmserve-args", "--dtype bfloat16"], "MMSERVE_ARGS sets --dtype"),
+        (["--vllm-args=--dtype=float32"], "VLLM_ARGS sets --dtype"),
+    ],
+)
+def test_refusals(harness: ModuleType, argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        settings(harness, argv)
+
+
+def test_repeated_image_is_sent_by_mmserve_bench_to_every_engine(
+    harness: ModuleType, workloads: ModuleType, tmp_path: Path
+) -> None:
+    assert workloads.client_of("random-mm") == "vllm"
+    assert workloads.client_of("repeated-image") == "mmserve"
+    cmd = workloads.mmserve_bench_command(
+        "/py", "http://127.0.0.1:9", "/m", 48, 16, 1016, tmp_path / "r.json"
+    )
+    assert cmd[:5] == ["/py", "-m", "mmserve", "bench", "serve"]
+    flags = dict(zip(cmd[5::2], cmd[6::2], strict=False))
+    assert flags["--repeat-ratio"] == "0.5" and flags["--max-concurrency"] == "16"
+    assert flags["--seed"] == "1016" and flags["--model"] == "/m"
+
+
+def test_mmserve_bench_results_read_as_vllm_bench_results(
+    harness: ModuleType, workloads: ModuleType, tmp_path: Path
+) -> None:
+    summary = importlib.import_module("ab_summary")
+    raw = tmp_path / "mmserve-c16-r1.mmserve-bench.json"
+    raw.write_text(
+        json.dumps(
+            {
+                "request_throughput": 12.5,
+                "completed": 47,
+                "num_requests": 48,
+                "ttft": {"p50_ms": 700.0, "mean_ms": 1.0},
+                "tpot": None,
+                "workload": {"num_repeated_images": 24},
+            }
+        )
+    )
+    workloads.write_vllm_result(raw, tmp_path / "mmserve-c16-r1.json")
+    run = summary.load_run(tmp_path / "mmserve-c16-r1.json")
+    assert (run.request_throughput, run.median_ttft_ms) == (12.5, 700.0)
+    assert (run.num_completed, run.num_prompts) == (47, 48)
+    assert math.isnan(run.median_tpot_ms)
