@@ -41,11 +41,14 @@ Settings come from the environment (or the flag of the same name in lower case, 
     MMSERVE_BASE_PYTHONPATH  prepended to PYTHONPATH for the baseline  unset
                     server only (a baseline checkout sharing MMSERVE_PY's venv: its src/)
     MMSERVE_ARGS    extra flags for both `mmserve serve`s; VLLM_ARGS the same for `vllm serve`
+    MMSERVE_BASE_ARGS  the baseline's flags instead of MMSERVE_ARGS: with   unset
+                    them the baseline may be the same checkout (an A/B of flags)
     OUT_DIR         where results go                                   VLLM_ROOT/runs/<date-time>
     DTYPE           --dtype of every server: auto, float32, bfloat16   auto
     WORKLOAD        random-mm or repeated-image                        random-mm
 
-The two mmserve engines must import mmserve from different files; the harness refuses otherwise.
+The two mmserve engines must import mmserve from different files or run with different flags
+(MMSERVE_BASE_ARGS); the harness refuses otherwise.
 """
 
 from __future__ import annotations
@@ -120,7 +123,7 @@ def mmserve_command(
         "--served-model-name", str(model),
         "--host", "127.0.0.1", "--port", str(settings.port_of(engine)),
         "--dtype", settings.dtype,
-        *settings.mmserve_args,
+        *settings.args_of(engine),
     ]  # fmt: skip
     return cmd, settings.mmserve_env(engine, {**os.environ, **OFFLINE_ENV})
 
@@ -222,11 +225,13 @@ def mmserve_locations(settings: Settings) -> dict[str, str]:
     """engine -> its mmserve/__init__.py, for each mmserve engine measured; refuses a baseline
     that would measure the same files as the candidate."""
     locations = {e: mmserve_location(settings, e) for e in settings.engines if e != VLLM}
-    if BASE in locations and locations[BASE] == locations[CANDIDATE]:
+    same_args = settings.args_of(BASE) == settings.args_of(CANDIDATE)
+    if BASE in locations and locations[BASE] == locations[CANDIDATE] and same_args:
         raise HarnessError(
             f"mmserve and mmserve-base both import {locations[CANDIDATE]}: the A/B would compare "
-            "a checkout with itself. Point MMSERVE_BASE_PY at the baseline's venv, or set "
-            "MMSERVE_BASE_PYTHONPATH to the baseline checkout's src/ (PYTHONPATH here is "
+            "a checkout with itself. Point MMSERVE_BASE_PY at the baseline's venv, set "
+            "MMSERVE_BASE_PYTHONPATH to the baseline checkout's src/, or give the baseline "
+            "other flags with MMSERVE_BASE_ARGS (PYTHONPATH here is "
             f"{os.environ.get('PYTHONPATH', 'unset')!r})"
         )
     return locations

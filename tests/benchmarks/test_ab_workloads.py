@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -106,3 +107,23 @@ def test_mmserve_bench_results_read_as_vllm_bench_results(
     assert (run.request_throughput, run.median_ttft_ms) == (12.5, 700.0)
     assert (run.num_completed, run.num_prompts) == (47, 48)
     assert math.isnan(run.median_tpot_ms)
+
+
+def test_an_ab_of_flags_may_share_one_checkout(
+    harness: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "mmserve").mkdir()
+    (tmp_path / "mmserve" / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    argv = ["--mmserve-py", sys.executable, "--mmserve-base-py", sys.executable]
+    argv += ["--mmserve-args=--max-num-batched-tokens 2048"]
+    with pytest.raises(harness.HarnessError, match="MMSERVE_BASE_ARGS"):
+        harness.mmserve_locations(settings(harness, argv))
+    s = settings(harness, [*argv, "--mmserve-base-args=--max-num-batched-tokens 8192"])
+    assert set(harness.mmserve_locations(s)) == {"mmserve-base", "mmserve"}
+    base_cmd, _ = harness.mmserve_command(s, tmp_path, "mmserve-base")
+    cmd, _ = harness.mmserve_command(s, tmp_path, "mmserve")
+    assert base_cmd[-2:] == ["--max-num-batched-tokens", "8192"]
+    assert cmd[-2:] == ["--max-num-batched-tokens", "2048"]
+    with pytest.raises(ValueError, match="MMSERVE_BASE_ARGS sets --dtype"):
+        settings(harness, [*argv, "--mmserve-base-args=--dtype bfloat16"])
