@@ -34,13 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # its siblings, when run as a script or imported by a test
-
-import floor_serve  # noqa: E402
-from ab_workloads import REPEAT_RATIO, WORKLOADS, resolve_dtype  # noqa: E402
-
-log = logging.getLogger("compute_floor")
+import floor_serve
+from ab_workloads import REPEAT_RATIO, WORKLOADS, resolve_dtype
 
 
 @dataclass(frozen=True)
