@@ -136,6 +136,7 @@ def measure_floor(args: FloorArgs) -> dict:
         engine.shutdown()
     steps = clock.steps
     phases_s = {p: sum(s.phases_s[p] for s in steps) for p in PHASES}
+    phases_cpu_s = {p: sum(s.phases_cpu_s[p] for s in steps) for p in PHASES}
     floor_s = sum(phases_s.values())
     execute_s = sum(s.execute_s for s in steps)
     n = len(prompts)
@@ -154,9 +155,12 @@ def measure_floor(args: FloorArgs) -> dict:
         "wall_s": wall_s,
         "floor_s": floor_s,
         "phases_s": phases_s,
+        "floor_cpu_s": sum(phases_cpu_s.values()),  # CPU seconds of the phases, all threads
+        "phases_cpu_s": phases_cpu_s,
         "runner_host_s": execute_s - floor_s,  # batch preparation, the splice, state updates
         "core_overhead_s": wall_s - execute_s,  # scheduling, updates, this loop
         "floor_ms_per_request": 1000 * floor_s / n,
+        "floor_cpu_ms_per_request": 1000 * sum(phases_cpu_s.values()) / n,
         "loop_ms_per_request": 1000 * wall_s / n,
         "floor_requests_per_s": n / floor_s,
         "loop_requests_per_s": n / wall_s,
@@ -175,6 +179,8 @@ def format_floor(floor: dict) -> list[str]:
         f"{floor['num_decode_steps']} decode-only); {floor['vit_items']} images in "
         f"{floor['vit_calls']} vision-tower calls",
         "  per request: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()),
+        f"  CPU time of the floor: {floor['floor_cpu_ms_per_request']:.1f} ms/request (all "
+        "threads; well under threads x wall time means the run waited for cores)",
         f"  tight loop: {floor['loop_ms_per_request']:.1f} ms/request "
         f"({floor['loop_requests_per_s']:.2f} req/s); beyond the floor: runner host work "
         f"{1000 * floor['runner_host_s'] / n:.2f} ms, scheduler and core "

@@ -29,6 +29,9 @@ class StepRecord:
     is_decode_only: bool  # every scheduled request got exactly one token
     execute_s: float = 0.0
     phases_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    # CPU seconds of this process in each phase: on a loaded machine the wall time of a phase
+    # includes waiting for a core, its CPU time does not (on a GPU it is the host's share)
+    phases_cpu_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
 
 class StepClock:
@@ -39,7 +42,7 @@ class StepClock:
         self.is_cuda = device.type == "cuda"
         self.steps: list[StepRecord] = []
         self.current: StepRecord | None = None
-        self._started: dict[str, float] = {}
+        self._started: dict[str, tuple[float, float]] = {}
         self.vit_calls = 0
         self.vit_items = 0  # images (or video items) through the vision tower
 
@@ -49,15 +52,17 @@ class StepClock:
         return time.perf_counter()
 
     def start(self, phase: str) -> None:
-        self._started[phase] = self.now()
+        self._started[phase] = (self.now(), time.process_time())
 
     def stop(self, phase: str) -> None:
         started = self._started.pop(phase, None)
         if started is None or self.current is None:
             return
+        wall_s, cpu_s = self.now() - started[0], time.process_time() - started[1]
         if phase == "lm":
             phase = "lm_decode" if self.current.is_decode_only else "lm_prefill"
-        self.current.phases_s[phase] += self.now() - started
+        self.current.phases_s[phase] += wall_s
+        self.current.phases_cpu_s[phase] += cpu_s
 
 
 class TimedExecutor:

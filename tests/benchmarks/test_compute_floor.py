@@ -37,6 +37,8 @@ def check_floor(floor: dict) -> None:
         floor["wall_s"]
     )
     assert 0 < floor["floor_s"] <= floor["wall_s"]
+    assert floor["floor_cpu_s"] == pytest.approx(sum(floor["phases_cpu_s"].values()))
+    assert floor["phases_cpu_s"]["vit"] > 0
     # 3 requests of 3 tokens: the first token comes from a prefill step, the other two decode;
     # with 2 in flight the third request's prefill joins a step of its own or a decode's
     assert floor["num_decode_steps"] >= 2 and floor["num_prefill_steps"] >= 2
