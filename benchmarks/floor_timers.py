@@ -28,6 +28,7 @@ class StepRecord:
     num_seqs: int
     is_decode_only: bool  # every scheduled request got exactly one token
     execute_s: float = 0.0
+    execute_cpu_s: float = 0.0
     phases_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     # CPU seconds of this process in each phase: on a loaded machine the wall time of a phase
     # includes waiting for a core, its CPU time does not (on a GPU it is the host's share)
@@ -80,11 +81,12 @@ class TimedExecutor:
             is_decode_only=bool(counts) and all(n == 1 for n in counts.values()),
         )
         self.clock.current = record
-        started = self.clock.now()
+        started, started_cpu = self.clock.now(), time.process_time()
         try:
             return self.inner.execute(scheduler_output, grammar_output)
         finally:
             record.execute_s = self.clock.now() - started
+            record.execute_cpu_s = time.process_time() - started_cpu
             self.clock.steps.append(record)
             self.clock.current = None
 
