@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 
 import zmq
 
@@ -27,6 +28,8 @@ class Wakeup:
         # number the process has since reused.
         self._lock = threading.Lock()
         self._is_closed = False
+        # A client dropped without shutdown must not leak the two descriptors.
+        self._finalizer = weakref.finalize(self, _close_pipe, self._read_fd, self._write_fd)
 
     @property
     def fd(self) -> int:
@@ -52,8 +55,12 @@ class Wakeup:
             if self._is_closed:
                 return
             self._is_closed = True
-            os.close(self._read_fd)
-            os.close(self._write_fd)
+            self._finalizer()
+
+
+def _close_pipe(read_fd: int, write_fd: int) -> None:
+    os.close(read_fd)
+    os.close(write_fd)
 
 
 def wait_for(poller: zmq.Poller, socket: zmq.Socket, wakeup: Wakeup, timeout_ms: int) -> bool:
