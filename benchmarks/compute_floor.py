@@ -28,6 +28,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -223,7 +224,7 @@ def parse_args(argv: list[str]) -> tuple[FloorArgs, argparse.Namespace]:
         input_len=ns.input_len,
         output_len=ns.output_len,
         seed=ns.seed,
-        engine_args=tuple(ns.engine_args.split()),
+        engine_args=tuple(shlex.split(ns.engine_args)),
     )
     return args, ns
 
