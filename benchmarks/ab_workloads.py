@@ -15,7 +15,9 @@ ignored, all sent at once behind the concurrency cap):
   encoder, processor and prefix caches should pay. `vllm bench serve` cannot send that (its
   random-mm draws a new image per request, and its prefix-repetition dataset is text), so this
   workload is sent by `mmserve bench serve --repeat-ratio 0.5`, the same client for every
-  engine, from the venv of MMSERVE_PY; its result is written in the same keys as vLLM's.
+  engine, from the venv of MMSERVE_PY, after a warm-up of two requests of other images (vLLM's
+  client sends one test request before its clock starts); its result is written in the same
+  keys as vLLM's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 RANDOM_MM, REPEATED_IMAGE = "random-mm", "repeated-image"
 WORKLOADS = (RANDOM_MM, REPEATED_IMAGE)
 REPEAT_RATIO = 0.5
+# mmserve bench serve's warm-up before each measured run (vllm bench serve sends its own).
+WARM_UP_PROMPTS = 2
+WARM_UP_SEED_OFFSET = 7919
 
 # The random-mm workload, as `vllm bench serve` flags; --num-prompts, --max-concurrency and
 # --seed vary.

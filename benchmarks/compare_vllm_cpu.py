@@ -148,14 +148,25 @@ def run_bench(
         raw = result
     else:
         raw = settings.out_dir / f"{stem}.mmserve-bench.json"
+        base_url = f"http://127.0.0.1:{port}"
         cmd = ab_workloads.mmserve_bench_command(
-            settings.mmserve_py, f"http://127.0.0.1:{port}", str(model), settings.num_prompts,
-            concurrency, seed, raw,
+            settings.mmserve_py, base_url, str(model), settings.num_prompts, concurrency, seed, raw
+        )
+        # As `vllm bench serve` does, a warm-up before the clock starts; other images (another
+        # seed), so that the measured requests find nothing of it in any cache.
+        warm_up = ab_workloads.mmserve_bench_command(
+            settings.mmserve_py, base_url, str(model), ab_workloads.WARM_UP_PROMPTS, 1,
+            seed + ab_workloads.WARM_UP_SEED_OFFSET, settings.out_dir / f"{stem}.warm-up.json",
         )  # fmt: skip
         # The client of the candidate's checkout, not the baseline's: the same for every engine.
         env = settings.mmserve_env(CANDIDATE, {**os.environ, **OFFLINE_ENV})
     bench_log = settings.out_dir / f"{stem}.bench.log"
     with bench_log.open("w") as log_file:
+        if raw != result:
+            subprocess.run(
+                warm_up, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                timeout=BENCH_TIMEOUT_S, check=False,
+            )  # fmt: skip
         done = subprocess.run(
             cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, timeout=BENCH_TIMEOUT_S
         )

@@ -127,3 +127,29 @@ def test_an_ab_of_flags_may_share_one_checkout(
     assert cmd[-2:] == ["--max-num-batched-tokens", "2048"]
     with pytest.raises(ValueError, match="MMSERVE_BASE_ARGS sets --dtype"):
         settings(harness, [*argv, "--mmserve-base-args=--dtype bfloat16"])
+
+
+def test_the_mmserve_client_warms_each_server_up_on_other_images(
+    harness: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Like `vllm bench serve`'s test request: a warm-up run before the measured one, with
+    another seed (other images), and the measured run's result in vLLM's keys."""
+    commands: list[list[str]] = []
+
+    def run(cmd: list[str], **_kwargs):  # stands in for the client: writes what it would
+        commands.append(cmd)
+        out = Path(cmd[cmd.index("--result-json") + 1])
+        result = {"request_throughput": 3.0, "completed": 4, "num_requests": 4, "ttft": None}
+        out.write_text(json.dumps(result))
+        return harness.subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(harness.subprocess, "run", run)
+    s = settings(harness, ["--workload", "repeated-image", "--out-dir", str(tmp_path)])
+    harness.run_bench(s, tmp_path / "model", 18499, 16, "mmserve-c16-r1", seed=1016)
+    warm_up, measured = commands
+    flags = [dict(zip(c[5::2], c[6::2], strict=False)) for c in commands]
+    assert flags[0]["--seed"] != "1016" and flags[1]["--seed"] == "1016"
+    assert flags[0]["--num-prompts"] == "2" and flags[1]["--num-prompts"] == "48"
+    assert flags[1]["--max-concurrency"] == "16"
+    run_result = json.loads((tmp_path / "mmserve-c16-r1.json").read_text())
+    assert run_result["request_throughput"] == 3.0 and run_result["num_prompts"] == 4
