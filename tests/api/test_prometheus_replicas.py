@@ -143,3 +143,23 @@ def test_the_routing_counter_counts_by_reason() -> None:
     # a single engine routes nothing: no routing series until something is counted
     single = _samples(render(build_registry(EngineMetrics(), MODEL)).decode())
     assert not any(name == routed for name, _ in single)
+
+
+def test_the_replicas_list_is_read_at_every_scrape() -> None:
+    """The engine may hand the list of its replicas' metrics and replace an entry in place (a
+    restarted replica); a single core may be its own one replica."""
+    single = EngineMetrics(max_model_len=64)
+    _front_counts(single)
+    _core_counts(single, 1)
+    assert render(build_registry(single, MODEL, replicas=[single])) == render(
+        build_registry(single, MODEL)
+    )
+    replicas = [EngineMetrics(max_model_len=64), EngineMetrics(max_model_len=64)]
+    _core_counts(replicas[1], 2)
+    front = EngineMetrics(max_model_len=64)
+    registry = build_registry(front, MODEL, replicas=replicas)
+    running = ("mmserve_num_requests_running", frozenset({("replica", "1")}))
+    assert _samples(render(registry).decode())[running] == 2
+    replicas[1] = EngineMetrics(max_model_len=64)
+    _core_counts(replicas[1], 3)
+    assert _samples(render(registry).decode())[running] == 3
