@@ -52,6 +52,15 @@ def test_replicas_are_distinct_and_flat() -> None:
         EngineMetrics(replicas=[one, one])
     with pytest.raises(ValueError, match="without replicas of their own"):
         EngineMetrics(replicas=[EngineMetrics(replicas=[one])])
+    front = EngineMetrics()
+    with pytest.raises(ValueError, match="distinct"):
+        front.replicas = [front]
+    # given after construction (once the replicas have started), and kept by reference
+    replicas = [EngineMetrics(), EngineMetrics()]
+    front.replicas = replicas
+    replicas[1] = EngineMetrics()
+    replicas[1].set_gauge("num_requests_running", 4)
+    assert front.snapshot().gauges["num_requests_running"] == 4
 
 
 def test_a_restarted_source_adds_to_the_counts_so_far() -> None:

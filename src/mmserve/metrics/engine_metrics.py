@@ -39,13 +39,8 @@ class EngineMetrics:
         max_model_len: int = DEFAULT_MAX_TOKEN_BUCKET,
         replicas: Sequence[EngineMetrics] = (),
     ) -> None:
-        self.replicas = tuple(replicas)
-        if any(r.replicas for r in self.replicas) or len(set(map(id, self.replicas))) < len(
-            self.replicas
-        ):
-            raise ValueError(
-                "the replicas' metrics must be distinct, without replicas of their own"
-            )
+        self._replicas: Sequence[EngineMetrics] = ()
+        self.replicas = replicas
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
         self._gauges: dict[str, float] = dict.fromkeys(GAUGE_NAMES, 0.0)
@@ -65,6 +60,21 @@ class EngineMetrics:
             **{name: Histogram(REQUEST_LATENCY_BUCKETS_S) for name in PHASE_HISTOGRAMS},
             **{name: Histogram(token_bounds) for name in TOKEN_HISTOGRAMS},
         }
+
+    @property
+    def replicas(self) -> Sequence[EngineMetrics]:
+        """The data-parallel replicas' metrics, as given (not copied): read at every snapshot,
+        so an entry the engine replaces in place is read from then on."""
+        return self._replicas
+
+    @replicas.setter
+    def replicas(self, replicas: Sequence[EngineMetrics]) -> None:
+        ids = {id(r) for r in replicas}
+        if len(ids) < len(replicas) or id(self) in ids or any(r.replicas for r in replicas):
+            raise ValueError(
+                "the replicas' metrics must be distinct, without replicas of their own"
+            )
+        self._replicas = replicas
 
     def inc(self, name: str, amount: int = 1, *, modality: str | None = None) -> None:
         """`modality`: also count it under that modality (MODALITY_COUNTERS only)."""
@@ -159,7 +169,7 @@ class EngineMetrics:
     def snapshots(self) -> tuple[MetricsSnapshot, list[MetricsSnapshot]]:
         """(the engine's snapshot, each replica's) from one read of each: the total is the sum
         of exactly these replicas' values. Without replicas the list is empty."""
-        replicas = [r.snapshot() for r in self.replicas]
+        replicas = [r.snapshot() for r in self._replicas]
         own = self._own_snapshot()
         return (with_replicas_total(own, replicas) if replicas else own), replicas
 
