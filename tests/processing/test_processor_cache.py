@@ -16,10 +16,11 @@ from mmserve.processing.processor_cache import (
     UUIDRecord,
     cache_entry_bytes,
 )
+from tests.support.factory import CLIP_NORMALIZATION as NORM
 
 
 def _item(num_patches: int) -> EncoderInput:
-    return EncoderInput(np.zeros((num_patches, 4), dtype=np.float32), (1, 1, num_patches))
+    return EncoderInput(np.zeros((num_patches, 6), dtype=np.uint8), (1, 1, num_patches), NORM)
 
 
 def _cost(num_patches: int, key: str = "a") -> int:
@@ -51,11 +52,11 @@ def test_big_item_evicts_as_many_as_needed_and_oversized_items_are_skipped() -> 
 
 
 def test_an_entry_costs_its_whole_buffer_key_and_overhead() -> None:
-    base = np.zeros((100, 4), dtype=np.float32)  # 1600 bytes
-    view = EncoderInput(base[:2], (1, 1, 2))  # 32 bytes of its own, but keeps 1600 alive
+    base = np.zeros((100, 6), dtype=np.uint8)  # 600 bytes
+    view = EncoderInput(base[:2], (1, 1, 2), NORM)  # 12 bytes of its own, keeps 600 alive
     key = "k" * 64
-    assert view.nbytes == 32 and view.buffer_bytes == 1600
-    assert cache_entry_bytes(key, view) == 1600 + sys.getsizeof(key) + CACHE_ENTRY_OVERHEAD_BYTES
+    assert view.nbytes == 12 and view.buffer_bytes == 600
+    assert cache_entry_bytes(key, view) == 600 + sys.getsizeof(key) + CACHE_ENTRY_OVERHEAD_BYTES
     cache = ProcessorCache(capacity_bytes=cache_entry_bytes(key, view) - 1)
     cache.put(key, view)
     assert key not in cache  # counted by what it holds, it does not fit
@@ -70,8 +71,8 @@ def test_counted_cost_covers_the_memory_entries_really_hold() -> None:
     try:
         before = tracemalloc.get_traced_memory()[0]
         for key in keys:
-            out = np.empty((4, 3, 2, 4), dtype=np.float32)  # processed shape, then a view of it
-            cache.put(key, EncoderInput(out.reshape(4, 24), (1, 2, 2)))
+            out = np.empty((4, 3, 2, 4), dtype=np.uint8)  # processed shape, then a view of it
+            cache.put(key, EncoderInput(out.reshape(4, 24), (1, 2, 2), NORM))
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
@@ -88,9 +89,9 @@ def test_randomised_operations_keep_the_byte_count_exact() -> None:
         key = str(k) * (1 + k)  # keys of many lengths
         op = rng.random()
         if op < 0.5:
-            data = np.zeros((int(rng.integers(1, 60)), 4), dtype=np.float32)
+            data = np.zeros((int(rng.integers(1, 60)), 6), dtype=np.uint8)
             view = data[: int(rng.integers(1, len(data) + 1))]  # sometimes a view of more
-            cache.put(key, EncoderInput(view, (1, 1, len(view))))
+            cache.put(key, EncoderInput(view, (1, 1, len(view)), NORM))
         else:
             cache.get(key)
         cache.check_integrity()
