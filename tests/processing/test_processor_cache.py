@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from mmserve.multimodal import EncoderInput
+from mmserve.processing.image_processor import ImageProcessorConfig, process_image
 from mmserve.processing.processor_cache import (
     CACHE_ENTRY_OVERHEAD_BYTES,
     ProcessorCache,
@@ -17,6 +18,7 @@ from mmserve.processing.processor_cache import (
     cache_entry_bytes,
 )
 from tests.support.factory import CLIP_NORMALIZATION as NORM
+from tests.support.factory import random_image
 
 
 def _item(num_patches: int) -> EncoderInput:
@@ -147,3 +149,19 @@ def test_uuid_index_randomised_accounting() -> None:
         else:
             index.lookup(ns, uuid)
         index.check_integrity()
+
+
+def test_a_processed_image_costs_one_byte_per_patch_value() -> None:
+    """uint8 levels: a 448x448 image holds 1024 x 1176 bytes, a quarter of its float32 values."""
+    image = process_image(random_image(448, 448, seed=2), ImageProcessorConfig())
+    key = "i" * 64
+    assert image.buffer_bytes == 1024 * 1176 == image.normalized().nbytes // 4
+    cost = cache_entry_bytes(key, image)
+    assert cost == 1024 * 1176 + sys.getsizeof(key) + CACHE_ENTRY_OVERHEAD_BYTES
+    cache = ProcessorCache(capacity_bytes=4 * cost)
+    for k in "abcd":  # four fit where one float32 image would have
+        cache.put(
+            k * 64, process_image(random_image(448, 448, seed=ord(k)), ImageProcessorConfig())
+        )
+    assert len(cache) == 4
+    cache.check_integrity()
