@@ -69,9 +69,9 @@ def main() -> None:
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads for the engine step")
     print(
         f"{'size':>11} {'grid_thw':>15} {'transformers ms':>24} {'mmserve API ms':>24}  "
-        f"{'speedup':>22}  {'engine normalise ms':>19}  MB uint8 / float32"
+        f"{'speedup':>22}  {'engine normalise ms':>21}  MB uint8 / float32"
     )
-    print(f"{'':>11} {'':>15} {head:>24} {head:>24}  {head:>22}  {'median / best':>19}")
+    print(f"{'':>11} {'':>15} {head:>24} {head:>24}  {head:>22}  {head:>21}")
     for spec in args.sizes.split(","):
         width, height = (int(v) for v in spec.split("x"))
         rng = np.random.default_rng(0)
@@ -94,13 +94,13 @@ def main() -> None:
         assert torch.equal(normalize([ours]), torch.from_numpy(ref["pixel_values"]))
         hf_med, hf_best, hf_cpu = _time_ms(run_hf, args.repeats)
         our_med, our_best, our_cpu = _time_ms(run_ours, args.repeats)
-        norm_med, norm_best, _ = _time_ms(lambda ours=ours: normalize([ours]), args.repeats)
+        norm_med, norm_best, norm_cpu = _time_ms(lambda ours=ours: normalize([ours]), args.repeats)
         mb = ours.pixel_values.nbytes / 1e6
         print(
             f"{spec:>11} {str(grid):>15} {hf_med:7.1f} / {hf_best:6.1f} / {hf_cpu:6.1f} "
             f"{our_med:6.1f} / {our_best:6.1f} / {our_cpu:6.1f} "
             f"{hf_med / our_med:5.2f}x / {hf_best / our_best:4.2f}x / {hf_cpu / our_cpu:4.2f}x"
-            f"  {norm_med:8.1f} / {norm_best:6.1f}  {mb:7.2f} / {4 * mb:7.2f}"
+            f"  {norm_med:6.1f} / {norm_best:5.1f} / {norm_cpu:5.1f}  {mb:6.2f} / {4 * mb:6.2f}"
         )
 
 
