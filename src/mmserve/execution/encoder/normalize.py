@@ -54,7 +54,8 @@ class PixelNormalizer:
         """levels [n, C*T*P*P] uint8 on the device -> values [n, C*T*P*P] in `dtype`, written
         into `out` (contiguous, same shape) when given."""
         n, dim = levels.shape
-        index = levels.to(torch.int32) + self._channel_offsets(dim)  # [n, dim] int32
+        # [n, dim] int32 in one pass (uint8 + int32 promotes to int32)
+        index = torch.add(levels, self._channel_offsets(dim))
         if out is None:
             out = torch.empty((n, dim), dtype=self.dtype, device=self.device)
         torch.index_select(self._table(norm), 0, index.view(-1), out=out.view(-1))
