@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from benchmarks.suite.profile import QWEN2_VL_2B_LAYERS, Profile
 from benchmarks.suite.timing import synchronize
 from tests.support.factory import tiny_config_dict
 
@@ -29,21 +30,7 @@ from mmserve.models.kv_cache import allocate_kv_caches
 from mmserve.models.registry import get_model_class
 
 BLOCK_SIZE = 16
-# Qwen2-VL-2B's layers (config.json), the depth cut to `layers`
-MID_2B = {
-    "text": {
-        "hidden_size": 1536,
-        "intermediate_size": 8960,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 2,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 1e6,
-            "mrope_section": [16, 24, 24],
-        },
-    },
-    "vision": {"embed_dim": 1280, "hidden_size": 1536, "mlp_ratio": 4, "num_heads": 16},
-}
+MID_2B = QWEN2_VL_2B_LAYERS  # Qwen2-VL-2B's layer widths; the depth is the caller's
 
 
 def _config(shape: dict[str, Any], layers: int):
@@ -163,3 +150,16 @@ def _decode_step(config, kv, backend, batch: int, device: torch.device):
         return model(None, positions, metadata, kv, inputs_embeds=embeds)
 
     return step
+
+
+def compile_section(profile: Profile) -> dict[str, Any]:
+    """The GPU suite's rows (the profile's shape, device and dtype)."""
+    return compare_compile(
+        profile.compile_shape,
+        layers=profile.compile_layers,
+        image=profile.compile_image,
+        decode_batches=profile.compile_batches,
+        pairs=profile.compile_pairs,
+        device=profile.device,
+        dtype=profile.dtype,
+    )
