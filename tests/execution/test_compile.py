@@ -61,11 +61,13 @@ def _check_parity(checkpoint, tmp_path) -> None:
         assert llm.config.compiled is False
         want_tokens, want_logprobs = _run(llm, PROMPTS)
     cache_dir = tmp_path / "inductor"
+    graphs_before_start = compiled_graph_count()
     with LLM(
         model=str(checkpoint), optimization_level=3, compile_cache_dir=str(cache_dir), **ENGINE_ARGS
     ) as llm:
         assert llm.config.compiled is True
         graphs_after_start = compiled_graph_count()
+        assert graphs_after_start > graphs_before_start  # the warm-up compiled
         got_tokens, got_logprobs = _run(llm, PROMPTS)
         # every batch size, chunk and image grid ran on the graphs compiled at start-up
         one_by_one = [_run(llm, [p])[0][0] for p in PROMPTS[:2]]
