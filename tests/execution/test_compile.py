@@ -89,3 +89,28 @@ def test_compiled_qwen2_vl_is_greedy_identical_and_never_recompiles(tmp_path) ->
 def test_compiled_windowed_and_deepstack_models_are_greedy_identical(arch, tmp_path) -> None:
     checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", arch, seed=4, **DIVERSE)
     _check_parity(checkpoint, tmp_path)
+
+
+@pytest.mark.slow
+def test_compiled_layers_compose_with_the_decode_graph_capture(tmp_path) -> None:
+    """The capture/replay code of the decode CUDA graphs over compiled layers (the CPU stand-in
+    of a graph re-runs the captured callable; the Triton backend in its interpreter)."""
+    triton = pytest.importorskip("triton")
+    if not triton.knobs.runtime.interpret:
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py)")
+    from mmserve.execution.graphs.capture import EagerGraph
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", "qwen2_vl", seed=5, **DIVERSE)
+    args = dict(ENGINE_ARGS, attention_backend="triton")
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(model=str(checkpoint), **args) as llm:
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS[:3], greedy)]
+    cache_dir = str(tmp_path / "inductor")
+    with LLM(
+        model=str(checkpoint), optimization_level=3, compile_cache_dir=cache_dir, **args
+    ) as llm:
+        llm.engine.core.executor.runner.capture_decode_graphs((1, 2, 4), EagerGraph)
+        graphs = compiled_graph_count()
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS[:3], greedy)]
+        assert compiled_graph_count() == graphs
+    assert got == want

@@ -11,6 +11,9 @@ Attention is opaque to the compiler: the paged backends' `forward` and the visio
 `vision_attention` carry `torch.compiler.disable`, so dynamo breaks each layer's graph there and
 inductor compiles the dense pieces on either side (piecewise, as vLLM does it). The attention
 metadata (built on the host per step) and the paged KV cache never enter a compiled graph.
+The layers keep torch's norms, SwiGLU and rotary (`TorchLayerOps`, the worker picks them when
+compiling): inductor fuses those itself, where the hand-written Triton ops would be opaque
+kernels to it.
 
 Layers are compiled one by one, not the model as a whole: all layers of a stack run the same
 code, and dynamo (inlining nn.Modules, their weights as graph inputs) compiles it once for the

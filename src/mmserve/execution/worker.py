@@ -46,7 +46,7 @@ from mmserve.execution.model_runner import ModelRunner
 from mmserve.host_allocator import tune_host_allocator
 from mmserve.layers.attention import AttentionBackend, select_backend
 from mmserve.layers.attention.buffers import BatchLimits
-from mmserve.layers.fused import LayerOps, select_layer_ops
+from mmserve.layers.fused import LayerOps, TorchLayerOps, select_layer_ops
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import ModelConfig, load_model_config
 from mmserve.models.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
@@ -154,7 +154,10 @@ class Worker:
         backend = select_backend(
             cfg.attention_backend, cfg.device, block_size=cfg.block_size, head_dim=head_dim
         )
-        layer_ops = select_layer_ops(backend.name)
+        # Compiled (-O1..-O3), the layers keep torch's ops and inductor fuses them itself; the
+        # hand-written Triton ops are for eager layers (compile.py).
+        compiles = cfg.compile_cache_dir is not None
+        layer_ops = TorchLayerOps() if compiles else select_layer_ops(backend.name)
         at_start = CudaMemory(cfg.device).snapshot() if cfg.device.type == "cuda" else None
         logger.info(
             "attention backend: %s (--attention-backend %s, device %s); norms, SwiGLU, rotary: %s",
