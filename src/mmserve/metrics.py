@@ -57,6 +57,7 @@ LABELLED_COUNTERS = MappingProxyType(
         "remote_encoder_items": "encoder",
         "remote_encoder_latency_seconds": "encoder",
         "remote_encoder_dropped_messages": "reason",
+        "dp_routed_requests": "reason",  # "affinity" | "load": how a replica was chosen
     }
 )
 # Label values present from the start (at 0), so their series exist before anything is counted.

@@ -55,6 +55,7 @@ class EchoEngine:
         self.max_logprobs = 20
         self.sampling_defaults: dict = {}
         self.metrics = EngineMetrics()
+        self.replica_metrics = [self.metrics]
         self.tokenizer = ByteTokenizer()
         # (add_generation_prompt, continue_final_message) as each process_chat received them
         self.chat_flags: list[tuple[bool, bool]] = []
@@ -204,6 +205,9 @@ class EchoEngine:
 
     def is_healthy(self) -> bool:
         return self.healthy
+
+    def replica_states(self) -> list:
+        return []  # one engine core
 
     def decode_tokens(self, token_ids: list[int]) -> str:
         return bytes(token_ids).decode(errors="replace")

@@ -19,6 +19,7 @@ from mmserve.config.resolved import ResolvedConfig
 from mmserve.engine.factory import build_engine
 from mmserve.engine.frontend.llm_engine import LLMEngine
 from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
+from mmserve.engine.frontend.replicas import ReplicaSet, ReplicaState
 from mmserve.errors import (
     EngineDeadError,
     InternalRequestError,
@@ -94,6 +95,7 @@ class AsyncLLMEngine:
         self.max_logprobs = engine.max_logprobs
         self.sampling_defaults = engine.sampling_defaults
         self.metrics = engine.metrics
+        self.replica_metrics = engine.replica_metrics
         self.tokenizer = engine.input_processor.tokenizer
         self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -217,6 +219,11 @@ class AsyncLLMEngine:
 
     def is_healthy(self) -> bool:
         return self._error is None and self._thread.is_alive()
+
+    def replica_states(self) -> list[ReplicaState]:
+        """Each data-parallel replica's state; [] with one engine core."""
+        core = self.engine.core
+        return core.states() if isinstance(core, ReplicaSet) else []
 
     def decode_tokens(self, token_ids: list[int]) -> str:
         return self.engine.input_processor.tokenizer.decode(token_ids, skip_special_tokens=False)

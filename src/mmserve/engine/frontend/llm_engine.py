@@ -46,13 +46,18 @@ class LLMEngine:
         max_model_len: int,
         max_logprobs: int,
         sampling_defaults: Mapping[str, Any] | None = None,
+        replica_metrics: list[EngineMetrics] | None = None,
     ) -> None:
         """`sampling_defaults`: SamplingParams fields (by name) for those a client request
-        leaves out, from the checkpoint's generation_config.json (`--generation-config`)."""
+        leaves out, from the checkpoint's generation_config.json (`--generation-config`).
+        `replica_metrics`: each data-parallel replica's metrics (its scheduler's stats; a
+        list the core may update in place when a replica restarts); default `[metrics]`, one
+        core whose stats land in the front's metrics."""
         self.input_processor = input_processor
         self.core = core
         self.output_processor = output_processor
         self.metrics = metrics
+        self.replica_metrics = replica_metrics if replica_metrics is not None else [metrics]
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
