@@ -86,7 +86,7 @@ class Restarts:
 def ctx() -> Iterator[zmq.Context]:
     context = zmq.Context()
     yield context
-    context.term()
+    context.destroy(linger=0)
 
 
 def _set(ctx: zmq.Context, num: int = 2) -> tuple[ReplicaSet, list[Core], Restarts]:
@@ -130,8 +130,7 @@ def test_a_lost_replica_sends_unanswered_requests_elsewhere_and_fails_the_rest(c
     replica_set, cores, restarts = _set(ctx)
     for n in range(6):  # the bound keeps the two replicas within 1.5x of the mean
         replica_set.add_request(f"r{n}", _prompt(10 * n), PARAMS)
-    lost = replica_set.owner("r0")
-    assert lost is not None
+    lost = max((0, 1), key=lambda i: len(cores[i].added))  # 3 or more of the 6
     other = 1 - lost
     on_lost = list(cores[lost].added)
     assert len(on_lost) >= 2, on_lost  # one to fail, at least one to send again
