@@ -71,7 +71,7 @@ class Restarts:
         self.started: list[StartedReplica] = []
         self.stopped = False
 
-    def begin(self, index: int) -> None:
+    def begin(self, index: int, metrics: EngineMetrics) -> None:
         self.begun.append(index)
 
     def ready(self) -> list[StartedReplica]:
@@ -155,6 +155,9 @@ def test_a_lost_replica_sends_unanswered_requests_elsewhere_and_fails_the_rest(c
 
 def test_with_no_replica_live_requests_get_503_and_a_restarted_one_rejoins(ctx) -> None:
     replica_set, cores, restarts = _set(ctx)
+    metrics = replica_set.replica_metrics[1]
+    metrics.set_counter("encoder_items_encoded", 5)
+    metrics.set_gauge("num_requests_running", 2)
     for core in cores:
         core.dead_reason = "gone"
     replica_set.check_alive()  # never raises: the set lives while replicas can come back
@@ -162,10 +165,13 @@ def test_with_no_replica_live_requests_get_503_and_a_restarted_one_rejoins(ctx) 
     with pytest.raises(NoReplicaAvailableError) as refused:
         replica_set.add_request("x", _prompt(1), PARAMS)
     assert refused.value.status_code == 503
-    fresh, metrics = Core(ctx), EngineMetrics()
+    # the lost replica's gauges read 0; its process's counts go on from where they were
+    assert metrics.snapshot().gauges["num_requests_running"] == 0
+    fresh = Core(ctx)
     restarts.started.append(StartedReplica(1, "cpu", fresh, metrics, None))  # type: ignore[arg-type]
     assert replica_set.step() == []
-    assert replica_set.replica_metrics[1] is metrics
+    metrics.set_counter("encoder_items_encoded", 1)  # the new process's first encode
+    assert metrics.snapshot().counters["encoder_items_encoded"] == 6
     assert [s.is_live for s in replica_set.states()] == [False, True]
     replica_set.add_request("x", _prompt(1), PARAMS)
     assert fresh.added == ["x"] and replica_set.owner("x") == 1

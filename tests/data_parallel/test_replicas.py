@@ -51,7 +51,7 @@ async def _ask(engine: AsyncLLMEngine, messages: list[dict], request_id: str) ->
 
 
 def _encoded(engine: AsyncLLMEngine) -> list[int]:
-    return [m.snapshot().counters["encoder_items_encoded"] for m in engine.replica_metrics]
+    return [m.snapshot().counters["encoder_items_encoded"] for m in engine.metrics.replicas]
 
 
 def test_answers_equal_the_single_replica_servers(

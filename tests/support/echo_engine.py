@@ -55,7 +55,6 @@ class EchoEngine:
         self.max_logprobs = 20
         self.sampling_defaults: dict = {}
         self.metrics = EngineMetrics()
-        self.replica_metrics = [self.metrics]
         self.tokenizer = ByteTokenizer()
         # (add_generation_prompt, continue_final_message) as each process_chat received them
         self.chat_flags: list[tuple[bool, bool]] = []

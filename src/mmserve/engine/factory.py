@@ -39,10 +39,9 @@ def build_engine(
     shape = resolve_shape(config)
     metrics = EngineMetrics(max_model_len=shape.max_model_len)
     core: CoreLike
-    replica_metrics = [metrics]  # one core: its scheduler's stats land in the front's metrics
     if config.parallel.data_parallel_size > 1:
-        replicas, resolved = ReplicaSet.start(config, metrics, shape.max_model_len)
-        core, replica_metrics = replicas, replicas.replica_metrics
+        # each replica's stats land in its own metrics, which `metrics.replicas` sums
+        core, resolved = ReplicaSet.start(config, metrics, shape.max_model_len)
     elif config.parallel.uses_engine_processes:
         core, resolved = CoreClient.start(config, metrics)
     else:
@@ -58,7 +57,6 @@ def build_engine(
             lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip), metrics
         ),
         metrics=metrics,
-        replica_metrics=replica_metrics,
         max_model_len=shape.max_model_len,
         max_logprobs=config.checkpoint.max_logprobs,
         sampling_defaults=load_sampling_defaults(

@@ -19,7 +19,6 @@ from mmserve.config.resolved import ResolvedConfig
 from mmserve.engine.factory import build_engine
 from mmserve.engine.frontend.llm_engine import LLMEngine
 from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
-from mmserve.engine.frontend.replicas import ReplicaSet, ReplicaState
 from mmserve.errors import (
     EngineDeadError,
     InternalRequestError,
@@ -95,7 +94,7 @@ class AsyncLLMEngine:
         self.max_logprobs = engine.max_logprobs
         self.sampling_defaults = engine.sampling_defaults
         self.metrics = engine.metrics
-        self.replica_metrics = engine.replica_metrics
+        self.replica_states = engine.replica_states  # read from any thread (for /health)
         self.tokenizer = engine.input_processor.tokenizer
         self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -188,7 +187,7 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, sampling_params, cache_salt, output_kind))
+        self._command(_Add(request_id, prompt, sampling_params, cache_salt, output_kind))
         finished = False
         try:
             while True:
@@ -202,7 +201,7 @@ class AsyncLLMEngine:
                     return
         finally:
             if not finished:
-                self._commands.put(_Abort(request_id))
+                self._command(_Abort(request_id))
             with self._streams_lock:
                 self._streams.pop(request_id, None)
 
@@ -215,18 +214,18 @@ class AsyncLLMEngine:
                 self._raise_if_dead()
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        self._command(_Abort(request_id))
 
     def is_healthy(self) -> bool:
         return self._error is None and self._thread.is_alive()
 
-    def replica_states(self) -> list[ReplicaState]:
-        """Each data-parallel replica's state; [] with one engine core."""
-        core = self.engine.core
-        return core.states() if isinstance(core, ReplicaSet) else []
-
     def decode_tokens(self, token_ids: list[int]) -> str:
         return self.engine.input_processor.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def _command(self, command: _Add | _Abort) -> None:
+        """Queue a command for the engine thread and end its wait for a step's outputs."""
+        self._commands.put(command)
+        self.engine.wake()
 
     def _raise_if_dead(self) -> None:
         if self._error is not None:
@@ -243,7 +242,7 @@ class AsyncLLMEngine:
         with self._streams_lock:
             remaining = list(self._streams)
         for request_id in remaining:
-            self._commands.put(_Abort(request_id))
+            self._command(_Abort(request_id))
         self._stop.set()
         await asyncio.to_thread(self._thread.join, 5.0)
         await asyncio.to_thread(self.engine.shutdown)

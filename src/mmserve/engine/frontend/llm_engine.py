@@ -12,6 +12,7 @@ import msgspec
 from mmserve.engine.frontend.output_processor import OutputProcessor
 from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
 from mmserve.engine.frontend.protocol import CoreLike
+from mmserve.engine.frontend.replicas import ReplicaSet, ReplicaState
 from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError, RequestFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
@@ -46,18 +47,13 @@ class LLMEngine:
         max_model_len: int,
         max_logprobs: int,
         sampling_defaults: Mapping[str, Any] | None = None,
-        replica_metrics: list[EngineMetrics] | None = None,
     ) -> None:
         """`sampling_defaults`: SamplingParams fields (by name) for those a client request
-        leaves out, from the checkpoint's generation_config.json (`--generation-config`).
-        `replica_metrics`: each data-parallel replica's metrics (its scheduler's stats; a
-        list the core may update in place when a replica restarts); default `[metrics]`, one
-        core whose stats land in the front's metrics."""
+        leaves out, from the checkpoint's generation_config.json (`--generation-config`)."""
         self.input_processor = input_processor
         self.core = core
         self.output_processor = output_processor
         self.metrics = metrics
-        self.replica_metrics = replica_metrics if replica_metrics is not None else [metrics]
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
@@ -140,9 +136,17 @@ class LLMEngine:
         """Why the core can no longer run, or None while it can."""
         return self.core.dead_reason
 
+    def replica_states(self) -> list[ReplicaState]:
+        """Each data-parallel replica's state; [] with one engine core."""
+        return self.core.states() if isinstance(self.core, ReplicaSet) else []
+
     def check_alive(self) -> None:
         """Raise EngineDeadError if the core has died (called while idle)."""
         self.core.check_alive()
+
+    def wake(self) -> None:
+        """From any thread: end a core step that waits for outputs (`CoreLike.wake`)."""
+        self.core.wake()
 
     def step(self) -> list[RequestOutput]:
         """core step -> text and stop strings -> outputs. Raises only EngineDeadError."""

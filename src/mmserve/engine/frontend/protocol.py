@@ -55,8 +55,6 @@ class EngineClient(Protocol):
     # SamplingParams fields for those a request leaves out (--generation-config)
     sampling_defaults: dict[str, Any]
     metrics: EngineMetrics
-    # each data-parallel replica's metrics (`[metrics]` with one engine core)
-    replica_metrics: list[EngineMetrics]
     tokenizer: TextTokenizer
 
     async def process_chat(
@@ -132,6 +130,11 @@ class CoreLike(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def step(self) -> list[RequestUpdate]: ...
+
+    def wake(self) -> None:
+        """From any thread: a `step` that waits for outputs returns now (a request is ready to
+        be sent). A no-op for a core whose `step` never waits."""
+        ...
 
     def check_alive(self) -> None: ...
 

@@ -52,10 +52,10 @@ def replica_env(config: EngineConfig, index: int) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ids[index]}
 
 
-def start_replica(config: EngineConfig, index: int, max_model_len: int) -> StartedReplica:
-    """Start replica `index` and wait until its model is loaded."""
+def start_replica(config: EngineConfig, index: int, metrics: EngineMetrics) -> StartedReplica:
+    """Start replica `index`, its stats recorded in `metrics`, and wait until its model is
+    loaded."""
     env = replica_env(config, index)
-    metrics = EngineMetrics(max_model_len=max_model_len)
     client, resolved = CoreClient.start(config, metrics, env=env)
     device = resolved.device
     if env and device.startswith("cuda"):  # the process sees its one GPU as cuda:0
@@ -68,7 +68,10 @@ def start_replicas(config: EngineConfig, max_model_len: int) -> list[StartedRepl
     Logs one line naming the replicas and their devices."""
     num = config.parallel.data_parallel_size
     with ThreadPoolExecutor(num, thread_name_prefix="mmserve-replica-start") as pool:
-        futures = [pool.submit(start_replica, config, i, max_model_len) for i in range(num)]
+        futures = [
+            pool.submit(start_replica, config, i, EngineMetrics(max_model_len=max_model_len))
+            for i in range(num)
+        ]
         outcomes: list[StartedReplica | BaseException] = []
         for future in futures:
             try:
@@ -101,20 +104,23 @@ class Restarts:
     """Restarts lost replicas in background threads, each with a bounded backoff; the engine
     thread takes the ones that are ready (`ready`) and routes to them again."""
 
-    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self._config = config
-        self._max_model_len = max_model_len
         self._ready: queue.SimpleQueue[StartedReplica] = queue.SimpleQueue()
         self._threads: dict[int, threading.Thread] = {}
         self._stopping = threading.Event()
 
-    def begin(self, index: int) -> None:
-        """Restart replica `index` unless a restart of it is already under way."""
+    def begin(self, index: int, metrics: EngineMetrics) -> None:
+        """Restart replica `index` (its stats go on in `metrics`) unless a restart of it is
+        already under way."""
         thread = self._threads.get(index)
         if self._stopping.is_set() or (thread is not None and thread.is_alive()):
             return
         thread = threading.Thread(
-            target=self._restart, args=(index,), name=f"mmserve-replica-{index}", daemon=True
+            target=self._restart,
+            args=(index, metrics),
+            name=f"mmserve-replica-{index}",
+            daemon=True,
         )
         self._threads[index] = thread
         thread.start()
@@ -135,12 +141,12 @@ class Restarts:
         for started in self.ready():
             started.client.shutdown()
 
-    def _restart(self, index: int) -> None:
+    def _restart(self, index: int, metrics: EngineMetrics) -> None:
         attempt = 0
         while not self._stopping.wait(RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]):
             attempt += 1
             try:
-                started = start_replica(self._config, index, self._max_model_len)
+                started = start_replica(self._config, index, metrics)
             except Exception:  # noqa: BLE001 - tried again after the next backoff
                 logger.exception("replica %d failed to restart (try %d)", index, attempt)
                 continue

@@ -30,6 +30,7 @@ from mmserve.config.engine import EngineConfig
 from mmserve.config.scheduler import CacheConfig, SchedulerConfig
 from mmserve.engine.frontend.core_client import STEP_POLL_MS, CoreClient
 from mmserve.engine.frontend.replica_restart import Restarts, start_replicas
+from mmserve.engine.frontend.wakeup import Wakeup
 from mmserve.errors import EngineDeadError, FailureKind, NoReplicaAvailableError, RequestFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
@@ -99,8 +100,8 @@ class ReplicaSet:
         load_slack: float,
     ) -> None:
         self.replicas = replicas
-        # replica i's metrics; a restarted replica's process counts from zero again, so its
-        # entry is replaced (in place: whoever holds this list sees the new one)
+        # replica i's metrics, kept across its restarts (`EngineMetrics.reset_source` keeps its
+        # counters monotonic); the front end's metrics read them as `front_metrics.replicas`
         self.replica_metrics = replica_metrics
         self.front_metrics = front_metrics
         self.scheduler_config = scheduler_config
@@ -111,18 +112,20 @@ class ReplicaSet:
         self._owner: dict[str, int] = {}  # request id -> replica index
         self._unanswered: dict[str, _Sent] = {}
         self._backlog: list[RequestUpdate] = []  # failures of a lost replica, not yet stepped
+        self._wakeup = Wakeup()
 
     @classmethod
     def start(cls, config: EngineConfig, front_metrics: EngineMetrics, max_model_len: int):
         """Start `config.parallel.data_parallel_size` engine processes and wait for all."""
         started = start_replicas(config, max_model_len)
         replicas = [Replica(s.index, s.device, s.client) for s in started]
+        front_metrics.replicas = [s.metrics for s in started]
         # Admission must hold on every replica: the one with the fewest KV blocks decides.
         smallest = min(started, key=lambda s: s.client.cache_config.num_blocks or 0)
-        restarts = Restarts(config, max_model_len)
+        restarts = Restarts(config)
         replica_set = cls(
             replicas,
-            [s.metrics for s in started],
+            list(front_metrics.replicas),
             front_metrics=front_metrics,
             restarts=restarts,
             scheduler_config=smallest.client.scheduler_config,
@@ -168,10 +171,12 @@ class ReplicaSet:
         live = self._live()
         if not updates and live:
             poller = zmq.Poller()
+            poller.register(self._wakeup.fd, zmq.POLLIN)
             for replica in live:
                 assert replica.client is not None
                 poller.register(replica.client.outputs_socket, zmq.POLLIN)
-            poller.poll(STEP_POLL_MS)
+            if self._wakeup.fd in dict(poller.poll(STEP_POLL_MS)):
+                self._wakeup.clear()
         for replica in live:
             assert replica.client is not None
             try:
@@ -185,6 +190,10 @@ class ReplicaSet:
                     self._owner.pop(update.request_id, None)
             updates.extend(got)
         return updates
+
+    def wake(self) -> None:
+        """From any thread: end a `step` waiting for outputs (a request is ready to be sent)."""
+        self._wakeup.set()
 
     def check_alive(self) -> None:
         """Notice replicas that died (their requests' failures come with the next step) and
@@ -204,6 +213,7 @@ class ReplicaSet:
             if replica.client is not None:
                 replica.client.shutdown()
                 replica.client = None
+        self._wakeup.close()
 
     # ---------------------------------------------------------------------------- routing
 
@@ -263,6 +273,7 @@ class ReplicaSet:
         replica.client = None
         replica.dead_reason = reason
         replica.recent_keys.clear()  # a restarted replica starts with empty caches
+        self.replica_metrics[replica.index].reset_source()  # its gauges read 0 until it is back
         lost = [i for i, owner in self._owner.items() if owner == replica.index]
         retried, failed = 0, []
         for request_id in lost:
@@ -293,7 +304,7 @@ class ReplicaSet:
             len(self._live()),
             len(self.replicas),
         )
-        self._restarts.begin(replica.index)
+        self._restarts.begin(replica.index, self.replica_metrics[replica.index])
         return failed
 
     def _adopt_restarted(self) -> None:
@@ -304,7 +315,6 @@ class ReplicaSet:
                 continue
             replica.client = started.client
             replica.dead_reason = None
-            self.replica_metrics[started.index] = started.metrics
             logger.info(
                 "replica %d (%s) rejoined; %d of %d replicas live",
                 replica.index,
