@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.support.factory import png_bytes
-from tests.support.harness import Server, data_url, image_part, user
+from tests.support.harness import Server, data_url, image_part, read_metrics, user
 
 NUM_CLIENTS = 8
 NUM_REQUESTS = 40
@@ -139,3 +139,19 @@ def test_health_says_degraded_while_a_replica_restarts(dp_server: Server) -> Non
     assert len(down) == 1 and "killed by signal 9" in down[0]["reason"], body
     assert _chat(dp_server, user("Still answering?"), max_tokens=2) == 200
     _wait_health(dp_server, lambda b: b["status"] == "ok", "the rejoin")
+
+
+def test_metrics_show_each_replicas_encodes_their_total_and_the_routing(dp_server: Server) -> None:
+    _wait_health(dp_server, lambda b: b["status"] == "ok", "both replicas live")
+    for n in range(4):
+        picture = image_part(data_url(png_bytes(56, 56, seed=3000 + n)))
+        assert _chat(dp_server, user(picture, "Metrics?"), max_tokens=2) == 200
+    samples = read_metrics(dp_server.url)
+    name = "mmserve_encoder_items_encoded_total"
+    per_replica = [samples[f'{name}{{modality="image",replica="{i}"}}'] for i in range(2)]
+    assert sum(per_replica) == samples[f'{name}{{modality="image"}}'] >= 4, samples
+    routed = sum(
+        samples[f'mmserve_dp_routed_requests_total{{reason="{r}"}}'] for r in ("affinity", "load")
+    )
+    requests = sum(r["requests"] for r in _health(dp_server)["replicas"])
+    assert routed == requests, (routed, requests)
