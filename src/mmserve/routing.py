@@ -8,6 +8,9 @@ is skipped only while it carries both more than its fair share (1.25x the mean) 
 flight and more than AFFINITY_SLACK beyond the least-loaded node, so a burst cannot queue
 behind one node while others idle, but a short queue (or a load figure a moment stale, as an
 encoder's last pong is) never sends a picture away from the node that has it.
+
+`choose_bounded` routes items to encoders (the pool); `route_by_content` routes requests to
+data-parallel replicas, with load in requests and a replica's memory of the keys it was sent.
 """
 
 from __future__ import annotations
