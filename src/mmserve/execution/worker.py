@@ -44,6 +44,7 @@ from mmserve.host_allocator import tune_host_allocator
 from mmserve.layers.attention import AttentionBackend, select_backend
 from mmserve.layers.attention.buffers import BatchLimits
 from mmserve.layers.fused import LayerOps, select_layer_ops
+from mmserve.layers.parallel import SINGLE, TPGroup
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import ModelConfig, load_model_config
 from mmserve.models.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
@@ -102,7 +103,8 @@ class Worker:
     """One device's model, KV cache and runner, built in the order of the module docstring.
 
     `encoder_source` (a disaggregated server's encoder pool) encodes remote items; without one
-    a remote item fails its requests.
+    a remote item fails its requests. `tp`: this worker's rank in its tensor-parallel group:
+    it loads only its shard, and its KV cache (its budget, its blocks) holds only its KV heads.
     """
 
     def __init__(
@@ -110,10 +112,13 @@ class Worker:
         config: WorkerConfig,
         metrics: EngineMetrics,
         encoder_source: EncoderSource | None = None,
+        *,
+        tp: TPGroup = SINGLE,
     ) -> None:
         self.config = config
         self.metrics = metrics
         self.encoder_source = encoder_source
+        self.tp = tp
 
     def start(self) -> StartedWorker:
         """The recipe."""
@@ -156,7 +161,7 @@ class Worker:
             layer_ops.name,
         )
         model, model_config = load_model(
-            cfg.model_dir, device=cfg.device, dtype=cfg.dtype, layer_ops=layer_ops
+            cfg.model_dir, device=cfg.device, dtype=cfg.dtype, layer_ops=layer_ops, tp=self.tp
         )
         return backend, layer_ops, model, model_config, at_start
 
@@ -192,7 +197,9 @@ class Worker:
         )
         limits = self.batch_limits()
         return profiled_kv_budget(
-            GpuProfile(model, model_config, backend, shape, at_start, cfg.device, cfg.dtype),
+            GpuProfile(
+                model, model_config, backend, shape, at_start, cfg.device, cfg.dtype, self.tp
+            ),
             CudaMemory(cfg.device),
             utilization=cfg.gpu_memory_utilization,
             bytes_per_block=self.bytes_per_block(model_config),
@@ -209,7 +216,9 @@ class Worker:
         """The number of blocks and the zeroed caches, one per decoder layer."""
         cfg = self.config
         num_blocks = self.num_kv_blocks(model_config, budget_bytes)
-        caches = allocate_kv_caches(model_config, num_blocks, cfg.block_size, cfg.device, cfg.dtype)
+        caches = allocate_kv_caches(
+            model_config, num_blocks, cfg.block_size, cfg.device, cfg.dtype, self.tp
+        )
         return num_blocks, caches
 
     def num_kv_blocks(self, model_config: ModelConfig, budget_bytes: int | None) -> int:
@@ -311,4 +320,6 @@ class Worker:
         )
 
     def bytes_per_block(self, model_config: ModelConfig) -> int:
-        return kv_cache_bytes_per_block(model_config, self.config.block_size, self.config.dtype)
+        """What one KV block costs this rank (its KV heads only)."""
+        cfg = self.config
+        return kv_cache_bytes_per_block(model_config, cfg.block_size, cfg.dtype, self.tp)
