@@ -11,6 +11,7 @@ exactly `F.linear(x, weight, bias)`, the op `nn.Linear` runs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,16 @@ from torch import nn
 from mmserve.layers.parallel.group import TPGroup
 from mmserve.layers.parallel.heads import HeadSplit, split_evenly
 from mmserve.layers.parallel.weights import WeightPart
+
+
+def init_like_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
+    """nn.Linear's initialisation (a layer built without a checkpoint, e.g. a benchmark's
+    tower, computes with finite values; on the meta device it costs nothing)."""
+    bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    with torch.no_grad():
+        weight.uniform_(-bound, bound)  # = kaiming_uniform_(a=sqrt(5)), nn.Linear's choice
+        if bias is not None:
+            bias.uniform_(-bound, bound)
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,7 @@ class ColumnParallelLinear(nn.Module):
         out_features = sum(block.length for block in self.blocks)
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        init_like_linear(self.weight, self.bias, in_features)
 
     @classmethod
     def split(
@@ -156,6 +168,7 @@ class RowParallelLinear(nn.Module):
         local = split_evenly(in_features, tp, what)
         self.weight = nn.Parameter(torch.empty(out_features, local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        init_like_linear(self.weight, self.bias, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

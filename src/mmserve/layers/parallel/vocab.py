@@ -30,6 +30,7 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = -(-vocab_size // tp.size)
         self.vocab_start = tp.rank * self.rows_per_rank
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size))
+        nn.init.normal_(self.weight)  # nn.Embedding's (a checkpoint's rows replace it)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [n] -> [n, hidden], the full rows on every rank."""
