@@ -1,18 +1,22 @@
-"""A tensor-parallel rank's load: its parameters have the slice shapes and hold the right slices
-of the checkpoint's tensors; impossible head counts are refused naming the numbers; the KV
-cache and its cost per block count only the rank's KV heads.
+"""A tensor-parallel rank's load: it reads exactly the elements it holds; its parameters have
+the slice shapes and hold the right slices of the checkpoint's tensors; impossible head counts
+are refused naming the numbers; the KV cache and its cost per block count only the rank's KV
+heads.
 
 Loading needs no collectives, so a rank is built here with a stand-in group object."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from mmserve.layers.parallel import TPGroup
+from mmserve.models import loader
 from mmserve.models.config import load_model_config
 from mmserve.models.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from mmserve.models.loader import load_model
@@ -118,3 +122,58 @@ def test_the_kv_cache_holds_the_ranks_kv_heads(qwen2_vl_dir: Path) -> None:
     assert kv_cache_bytes_per_block(config, 16, torch.float32, _rank(3, 4)) == one // 2  # 1 head
     caches = allocate_kv_caches(config, 3, 16, "cpu", torch.float32, _rank(1, 2))
     assert [tuple(c.shape) for c in caches] == [(2, 3, 16, 1, 16)] * 2
+
+
+class _CountingFile:
+    """A safetensors file that counts the elements read from it (`reads`), whole or sliced."""
+
+    def __init__(self, opened: Any, reads: list[int]) -> None:
+        self.opened, self.reads = opened, reads
+
+    def __enter__(self) -> _CountingFile:
+        self.file = self.opened.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.opened.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return self.file.keys()
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        tensor = self.file.get_tensor(key)
+        self.reads.append(tensor.numel())
+        return tensor
+
+    def get_slice(self, key: str) -> _CountingSlice:
+        return _CountingSlice(self.file.get_slice(key), self.reads)
+
+
+class _CountingSlice:
+    def __init__(self, sliced: Any, reads: list[int]) -> None:
+        self.sliced, self.reads = sliced, reads
+
+    def get_shape(self) -> list[int]:
+        return self.sliced.get_shape()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        tensor = self.sliced[index]
+        self.reads.append(tensor.numel())
+        return tensor
+
+
+def test_a_rank_reads_exactly_the_elements_it_holds(
+    qwen2_vl_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads: list[int] = []
+    monkeypatch.setattr(
+        loader,
+        "safe_open",
+        lambda *args, **kwargs: _CountingFile(safe_open(*args, **kwargs), reads),
+    )
+    model, _ = load_model(qwen2_vl_dir, dtype=torch.float32, tp=_rank(1, 2))
+    held = sum(p.numel() for p in model.parameters())
+    in_files = sum(t.numel() for t in load_file(str(qwen2_vl_dir / "model.safetensors")).values())
+    whole_tower = sum(p.numel() for p in model.visual.parameters())
+    assert sum(reads) == held  # its slices, each once, and the replicated tensors whole
+    assert held - whole_tower < (in_files - whole_tower) * 0.6  # about half of the decoder
