@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from mmserve.config.flags import check_choice, flag
 
 DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZATION_LEVELS = (0, 1, 2, 3)  # vLLM's -O levels
+# Inductor's artefacts (--compile-cache-dir), kept across restarts.
+DEFAULT_COMPILE_CACHE_DIR = "~/.cache/mmserve/torch_compile"
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEVICE = "Device and parallelism"
 
@@ -62,6 +65,26 @@ class DeviceConfig:
         "of sizes (256 input patches, doubling, up to the encoder budget), each captured on "
         "first use. CUDA and bfloat16/float16 only; --enforce-eager turns it off. Default off.",
     )
+    # torch.compile of the vision blocks and decoder layers (issue #37, execution/compile.py):
+    # vLLM's -O spelling. None: mmserve's default, eager (compiling measured no faster on CPU).
+    optimization_level: int | None = flag(
+        None,
+        type=int,
+        choices=OPTIMIZATION_LEVELS,
+        group=DEVICE,
+        aliases=("-O",),
+        help="vLLM's optimization level. -O0: nothing compiled and no CUDA graphs (as "
+        "--enforce-eager); -O1, -O2, -O3 (the same in mmserve): the vision blocks and decoder "
+        "layers compiled by torch.compile (inductor; attention stays eager), at start-up, with "
+        "the CUDA graphs as usual. Default: not compiled (docs/compile.md: why).",
+    )
+    compile_cache_dir: str = flag(
+        DEFAULT_COMPILE_CACHE_DIR,
+        group=DEVICE,
+        metavar="DIR",
+        help="Where torch.compile (-O1..-O3) keeps inductor's compiled artefacts, reused by the "
+        "next start with the same model shapes and torch. Default {default}.",
+    )
     # Language-model attention (issue #15): auto is triton on CUDA, torch (SDPA) elsewhere.
     attention_backend: str = flag(
         "auto",
@@ -74,6 +97,15 @@ class DeviceConfig:
     def __post_init__(self) -> None:
         check_choice("device", self.device, DEVICES)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.optimization_level is not None and (
+            isinstance(self.optimization_level, bool)
+            or self.optimization_level not in OPTIMIZATION_LEVELS
+        ):
+            raise ValueError(
+                f"--optimization-level (-O) takes 0, 1, 2 or 3; got {self.optimization_level!r}"
+            )
+        if not self.compile_cache_dir:
+            raise ValueError("--compile-cache-dir needs a directory")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 "--gpu-memory-utilization is the fraction of the GPU's memory mmserve may use, "
@@ -89,12 +121,22 @@ class DeviceConfig:
                 )
             object.__setattr__(self, "cuda_graph_sizes", sizes)
 
+    @property
+    def compiles_model(self) -> bool:
+        """-O1..-O3: the vision blocks and decoder layers run compiled."""
+        return self.optimization_level is not None and self.optimization_level >= 1
+
+    @property
+    def runs_eager(self) -> bool:
+        """No CUDA graphs: --enforce-eager, or -O0 (vLLM's "no compilation, no cudagraphs")."""
+        return self.enforce_eager or self.optimization_level == 0
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the engine is laid out over processes and devices. Today: one device, the core in
-    this process or in an engine process of its own; the sizes vLLM command lines carry are
-    validated and any above 1 refused, so none is accepted and ignored."""
+    """How the engine is laid out over processes and devices: one device per engine core, the
+    core in this process or in an engine process of its own, and `data_parallel_size` engine
+    processes (replicas, routed by content: docs/data_parallel.md) behind one front end."""
 
     tensor_parallel_size: int = flag(
         1,
@@ -116,17 +158,32 @@ class ParallelConfig:
         type=int,
         group=DEVICE,
         aliases=("-dp",),
-        help="Engine replicas, one per device; mmserve runs one ({default}), larger values are "
-        "refused at start-up.",
+        help="Engine replicas behind this server, each an engine process with the whole model "
+        "on a device of its own (CUDA: device i for replica i; CPU: the cores split between "
+        "them). A request goes to the replica its first item's identity (or its prompt's "
+        "first block) ranks first, unless that replica is over the load bound "
+        "(--data-parallel-load-slack). Default {default}.",
+    )
+    # epsilon of the load bound: a replica carrying more than (1 + epsilon) x the mean number
+    # of unfinished requests (counting the new one) is passed over (docs/data_parallel.md).
+    data_parallel_load_slack: float = flag(
+        0.5,
+        type=float,
+        group=DEVICE,
+        help="With --data-parallel-size > 1: a replica is passed over while it has more than "
+        "(1 + this) x the mean number of unfinished requests per replica, the new one counted. "
+        "Smaller balances more tightly and encodes a repeated picture on more replicas. "
+        "Default {default}.",
     )
     # The scheduler and the model in an engine process of their own (issue #14). None: the
-    # entry point's default (the server: yes; the offline LLM: no).
+    # entry point's default (the server: yes; the offline LLM: no, unless data-parallel).
     multiprocess: bool | None = flag(
         None,
         action=argparse.BooleanOptionalAction,
         group=DEVICE,
         help="Run the scheduler and the model in an engine process, apart from the HTTP server "
-        "and its media processing (default on for `serve`). --no-multiprocess keeps one process.",
+        "and its media processing (default on for `serve`). --no-multiprocess keeps one process "
+        "(and one replica: --data-parallel-size > 1 needs engine processes).",
     )
 
     def __post_init__(self) -> None:
@@ -135,12 +192,33 @@ class ParallelConfig:
             flag_name = "--" + name.replace("_", "-")
             if not _is_positive_int(value):
                 raise ValueError(f"{flag_name} must be a positive integer, got {value!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            flag_name = "--" + name.replace("_", "-")
             if value > 1:
                 raise ValueError(
                     f"{flag_name} {value}: mmserve runs a model on one device and does not "
                     f"split it across devices yet; use {flag_name} 1 (a Qwen2-VL-7B in "
                     "bfloat16 needs ~17 GiB plus KV cache, one 24 GiB+ GPU)"
                 )
+        slack = self.data_parallel_load_slack
+        if isinstance(slack, bool) or not isinstance(slack, int | float) or not slack >= 0:
+            raise ValueError(
+                "--data-parallel-load-slack is the epsilon of the load bound (a replica over "
+                f"(1 + epsilon) x the mean load is passed over), a number >= 0; got {slack!r}"
+            )
+        if self.data_parallel_size > 1 and self.multiprocess is False:
+            raise ValueError(
+                f"--data-parallel-size {self.data_parallel_size} runs one engine process per "
+                "replica, but --no-multiprocess (multiprocess=False) keeps the engine in this "
+                "process; drop --no-multiprocess, or use --data-parallel-size 1"
+            )
+
+    @property
+    def uses_engine_processes(self) -> bool:
+        """Whether the engine core(s) run in engine processes: asked for, or implied by more
+        than one replica (the offline LLM's default is in-process)."""
+        return bool(self.multiprocess) or self.data_parallel_size > 1
 
 
 def _is_positive_int(value: object) -> bool:
