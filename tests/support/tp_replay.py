@@ -3,7 +3,8 @@
 A single-device `LLM` runs the requests while `RecordingExecutor` keeps every call the engine
 core makes on its executor (item data, each step's SchedulerOutput, frees) and each answer.
 `replay_on_rank` then runs on every rank of a gloo group (`run_ranks`): it builds the same
-engine (for its settings) and its model, puts a `ModelRunner` with the
+engine (for its settings), loads the rank's shard of the model (the vision tower sharded in
+weights mode) and the rank's KV cache with as many blocks, puts a `ModelRunner` with the
 rank's `TPGroup` over them, replays the calls and returns, per step, the runner's answer, its
 request states and its encoder cache's bytes.
 If TP gives the same answers as one device, the recorded SchedulerOutputs are exactly the
@@ -29,6 +30,8 @@ from mmserve.execution.encoder.pixels import ItemDataStore
 from mmserve.execution.encoder.runner import EncoderRunner
 from mmserve.execution.model_runner import ModelRunner
 from mmserve.layers.parallel import TPGroup
+from mmserve.models.kv_cache import allocate_kv_caches
+from mmserve.models.loader import load_model
 from mmserve.scheduling.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 MAX_PATCHES_PER_CALL = 1 << 20  # the same encoder calls on one device and on the ranks
@@ -123,9 +126,13 @@ def replay_on_rank(
     llm = LLM(model=str(model_dir), **engine_args)
     base = llm.engine.core.executor.runner
     fails = fail_ranks is None or group.rank in set(fail_ranks)
-    # NOTE: the whole model on each rank until the parallel layers land (models built with
-    # SINGLE: replicated, no collective in the forward)
-    model, kv_caches = base.model, base.kv_caches
+    model, model_config = load_model(
+        model_dir, base.device, base.encoder_cache.dtype, tp=group, shard_vision=mode == "weights"
+    )
+    num_blocks = base.kv_caches[0].shape[1]  # [2, num_blocks, block_size, kv_heads, head_dim]
+    kv_caches = allocate_kv_caches(
+        model_config, num_blocks, base.block_size, base.device, base.encoder_cache.dtype, group
+    )
     embed = CountingEmbed(model.embed_multimodal, fail_grids if fails else (), fail_after_compute)
     runner = ModelRunner(
         model,

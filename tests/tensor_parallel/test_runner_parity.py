@@ -1,6 +1,7 @@
-"""ModelRunners on two gloo ranks answer as one device does: rank 0's tokens and top-k
-logprobs equal the single-device runner's, the other rank's request states follow rank 0's
-tokens step by step, and every rank's encoder cache holds every item with the same bytes.
+"""ModelRunners on two gloo ranks, each over its shard of the model, answer as one device
+does: rank 0's tokens and top-k logprobs equal the single-device runner's, the other rank's
+request states follow rank 0's tokens step by step, and every rank's encoder cache holds every
+item with the same bytes.
 
 Images, chunked prefill cutting through them, prefix caching, encoder-cache hits (a picture
 repeated), a seeded sampled request; every architecture, both `--mm-encoder-tp-mode`s.
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from mmserve import SamplingParams
+from mmserve.models.loader import load_model
 from tests.support.distributed import run_ranks
 from tests.support.factory import random_image, write_tiny_checkpoint
 from tests.support.parity_cases import DIVERSE, IMG, chat
@@ -65,7 +67,7 @@ def test_two_ranks_answer_as_one_device(checkpoint: Path, mode: str) -> None:
     assert max_items_per_step(recorder.calls) >= 2  # some step splits items across the ranks
     single = [summary(o) for o in recorder.outputs]
 
-    (rank0, encoded0, _), (rank1, encoded1, _) = run_ranks(
+    (rank0, encoded0, params0), (rank1, encoded1, params1) = run_ranks(
         replay_on_rank, 2, checkpoint, ENGINE_ARGS, recorder.calls, mode
     )
 
@@ -76,6 +78,8 @@ def test_two_ranks_answer_as_one_device(checkpoint: Path, mode: str) -> None:
         assert second["states"] == first["states"], step
         assert second["cache"] == first["cache"], step
     assert any(step["cache"] for step in rank0)
+    whole = sum(p.numel() for p in load_model(checkpoint)[0].parameters())
+    assert params0 == params1 < whole  # each rank holds its shard
     if mode == "data":  # each item through one rank's tower, and both ranks had a share
         assert encoded0 + encoded1 == num_encoded and encoded0 > 0 and encoded1 > 0
     else:  # the (sharded) tower runs every item on every rank

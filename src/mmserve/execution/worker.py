@@ -175,7 +175,12 @@ class Worker:
             layer_ops.name,
         )
         model, model_config = load_model(
-            cfg.model_dir, device=cfg.device, dtype=cfg.dtype, layer_ops=layer_ops, tp=self.tp
+            cfg.model_dir,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            layer_ops=layer_ops,
+            tp=self.tp,
+            shard_vision=self.tp.size > 1 and cfg.mm_encoder_tp_mode == "weights",
         )
         return backend, layer_ops, model, model_config, at_start
 
