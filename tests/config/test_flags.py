@@ -9,10 +9,10 @@ import re
 import pytest
 
 from mmserve.cli import build_parser
-from mmserve.config.device import ParallelConfig
 from mmserve.config.engine import EngineConfig, keyword_owners, section_types
 from mmserve.config.flags import FLAG_KEY, field_default, flag_fields
 from mmserve.config.media import MediaConfig
+from mmserve.config.parallel import ParallelConfig
 from mmserve.config.server import ServerConfig
 from mmserve.disaggregation.encode_args import ENCODE_MEDIA_TOPICS, EncodeServerConfig
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from mmserve.config.flags import check_choice, flag
@@ -88,59 +87,6 @@ class DeviceConfig:
                     f"it; several: exactly those), e.g. --cuda-graph-sizes 1 2 4 8; got {sizes!r}"
                 )
             object.__setattr__(self, "cuda_graph_sizes", sizes)
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """How the engine is laid out over processes and devices. Today: one device, the core in
-    this process or in an engine process of its own; the sizes vLLM command lines carry are
-    validated and any above 1 refused, so none is accepted and ignored."""
-
-    tensor_parallel_size: int = flag(
-        1,
-        type=int,
-        group=DEVICE,
-        aliases=("-tp",),
-        help="Devices to split the model over; mmserve runs on one device ({default}), larger "
-        "values are refused at start-up.",
-    )
-    pipeline_parallel_size: int = flag(
-        1,
-        type=int,
-        group=DEVICE,
-        aliases=("-pp",),
-        help="Pipeline stages; {default} (larger values are refused at start-up).",
-    )
-    data_parallel_size: int = flag(
-        1,
-        type=int,
-        group=DEVICE,
-        aliases=("-dp",),
-        help="Engine replicas, one per device; mmserve runs one ({default}), larger values are "
-        "refused at start-up.",
-    )
-    # The scheduler and the model in an engine process of their own (issue #14). None: the
-    # entry point's default (the server: yes; the offline LLM: no).
-    multiprocess: bool | None = flag(
-        None,
-        action=argparse.BooleanOptionalAction,
-        group=DEVICE,
-        help="Run the scheduler and the model in an engine process, apart from the HTTP server "
-        "and its media processing (default on for `serve`). --no-multiprocess keeps one process.",
-    )
-
-    def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-            value = getattr(self, name)
-            flag_name = "--" + name.replace("_", "-")
-            if not _is_positive_int(value):
-                raise ValueError(f"{flag_name} must be a positive integer, got {value!r}")
-            if value > 1:
-                raise ValueError(
-                    f"{flag_name} {value}: mmserve runs a model on one device and does not "
-                    f"split it across devices yet; use {flag_name} 1 (a Qwen2-VL-7B in "
-                    "bfloat16 needs ~17 GiB plus KV cache, one 24 GiB+ GPU)"
-                )
 
 
 def _is_positive_int(value: object) -> bool:
