@@ -39,15 +39,22 @@ def _assert_same(got, expected) -> None:
                 assert value == pytest.approx(ref[token_id], abs=1e-4)
 
 
+@pytest.fixture(scope="module")
+def tp1_answers(tp_checkpoints):
+    """Each architecture's TP=1 answers, computed once for the module."""
+    answers = {}
+    for arch, path in tp_checkpoints.items():
+        with LLM(model=str(path), **ENGINE) as llm:
+            answers[arch] = _answers(llm)
+    return answers
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_tp2_equals_tp1_and_transformers(arch, tp_checkpoints, tp_oracles) -> None:
-    model = str(tp_checkpoints[arch])
-    with LLM(model=model, **ENGINE) as llm:
-        single = _answers(llm)
-    with LLM(model=model, tensor_parallel_size=2, **ENGINE) as llm:
+def test_tp2_equals_tp1_and_transformers(arch, tp_checkpoints, tp_oracles, tp1_answers) -> None:
+    with LLM(model=str(tp_checkpoints[arch]), tensor_parallel_size=2, **ENGINE) as llm:
         parallel = _answers(llm)
         counters = llm.engine.metrics.snapshot().counters
-    _assert_same(parallel, single)
+    _assert_same(parallel, tp1_answers[arch])
     oracle = tp_oracles[arch]
     for (ids, lps), (prompt, images) in zip(parallel, [*CASES.values()], strict=False):
         assert ids == oracle.greedy(prompt, images, NUM_TOKENS)
@@ -55,19 +62,16 @@ def test_tp2_equals_tp1_and_transformers(arch, tp_checkpoints, tp_oracles) -> No
         for step, entry in enumerate(lps):
             for token_id, value in entry.items():
                 assert value == pytest.approx(float(reference[step, token_id]), abs=1e-4)
-    assert counters["encoder_items_encoded"] >= 3  # the repeated request's items were cached
-    assert counters["prefix_cache_hits"] > 0
+    assert counters["prefix_cache_hits"] > 0  # the repeated request read the prefix cache
 
 
-def test_items_split_across_ranks_equal_one_rank_encoding_all(tp_checkpoints) -> None:
-    """data mode (items split by patch cost, embeddings gathered) == weights mode (every rank
-    encodes every item) == TP=1, on Qwen3-VL (DeepStack levels travel with the embeddings)."""
+def test_every_item_encoded_on_every_rank_equals_the_split(tp_checkpoints, tp1_answers) -> None:
+    """weights mode (the sharded tower, every rank encodes every item) answers as data mode
+    (items split across ranks by patch cost, embeddings gathered: the test above) and TP=1,
+    on Qwen3-VL, whose DeepStack levels travel with the embeddings."""
     model = str(tp_checkpoints["qwen3_vl"])
-    with LLM(model=model, **ENGINE) as llm:
-        expected = _answers(llm)
-    for mode in ("data", "weights"):
-        with LLM(model=model, tensor_parallel_size=2, mm_encoder_tp_mode=mode, **ENGINE) as llm:
-            _assert_same(_answers(llm), expected)
+    with LLM(model=model, tensor_parallel_size=2, mm_encoder_tp_mode="weights", **ENGINE) as llm:
+        _assert_same(_answers(llm), tp1_answers["qwen3_vl"])
 
 
 def _reference_logprobs(oracle, prompt: str, images: list, generated: list[int]) -> torch.Tensor:
