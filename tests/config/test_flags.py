@@ -133,12 +133,12 @@ def test_the_engine_process_gets_no_server_setting() -> None:
     assert field_default(dataclasses.fields(ServerConfig)[0]) == "127.0.0.1"
 
 
-@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size", "-dp"])
+@pytest.mark.parametrize("flag", ["--pipeline-parallel-size", "-dp"])
 def test_parallel_sizes_above_one_are_refused_not_ignored(flag: str) -> None:
     from tests.support.config_args import args_of
 
     assert args_of(flag, "1").engine.parallel == ParallelConfig()
-    with pytest.raises(ValueError, match="does not split it across devices yet"):
+    with pytest.raises(ValueError, match="does not run pipeline stages or engine replicas"):
         args_of(flag, "2")
     with pytest.raises(ValueError, match="must be a positive integer"):
         ParallelConfig(data_parallel_size=0)
