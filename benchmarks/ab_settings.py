@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ab_summary import BASE, CANDIDATE, ENGINES, VLLM
+from ab_workloads import RANDOM_MM, client_of, resolve_dtype
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,10 +30,24 @@ class Settings:
     mmserve_base_py: str | None  # None: no baseline configured
     mmserve_base_pythonpath: str | None  # prepended to PYTHONPATH for the baseline server only
     mmserve_args: tuple[str, ...]
+    mmserve_base_args: tuple[str, ...] | None  # the baseline's flags instead; None: mmserve_args
     vllm_args: tuple[str, ...]
     startup_timeout_s: float
+    dtype: str  # passed to every server as --dtype
+    dtype_reason: str  # why that dtype: printed and recorded with the results
+    workload: str  # one of ab_workloads.WORKLOADS
 
     def __post_init__(self) -> None:
+        client_of(self.workload)  # refuses an unknown workload
+        for name, args in (
+            ("MMSERVE_ARGS", self.mmserve_args),
+            ("MMSERVE_BASE_ARGS", self.mmserve_base_args or ()),
+            ("VLLM_ARGS", self.vllm_args),
+        ):
+            if any(a == "--dtype" or a.startswith("--dtype=") for a in args):
+                raise ValueError(
+                    f"{name} sets --dtype; set DTYPE (--dtype) instead, which every engine gets"
+                )
         if self.rounds < 1 or self.num_prompts < 1:
             raise ValueError("ROUNDS and NUM_PROMPTS must be at least 1")
         if not self.concurrencies or min(self.concurrencies) < 1:
@@ -62,6 +77,12 @@ class Settings:
             BASE: self.mmserve_base_port,
             CANDIDATE: self.mmserve_port,
         }[engine]
+
+    def args_of(self, engine: str) -> tuple[str, ...]:
+        """The extra `mmserve serve` flags of an mmserve engine."""
+        if engine == BASE and self.mmserve_base_args is not None:
+            return self.mmserve_base_args
+        return self.mmserve_args
 
     def python_of(self, engine: str) -> str:
         """The python that serves an mmserve engine."""
@@ -134,8 +155,11 @@ def parse_args(argv: list[str], environ: dict[str, str], description: str) -> ar
     flag("--mmserve-base-py", default=environ.get("MMSERVE_BASE_PY") or None)
     flag("--mmserve-base-pythonpath", default=environ.get("MMSERVE_BASE_PYTHONPATH") or None)
     flag("--mmserve-args", default=environ.get("MMSERVE_ARGS", ""))
+    flag("--mmserve-base-args", default=environ.get("MMSERVE_BASE_ARGS"))
     flag("--vllm-args", default=environ.get("VLLM_ARGS", ""))
     flag("--startup-timeout-s", type=float, default=environ.get("STARTUP_TIMEOUT_S", "600"))
+    flag("--dtype", default=environ.get("DTYPE", "auto"), help="auto, float32 or bfloat16")
+    flag("--workload", default=environ.get("WORKLOAD", RANDOM_MM), help="random-mm, repeated-image")
     args = parser.parse_args(argv)
     if args.command == "summarize" and args.summary_dir is None:
         parser.error("summarize needs the out dir of a run")
@@ -144,6 +168,7 @@ def parse_args(argv: list[str], environ: dict[str, str], description: str) -> ar
 
 def settings_from(args: argparse.Namespace) -> Settings:
     vllm_root = Path(args.vllm_root)
+    dtype, dtype_reason = resolve_dtype(args.dtype)
     return Settings(
         vllm_root=vllm_root,
         out_dir=Path(args.out_dir or vllm_root / "runs" / time.strftime("%Y%m%d-%H%M%S")),
@@ -158,6 +183,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
         mmserve_base_py=args.mmserve_base_py,
         mmserve_base_pythonpath=args.mmserve_base_pythonpath,
         mmserve_args=tuple(shlex.split(args.mmserve_args)),
+        mmserve_base_args=None
+        if args.mmserve_base_args is None
+        else tuple(shlex.split(args.mmserve_base_args)),
         vllm_args=tuple(shlex.split(args.vllm_args)),
         startup_timeout_s=args.startup_timeout_s,
+        dtype=dtype,
+        dtype_reason=dtype_reason,
+        workload=args.workload,
     )

@@ -6,19 +6,25 @@
     python benchmarks/compare_vllm_cpu.py summarize OUT_DIR
 
 Run it with any Python 3.11 (it imports only the standard library and its sibling files).
-`run` serves one checkpoint with each engine in turn, one server at a time, and drives every
-engine with the same load generator, vLLM's own `vllm bench serve`: random-mm requests of one
-448x448 image and 32 text tokens, 32 output tokens with EOS ignored, all sent at once behind a
-concurrency cap. The engines are vLLM, mmserve (MMSERVE_PY) and, when MMSERVE_BASE_PY is set,
-mmserve-base: a baseline mmserve checkout, to show that a change did not make mmserve slower.
+`run` serves one checkpoint with each engine in turn, one server at a time, every engine at the
+same `--dtype` (DTYPE; auto: float32 on a CPU without native bfloat16, bfloat16 where the CPU
+has it, see ab_workloads.py), and drives every engine with the same load generator. WORKLOAD
+`random-mm` (the default) is vLLM's own `vllm bench serve`: random-mm requests of one 448x448
+image and 32 text tokens, 32 output tokens with EOS ignored, all sent at once behind a
+concurrency cap; `repeated-image` is the same shape of request with half of them resending an
+earlier request's image, sent by `mmserve bench serve --repeat-ratio 0.5` (vLLM's client cannot
+repeat an image) to every engine alike. The engines are vLLM, mmserve (MMSERVE_PY) and, when
+MMSERVE_BASE_PY is set, mmserve-base: a baseline mmserve checkout, to show that a change did
+not make mmserve slower.
 For every concurrency it runs ROUNDS rounds of every engine, a fresh server each time and the
 round number as the workload seed, so every engine gets the same requests and slow drift of the
 machine hits all of them. Within a round vLLM always goes first; mmserve-base and mmserve swap
 places every round (odd rounds: mmserve-base, then mmserve; even rounds: mmserve, then
 mmserve-base), so that neither mmserve always follows the other, and an even ROUNDS gives each
-the first place equally often. It prints each run and then, per concurrency, the median request
-throughput ratios mmserve/vLLM and mmserve/mmserve-base (of the engines that ran) with the TTFT
-p50 medians; summary.json in the out dir has every figure.
+the first place equally often. It prints the dtype (and why), each run and then, per
+concurrency, the median request throughput ratios mmserve/vLLM and mmserve/mmserve-base (of the
+engines that ran) with the TTFT p50 medians; summary.json in the out dir has every figure, the
+dtype and the workload.
 
 Settings come from the environment (or the flag of the same name in lower case, `--rounds 1`):
 
@@ -35,9 +41,14 @@ Settings come from the environment (or the flag of the same name in lower case, 
     MMSERVE_BASE_PYTHONPATH  prepended to PYTHONPATH for the baseline  unset
                     server only (a baseline checkout sharing MMSERVE_PY's venv: its src/)
     MMSERVE_ARGS    extra flags for both `mmserve serve`s; VLLM_ARGS the same for `vllm serve`
+    MMSERVE_BASE_ARGS  the baseline's flags instead of MMSERVE_ARGS: with   unset
+                    them the baseline may be the same checkout (an A/B of flags)
     OUT_DIR         where results go                                   VLLM_ROOT/runs/<date-time>
+    DTYPE           --dtype of every server: auto, float32, bfloat16   auto
+    WORKLOAD        random-mm or repeated-image                        random-mm
 
-The two mmserve engines must import mmserve from different files; the harness refuses otherwise.
+The two mmserve engines must import mmserve from different files or run with different flags
+(MMSERVE_BASE_ARGS); the harness refuses otherwise.
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import ab_summary
+import ab_workloads
 import vllm_cpu_venv
 from ab_settings import Settings, parse_args, round_order, settings_from
 from ab_summary import BASE, CANDIDATE, VLLM
@@ -64,18 +76,6 @@ log = logging.getLogger("compare_vllm_cpu")
 
 HERE = Path(__file__).resolve().parent
 
-# The workload, as `vllm bench serve` flags; --num-prompts, --max-concurrency and --seed vary.
-WORKLOAD_FLAGS = [
-    "--dataset-name", "random-mm",
-    "--random-input-len", "32",
-    "--random-output-len", "32",
-    "--random-range-ratio", "0",
-    "--random-mm-base-items-per-request", "1",
-    "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
-    "--random-mm-bucket-config", "{(448, 448, 1): 1.0}",
-    "--request-rate", "inf",
-    "--ignore-eos",
-]  # fmt: skip
 BENCH_TIMEOUT_S = 1800
 # Everything is local: no model hub look-ups, no usage reports (this machine reaches neither).
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -105,6 +105,7 @@ def vllm_command(settings: Settings, model: Path) -> tuple[list[str], dict[str, 
         str(settings.venv / "bin" / "vllm"), "serve", str(model),
         "--host", "127.0.0.1", "--port", str(settings.vllm_port),
         "--limit-mm-per-prompt", '{"image": 1}',
+        "--dtype", settings.dtype,
         # On CPU this is the share of host memory vLLM reserves up front.
         "--gpu-memory-utilization", "0.3",
         *settings.vllm_args,
@@ -121,7 +122,8 @@ def mmserve_command(
         # vLLM names the model by its path; the bench sends that name to every server.
         "--served-model-name", str(model),
         "--host", "127.0.0.1", "--port", str(settings.port_of(engine)),
-        *settings.mmserve_args,
+        "--dtype", settings.dtype,
+        *settings.args_of(engine),
     ]  # fmt: skip
     return cmd, settings.mmserve_env(engine, {**os.environ, **OFFLINE_ENV})
 
@@ -129,26 +131,52 @@ def mmserve_command(
 def run_bench(
     settings: Settings, model: Path, port: int, concurrency: int, stem: str, seed: int
 ) -> None:
-    cmd = [
-        str(settings.venv / "bin" / "vllm"), "bench", "serve",
-        "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-        "--base-url", f"http://127.0.0.1:{port}", "--model", str(model), "--tokenizer", str(model),
-        *WORKLOAD_FLAGS,
-        "--num-prompts", str(settings.num_prompts), "--max-concurrency", str(concurrency),
-        "--seed", str(seed), "--disable-tqdm",
-        "--save-result", "--result-dir", str(settings.out_dir), "--result-filename", f"{stem}.json",
-    ]  # fmt: skip
+    """One run of the workload against the server on `port`; leaves `{stem}.json` in the keys
+    of `vllm bench serve --save-result`, whichever client sent it."""
+    result = settings.out_dir / f"{stem}.json"
+    if ab_workloads.client_of(settings.workload) == "vllm":
+        cmd = [
+            str(settings.venv / "bin" / "vllm"), "bench", "serve",
+            "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+            "--base-url", f"http://127.0.0.1:{port}", "--model", str(model),
+            "--tokenizer", str(model), *ab_workloads.VLLM_BENCH_FLAGS,
+            "--num-prompts", str(settings.num_prompts), "--max-concurrency", str(concurrency),
+            "--seed", str(seed), "--disable-tqdm", "--save-result",
+            "--result-dir", str(settings.out_dir), "--result-filename", result.name,
+        ]  # fmt: skip
+        env = {**os.environ, **OFFLINE_ENV}
+        raw = result
+    else:
+        raw = settings.out_dir / f"{stem}.mmserve-bench.json"
+        base_url = f"http://127.0.0.1:{port}"
+        cmd = ab_workloads.mmserve_bench_command(
+            settings.mmserve_py, base_url, str(model), settings.num_prompts, concurrency, seed, raw
+        )
+        # As `vllm bench serve` does, a warm-up before the clock starts; other images (another
+        # seed), so that the measured requests find nothing of it in any cache.
+        warm_up = ab_workloads.mmserve_bench_command(
+            settings.mmserve_py, base_url, str(model), ab_workloads.WARM_UP_PROMPTS, 1,
+            seed + ab_workloads.WARM_UP_SEED_OFFSET, settings.out_dir / f"{stem}.warm-up.json",
+        )  # fmt: skip
+        # The client of the candidate's checkout, not the baseline's: the same for every engine.
+        env = settings.mmserve_env(CANDIDATE, {**os.environ, **OFFLINE_ENV})
     bench_log = settings.out_dir / f"{stem}.bench.log"
     with bench_log.open("w") as log_file:
+        if raw != result:
+            subprocess.run(
+                warm_up, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                timeout=BENCH_TIMEOUT_S, check=False,
+            )  # fmt: skip
         done = subprocess.run(
-            cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE_ENV},
-            timeout=BENCH_TIMEOUT_S,
-        )  # fmt: skip
-    if done.returncode != 0 or not (settings.out_dir / f"{stem}.json").exists():
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, timeout=BENCH_TIMEOUT_S
+        )
+    if done.returncode != 0 or not raw.exists():
         raise HarnessError(
-            f"vllm bench serve failed (code {done.returncode}); end of {bench_log}:\n"
+            f"{shlex.join(cmd[:4])} failed (code {done.returncode}); end of {bench_log}:\n"
             f"{log_tail(bench_log)}"
         )
+    if raw != result:
+        ab_workloads.write_vllm_result(raw, result)
 
 
 def workload_seed(concurrency: int, round_idx: int) -> int:
@@ -208,11 +236,13 @@ def mmserve_locations(settings: Settings) -> dict[str, str]:
     """engine -> its mmserve/__init__.py, for each mmserve engine measured; refuses a baseline
     that would measure the same files as the candidate."""
     locations = {e: mmserve_location(settings, e) for e in settings.engines if e != VLLM}
-    if BASE in locations and locations[BASE] == locations[CANDIDATE]:
+    same_args = settings.args_of(BASE) == settings.args_of(CANDIDATE)
+    if BASE in locations and locations[BASE] == locations[CANDIDATE] and same_args:
         raise HarnessError(
             f"mmserve and mmserve-base both import {locations[CANDIDATE]}: the A/B would compare "
-            "a checkout with itself. Point MMSERVE_BASE_PY at the baseline's venv, or set "
-            "MMSERVE_BASE_PYTHONPATH to the baseline checkout's src/ (PYTHONPATH here is "
+            "a checkout with itself. Point MMSERVE_BASE_PY at the baseline's venv, set "
+            "MMSERVE_BASE_PYTHONPATH to the baseline checkout's src/, or give the baseline "
+            "other flags with MMSERVE_BASE_ARGS (PYTHONPATH here is "
             f"{os.environ.get('PYTHONPATH', 'unset')!r})"
         )
     return locations
@@ -226,7 +256,13 @@ def run_context(settings: Settings, vllm_version: str, locations: dict[str, str]
         "vllm": vllm_version,  # the load generator's version, whether or not its server ran
         **locations,  # "mmserve" and, with a baseline, "mmserve-base": the files measured
         "settings": settings_dict,
-        "workload": WORKLOAD_FLAGS,
+        "dtype": settings.dtype,
+        "dtype_reason": settings.dtype_reason,
+        "workload": settings.workload,
+        "client": ab_workloads.client_of(settings.workload) + " bench serve",
+        "workload_flags": ab_workloads.VLLM_BENCH_FLAGS
+        if ab_workloads.client_of(settings.workload) == "vllm"
+        else ab_workloads.MMSERVE_BENCH_FLAGS,
     }
 
 
@@ -237,6 +273,8 @@ def run(settings: Settings) -> int:
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     context = run_context(settings, vllm_version, locations)
     log.info("results in %s; engines %s", settings.out_dir, ", ".join(settings.engines))
+    log.info("dtype %s for every engine: %s", settings.dtype, settings.dtype_reason)
+    log.info("workload %s", settings.workload)
     for engine, location in locations.items():
         log.info("%s imports mmserve from %s", engine, location)
     runs = []
@@ -248,6 +286,10 @@ def run(settings: Settings) -> int:
         if runs:
             ab_summary.write_summary(settings.out_dir / "summary.json", runs, context)
             print("\n== all runs, then medians per concurrency ==")
+            print(
+                f"dtype {settings.dtype} for every engine ({settings.dtype_reason}); "
+                f"workload {settings.workload}"
+            )
             print("\n".join(ab_summary.report(runs)))
             print(f"summary: {settings.out_dir / 'summary.json'}")
     return 0
@@ -269,6 +311,13 @@ def main() -> int:
             runs = ab_summary.load_runs(args.summary_dir)
             if not runs:
                 raise HarnessError(f"no engine-cN-rM.json result files in {args.summary_dir}")
+            summary_json = args.summary_dir / "summary.json"
+            if summary_json.exists():  # runs older than the dtype setting have no "dtype"
+                context = json.loads(summary_json.read_text())
+                print(
+                    f"dtype {context.get('dtype', 'not recorded')}; "
+                    f"workload {context.get('workload', 'random-mm')}"
+                )
             print("\n".join(ab_summary.report(runs)))
             return 0
         settings = settings_from(args)

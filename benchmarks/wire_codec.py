@@ -3,7 +3,7 @@
 Usage: .venv/bin/python benchmarks/wire_codec.py [--repeats 2000] [--no-zmq]
 
 Messages: the EngineCoreRequest of a request carrying a 448x448 image (grid 1x32x32: 1024
-patches x 1176 float32 = 4.8 MB, 256 placeholder tokens, 32 text tokens); the EngineCoreOutputs
+patches x 1176 uint8 levels = 1.2 MB, 256 placeholder tokens, 32 text tokens); the EngineCoreOutputs
 of sixteen one-token updates. For each: median microseconds to
 encode, to decode and for the round trip, frame count and bytes (frame 0 = header + msgpack).
 Then token ids as msgpack ints against a raw int32 frame, and a round trip over a zmq PAIR
@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from mmserve.multimodal import EncoderInput, MultiModalFeature, PlaceholderRange  # noqa: E402
+from mmserve.processing.image_processor import ImageProcessorConfig  # noqa: E402
 from mmserve.sampling_params import SamplingParams  # noqa: E402
 from mmserve.updates import RequestUpdate  # noqa: E402
 from mmserve.wire import (  # noqa: E402
@@ -50,8 +51,8 @@ def _positions(num_tokens: int) -> np.ndarray:
 def _image_request_parts():
     num_prompt = NUM_EMBEDS + NUM_TEXT
     feature = MultiModalFeature("ab" * 32, "image", PlaceholderRange(4, NUM_EMBEDS), GRID)
-    pixels = np.random.default_rng(0).standard_normal((1024, 1176)).astype(np.float32)
-    encoder_input = EncoderInput(pixels, GRID)
+    pixels = np.random.default_rng(0).integers(0, 256, (1024, 1176), dtype=np.uint8)
+    encoder_input = EncoderInput(pixels, GRID, ImageProcessorConfig().image_normalization)
     tokens = [151655 if 4 <= i < 4 + NUM_EMBEDS else 1000 + i for i in range(num_prompt)]
     return tokens, feature, encoder_input
 

@@ -66,33 +66,109 @@ class MultiModalFeature(_Item):
         return grid_num_patches(self.grid_thw)
 
 
+NormalizationOrder = Literal["rescale_then_normalize", "normalize_scaled"]
+NORMALIZATION_ORDERS = ("rescale_then_normalize", "normalize_scaled")
+
+
+class PixelNormalization(_Item):
+    """How a uint8 patch value becomes the float the vision tower reads: the checkpoint's
+    rescale and per-channel normalisation (preprocessor_config.json), in the float order of the
+    processor it reproduces, so that the engine's floats are bit-identical to transformers':
+
+        rescale_then_normalize (images): x = float32(level * rescale_factor in float64), then
+                                          (x - mean) / std in float32
+        normalize_scaled       (videos): (level - mean / r) / (std / r) in float32
+
+    The CPU stage ships uint8 patches (1 byte per value) and this; the engine applies it on
+    the device (`value_table`), where the first vision layer reads the result.
+    """
+
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    rescale_factor: float
+    do_rescale: bool
+    do_normalize: bool
+    order: NormalizationOrder
+
+    def __post_init__(self) -> None:
+        if self.order not in NORMALIZATION_ORDERS:
+            raise ValueError(
+                f"normalization order {self.order!r} is not one of {NORMALIZATION_ORDERS}"
+            )
+        if len(self.mean) != 3 or len(self.std) != 3 or any(s == 0 for s in self.std):
+            raise ValueError(f"mean and std need 3 entries and no zero std, got {self}")
+        values = (*self.mean, *self.std, self.rescale_factor)
+        if not all(math.isfinite(v) for v in values) or self.rescale_factor <= 0:
+            raise ValueError(f"normalization values must be finite (rescale > 0), got {self}")
+
+    def value_table(self) -> np.ndarray:
+        """[3, 256] float32: the value of every uint8 level, per channel."""
+        if self.order == "rescale_then_normalize":
+            levels = np.arange(256, dtype=np.float64)
+            if self.do_rescale:
+                levels = levels * self.rescale_factor
+            table = np.broadcast_to(levels.astype(np.float32), (3, 256))
+            if self.do_normalize:
+                mean = np.asarray(self.mean, dtype=np.float32)[:, None]
+                std = np.asarray(self.std, dtype=np.float32)[:, None]
+                table = (table - mean) / std
+            return np.ascontiguousarray(table, dtype=np.float32)
+        table = np.broadcast_to(np.arange(256, dtype=np.float32), (3, 256))
+        if self.do_normalize:
+            scale = np.float32(1.0 / self.rescale_factor) if self.do_rescale else np.float32(1.0)
+            mean = (np.asarray(self.mean, dtype=np.float32) * scale)[:, None]
+            std = (np.asarray(self.std, dtype=np.float32) * scale)[:, None]
+            table = (table - mean) / std
+        elif self.do_rescale:
+            table = table * np.float32(self.rescale_factor)
+        return np.ascontiguousarray(table, dtype=np.float32)
+
+    def apply(self, levels: np.ndarray) -> np.ndarray:
+        """uint8 patches [n, C * T * P * P] (channel-major rows) -> float32, on the host: the
+        reference for the engine's device path, and what tests compare with transformers."""
+        assert levels.dtype == np.uint8 and levels.ndim == 2, (levels.dtype, levels.shape)
+        per_channel = levels.shape[1] // 3
+        offsets = np.repeat(np.arange(3, dtype=np.intp) * 256, per_channel)  # [C*T*P*P]
+        return self.value_table().ravel()[levels + offsets]
+
+
 class EncoderInput(_Item):
     """What the vision tower reads for one image (or one video clip): the CPU stage's output.
 
-    pixel_values: [grid_t * grid_h * grid_w, C * T * P * P], floating point; it travels as a
-    raw frame. `second_per_grid_t`: a video's seconds per temporal patch (None for an image);
-    the prompt's positions already include it.
+    pixel_values: [grid_t * grid_h * grid_w, C * T * P * P] uint8 levels, each row channel-major
+    ([C, T, P, P] flattened); it travels as a raw frame. `normalization` turns the levels into
+    the tower's floats on the engine side (a quarter of float32's bytes on the wire, in the
+    processor cache and in every item accounting until then). `second_per_grid_t`: a video's
+    seconds per temporal patch (None for an image); the prompt's positions already include it.
     """
 
-    pixel_values: np.ndarray  # [grid_t * grid_h * grid_w, C * T * P * P] float32
+    pixel_values: np.ndarray  # [grid_t * grid_h * grid_w, C * T * P * P] uint8
     grid_thw: GridTHW
+    normalization: PixelNormalization
     second_per_grid_t: float | None = None
 
     def __post_init__(self) -> None:
         pixels = self.pixel_values
         num_patches = grid_num_patches(self.grid_thw)
-        if pixels.ndim != 2 or pixels.shape[0] != num_patches:
+        if pixels.ndim != 2 or pixels.shape[0] != num_patches or pixels.shape[1] % 3:
             raise ValueError(
                 f"pixel_values has shape {pixels.shape}, expected [{num_patches}, patch_dim] "
-                f"for grid_thw {tuple(self.grid_thw)}"
+                f"(patch_dim a multiple of 3 channels) for grid_thw {tuple(self.grid_thw)}"
             )
-        if pixels.dtype.kind != "f":
-            raise ValueError(f"pixel_values has dtype {pixels.dtype}, expected floating point")
+        if pixels.dtype != np.uint8:
+            raise ValueError(
+                f"pixel_values has dtype {pixels.dtype}, expected uint8 levels (the engine "
+                "normalises them; float patches are not accepted)"
+            )
         seconds = self.second_per_grid_t
         if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(
                 f"second_per_grid_t is {seconds}, expected a finite number > 0 (None: an image)"
             )
+
+    def normalized(self) -> np.ndarray:
+        """float32 [num_patches, C * T * P * P]: the values the vision tower reads."""
+        return self.normalization.apply(self.pixel_values)
 
     @property
     def num_patches(self) -> int:

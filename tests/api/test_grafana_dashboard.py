@@ -50,6 +50,18 @@ def _engine_exposition() -> str:
     return render(build_registry(metrics, "Qwen/Qwen2-VL-2B-Instruct")).decode()
 
 
+def _data_parallel_exposition() -> str:
+    """What a two-replica `serve` exports: its core series per replica beside their totals,
+    and the routing counter."""
+    replicas = [EngineMetrics(max_model_len=64), EngineMetrics(max_model_len=64)]
+    for metrics in replicas:
+        metrics.inc_labelled("remote_encoder_items", "http://10.0.0.2:9000")
+        metrics.inc_labelled("remote_encoder_latency_seconds", "http://10.0.0.2:9000", 0.05)
+        metrics.inc_labelled("remote_encoder_dropped_messages", "stale")
+    front = EngineMetrics(max_model_len=64, replicas=replicas)
+    return render(build_registry(front, "Qwen/Qwen2-VL-2B-Instruct")).decode()
+
+
 def _encoder_server_exposition() -> str:
     """What an `mmserve encode` server's /metrics exports, its labelled counters counted once."""
     metrics = EncoderMetrics()
@@ -66,8 +78,9 @@ def _encoder_server_exposition() -> str:
 @pytest.fixture(scope="module")
 def exported() -> dict[str, set[str]]:
     samples = _samples(_engine_exposition())
-    for name, labels in _samples(_encoder_server_exposition()).items():
-        samples[name] = samples.get(name, set()) | labels
+    for text in (_data_parallel_exposition(), _encoder_server_exposition()):
+        for name, labels in _samples(text).items():
+            samples[name] = samples.get(name, set()) | labels
     return samples
 
 
@@ -166,7 +179,7 @@ def test_the_dashboard_covers_the_issues_series_and_imports_anywhere(exported) -
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    assert variables["replica"]["multi"] and variables["replica"]["includeAll"]
+    assert variables["instance"]["multi"] and variables["instance"]["includeAll"]
     panels = list(_panels(dashboard["panels"]))
     assert len({p["id"] for p in panels}) == len(panels)
     for panel in panels:
@@ -177,7 +190,37 @@ def test_the_dashboard_covers_the_issues_series_and_imports_anywhere(exported) -
             assert panel["description"], panel["title"]
             for target in panel["targets"]:
                 assert target["datasource"]["uid"] == "${datasource}"
-    # the engine's panels follow the replica and model selectors
+    # the engine's panels follow the server and model selectors
     for where, expr in expressions(dashboard):
         if where.startswith("panel") and 'model_name=""' not in expr:
-            assert 'instance=~"$replica"' in expr and 'model_name=~"$model_name"' in expr, where
+            assert 'instance=~"$instance"' in expr and 'model_name=~"$model_name"' in expr, where
+    assert "mmserve_dp_routed_requests_total" in used
+
+
+def replica_problems(dashboard: dict) -> list[str]:
+    """A series a data-parallel server exports per replica beside its total must say which it
+    reads (`replica=""`: the total, as a single-replica server exports it; `replica!=""`: the
+    replicas), or a sum over it counts everything twice. (Variables only list label values.)"""
+    exported = _samples(_data_parallel_exposition())
+    per_replica = {name for name, labels in exported.items() if "replica" in labels}
+    says_which = re.compile(r'\breplica\s*(=~|!~|!=|=)\s*"')
+    found = []
+    for where, expr in expressions(dashboard):
+        if not where.startswith("panel"):
+            continue
+        for name, matchers in METRIC_REF.findall(expr):
+            encode_server = 'model_name=""' in matchers  # its own series: no replicas
+            if name in per_replica and not encode_server and not says_which.search(matchers):
+                found.append(f"{where}: {name} without a replica matcher")
+    return found
+
+
+def test_every_query_over_a_per_replica_series_says_total_or_replicas() -> None:
+    assert replica_problems(_dashboard()) == []
+    dashboard = _dashboard()
+    panel = next(p for p in _panels(dashboard["panels"]) if p.get("targets"))
+    expr = 'sum(rate(mmserve_encoder_cache_hits_total{model_name=~"$model_name"}[5m]))'
+    panel["targets"].append({"expr": expr, "refId": "Z"})
+    assert replica_problems(dashboard) == [
+        f"panel {panel['title']!r}: mmserve_encoder_cache_hits_total without a replica matcher"
+    ]

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from mmserve.api.prometheus import build_registry, render
+from mmserve.bench.metrics import compute_metrics
+from mmserve.bench.report import format_table
 from mmserve.bench.server_metrics import diff_snapshots, parse_metrics
+from mmserve.metrics import EngineMetrics
 
 BEFORE = """\
 # HELP mmserve_encoder_cache_queries_total Items looked up.
@@ -57,3 +61,43 @@ mmserve_embedding_transfer_bytes_total{model_name="m",direction="received"} 7000
     server = diff_snapshots(parse_metrics(text), parse_metrics(later))
     assert server["embedding_bytes_sent"] == 50
     assert server["embedding_bytes_received"] == 2000
+
+
+def _data_parallel_exposition(hits: list[int], queries: list[int], routed: int) -> str:
+    """What a two-replica server's /metrics says (its exporter's own rendering)."""
+    replicas = [EngineMetrics(), EngineMetrics()]
+    for metrics, h, q in zip(replicas, hits, queries, strict=True):
+        metrics.set_counter("encoder_cache_hits", h)
+        metrics.set_counter("encoder_cache_queries", q)
+        metrics.inc("encoder_items_encoded", q - h, modality="image")
+    front = EngineMetrics(replicas=replicas)
+    front.inc_labelled("dp_routed_requests", "affinity", routed)
+    return render(build_registry(front, "m")).decode()
+
+
+def test_a_data_parallel_server_is_diffed_per_replica_and_in_total() -> None:
+    before = parse_metrics(_data_parallel_exposition([1, 0], [2, 2], routed=4))
+    after = parse_metrics(_data_parallel_exposition([11, 5], [20, 12], routed=30))
+    assert after.replicas == ("0", "1")
+    server = diff_snapshots(before, after)
+    total = server["cache_tiers"]["encoder_cache"]
+    assert (total["queries"], total["hits"]) == (28, 15)  # the total, not total + replicas
+    assert server["encoder_items_encoded"] == 13
+    one, two = server["replicas"]["0"], server["replicas"]["1"]
+    assert one["cache_tiers"]["encoder_cache"]["hit_rate"] == 10 / 18
+    assert two["cache_tiers"]["encoder_cache"]["hit_rate"] == 5 / 10
+    assert (one["encoder_items_encoded"], two["encoder_items_encoded"]) == (8, 5)
+    assert server["routed_requests"] == {"affinity": 26, "load": 0}
+    table = format_table(compute_metrics([], duration_s=1.0), server)
+    assert "replica 0 encoder hit rate:" in table and "55.6% (10/18)" in table
+    assert "replica 1 encoder hit rate:" in table and "50.0% (5/10)" in table
+    assert "encoder hit rate (hits/queries):" in table and "53.6% (15/28)" in table
+    assert "requests routed by affinity:" in table
+
+
+def test_a_single_engine_server_has_no_replica_section() -> None:
+    metrics = EngineMetrics()
+    text = render(build_registry(metrics, "m")).decode()
+    server = diff_snapshots(parse_metrics(text), parse_metrics(text))
+    assert "replicas" not in server and server["cache_tiers"]["encoder_cache"]["queries"] == 0
+    assert "replica" not in format_table(compute_metrics([], duration_s=1.0), server)

@@ -7,6 +7,7 @@ import io
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,28 @@ def test_repeats_resend_earlier_bytes_exactly(ratio: float, expected_repeats: in
     assert requests[0].num_repeated_images == 0  # nothing to repeat yet
     # Every request's text differs, so a prefix cache cannot swallow a repeated image.
     assert len({r.messages[-1]["content"][0]["text"] for r in requests}) == 20
+
+
+def test_unique_images_each_sent_equally_often_shuffled() -> None:
+    """The issue's workload: each of 8 pictures sent 6 times, in a shuffled order."""
+    cfg = WorkloadConfig(num_prompts=48, seed=5, image_sizes=((32, 32),), unique_images=8)
+    requests = build_workload(cfg)
+    urls = [image_urls(r)[0] for r in requests]
+    assert sorted(Counter(urls).values()) == [6] * 8
+    first_seen = [urls.index(u) for u in urls]
+    assert [r.num_repeated_images for r in requests] == [
+        int(first < i) for i, first in enumerate(first_seen)
+    ]
+    ids = [sorted(set(first_seen)).index(f) for f in first_seen]
+    assert ids != [i % 8 for i in range(48)]  # shuffled, not round-robin
+    assert len({r.messages[-1]["content"][0]["text"] for r in requests}) == 48
+    uneven = WorkloadConfig(num_prompts=10, image_sizes=((32, 32),), unique_images=4)
+    counts = Counter(image_urls(r)[0] for r in build_workload(uneven))
+    assert sorted(counts.values()) == [2, 2, 3, 3]
+    with pytest.raises(WorkloadError, match="--unique-images and --repeat-ratio"):
+        WorkloadConfig(num_prompts=8, unique_images=2, repeat_ratio=0.5)
+    with pytest.raises(WorkloadError, match=r"--unique-images must be in \[1, --num-prompts\]"):
+        WorkloadConfig(num_prompts=8, unique_images=9)
 
 
 def test_images_are_smooth_jpegs_of_the_requested_sizes() -> None:

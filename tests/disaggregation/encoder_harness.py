@@ -183,7 +183,7 @@ class LocalTower:
 
     def embed_image(self, image: Image.Image) -> np.ndarray:
         processed = process_image(image, self.cfg)
-        pixels = torch.from_numpy(processed.pixel_values)
+        pixels = torch.from_numpy(processed.normalized())
         with torch.inference_mode():
             (emb,) = self.model.embed_multimodal(pixels, [processed.grid_thw])
         return emb.numpy()

@@ -3,6 +3,8 @@ garbage and foreign-signed replies, cancels, oversize headers, a dead I/O thread
 
 from __future__ import annotations
 
+import time
+
 from mmserve.errors import FailureKind
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import MultiModalFeature, PlaceholderRange, RemoteItem
@@ -139,3 +141,42 @@ def test_an_encoder_taken_out_again_and_again_waits_longer_each_time():
     waits = [rejoin_backoff_s(n, 0.5) for n in range(1, 9)]
     assert waits[:5] == [0.0, 1.0, 2.0, 4.0, 8.0]  # the first time: back on its next pong
     assert waits[-1] == MAX_REJOIN_BACKOFF_S and waits == sorted(waits)
+
+
+def test_a_pause_of_the_pools_own_thread_is_not_an_encoders_silence(fakes):
+    """Silence counts from a ping that went out: a server paused for longer than the window (a
+    loaded machine) sent no pings, so its encoders stay in rotation; a ping left unanswered for
+    the window still takes one out. (The I/O thread's steps, driven with a made-up clock.)"""
+    import zmq
+
+    from mmserve.disaggregation.discovery import EncoderEndpoint
+    from mmserve.disaggregation.pool_io import PoolIO
+    from mmserve.disaggregation.pool_state import IOConfig
+    from mmserve.disaggregation.protocol import Pong
+    from tests.disaggregation.pool_helpers import IDENTITY
+    from tests.support.fake_encoder import FINGERPRINT
+
+    (a,) = fakes(1)
+    config = IOConfig(IDENTITY, 5.0, None, ping_interval_s=0.5, missed_pings=6, send_hwm=8)
+    ctx = zmq.Context()
+    io = PoolIO(ctx, [EncoderEndpoint(a.url, a.zmq_address)], config, None, EngineMetrics(),
+                f"inproc://pause-{id(ctx)}")  # fmt: skip
+    try:
+        (link,) = io.links
+        t0 = time.monotonic()
+        io._ping(t0)
+        io._on_pong(link, Pong(link.ping_nonce, 0, FINGERPRINT))
+        io._ping(t0 + 60.0)  # the thread slept a minute: no ping went out meanwhile
+        assert link.is_healthy
+        io._ping(t0 + 60.0 + 2.9)  # that ping unanswered for less than 6 x 0.5 s
+        assert link.is_healthy
+        io._ping(t0 + 60.0 + 3.1)
+        assert not link.is_healthy
+        io._ping(t0 + 64.0)
+        io._on_pong(link, Pong(link.ping_nonce, 0, FINGERPRINT))  # answers a later ping: back
+        assert link.is_healthy and link.unanswered_since_s is None
+    finally:
+        for link in io.links:
+            link.socket.close(linger=0)
+        io.wake.close(linger=0)
+        ctx.term()

@@ -4,6 +4,7 @@ and a dead engine is reported rather than waited for."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -12,6 +13,7 @@ import pytest
 from mmserve.config.engine import EngineConfig
 from mmserve.config.model import bundled_toy_model_dir
 from mmserve.engine.core.build import build_core
+from mmserve.engine.frontend import core_client as core_client_module
 from mmserve.engine.frontend.core_client import CoreClient
 from mmserve.engine.shape import resolve_shape
 from mmserve.errors import EngineDeadError
@@ -131,3 +133,18 @@ def test_a_dead_engine_process_is_reported_not_waited_for() -> None:
     finally:
         client.shutdown()
         client.shutdown()  # idempotent
+
+
+def test_a_wake_ends_a_step_that_waits_for_outputs(
+    client: CoreClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request handed to the engine thread while it waits for a step's outputs is sent at
+    once: the wait ends on `wake`, not when the outputs come (here none ever will)."""
+    monkeypatch.setattr(core_client_module, "STEP_POLL_MS", 600_000)
+    assert not client.has_unfinished_requests()
+    results: list[list[RequestUpdate]] = []
+    stepper = threading.Thread(target=lambda: results.append(client.step()))
+    stepper.start()
+    client.wake()
+    stepper.join(60.0)
+    assert not stepper.is_alive() and results == [[]]

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
 import msgspec
-import numpy as np
 import pytest
+import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.engine.frontend.output_processor import OutputProcessor
@@ -246,14 +245,28 @@ def test_an_item_whose_encoding_failed_does_not_fail_later_requests(
 
 def test_a_request_whose_model_output_is_nan_fails_alone_and_leaves_no_nan(llm: LLM) -> None:
     """NaN pixels make NaN embeddings, NaN KV and NaN logits for that request only; its KV
-    blocks must not carry NaN to the requests that get them next."""
+    blocks must not carry NaN to the requests that get them next.
+
+    uint8 levels cannot be NaN: the tower's input is poisoned where the bad item's normalised
+    values arrive (what a NaN pixel would have been)."""
     engine = llm.engine
     bad = _prompt(llm, "what is this?", image_seed=9)
     feature = bad.mm_features[0]
-    pixels = bad.mm_data[feature.identifier]
-    nan_pixels = np.full_like(pixels.pixel_values, np.nan)
-    nan_data = msgspec.structs.replace(pixels, pixel_values=nan_pixels)
-    bad = dataclasses.replace(bad, mm_data={feature.identifier: nan_data})
+    bad_values = torch.from_numpy(bad.mm_data[feature.identifier].normalized())
+    runner = engine.core.executor.runner
+    embed = runner.model.embed_multimodal
+
+    def nan_for_bad(values: torch.Tensor, grids):
+        start = 0
+        for t, h, w in grids:
+            rows = slice(start, start + t * h * w)
+            if values[rows].shape == bad_values.shape and torch.equal(values[rows], bad_values):
+                values = values.clone()
+                values[rows] = float("nan")
+            start += t * h * w
+        return embed(values, grids)
+
+    runner.encoder = EncoderRunner(nan_for_bad, runner.encoder_cache, max_patches_per_call=1 << 20)
     params = msgspec.structs.replace(GREEDY, max_tokens=20)
     mates = {f"m{i}": (_prompt(llm, "hello " * (i + 1), image_seed=i), params) for i in range(3)}
     alone = _run_with(engine, mates)

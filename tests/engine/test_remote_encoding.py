@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import numpy as np
 import pytest
 import torch
 
@@ -93,7 +92,7 @@ def _remote_engine(llm: LLM) -> tuple[LLMEngine, FakeEncoderSource, CountingExec
     dtype = next(runner.model.parameters()).dtype
 
     def embed(pixels: EncoderInput) -> torch.Tensor:
-        values = torch.from_numpy(np.array(pixels.pixel_values)).to(runner.device, dtype)
+        values = torch.from_numpy(pixels.normalized()).to(runner.device, dtype)
         return runner.model.embed_multimodal(values, [pixels.grid_thw])[0]
 
     source = FakeEncoderSource(embed, delay_polls=1)

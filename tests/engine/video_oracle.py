@@ -14,7 +14,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mmserve.multimodal import EncoderInput, MultiModalFeature, PlaceholderRange, ProcessedPrompt
+from mmserve.multimodal import (
+    EncoderInput,
+    MultiModalFeature,
+    NormalizationOrder,
+    PixelNormalization,
+    PlaceholderRange,
+    ProcessedPrompt,
+)
 from tests.support.oracle import HFOracle
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -41,14 +48,39 @@ def _identifier(pixels: np.ndarray, grid_thw: tuple[int, int, int]) -> str:
     return hashlib.sha256(repr(grid_thw).encode() + pixels.tobytes()).hexdigest()
 
 
-def _items(pixel_values: torch.Tensor, grids: torch.Tensor) -> list[tuple[np.ndarray, tuple]]:
-    """Each item's rows of the batched pixel array, with its grid."""
+def _items(
+    pixel_values: torch.Tensor, levels: torch.Tensor, grids: torch.Tensor, norm: PixelNormalization
+) -> list[tuple[np.ndarray, tuple]]:
+    """Each item's uint8 rows of the batched pixel array, with its grid.
+
+    `levels` is the same processor's output with rescale and normalise switched off: the uint8
+    levels (as floats) the engine receives. They must normalise to transformers' values bit
+    for bit, or the engine would not see what transformers' model sees.
+    """
+    as_uint8 = levels.numpy().astype(np.uint8)
+    assert np.array_equal(as_uint8, levels.numpy()), "levels are not whole numbers in 0..255"
+    np.testing.assert_array_equal(norm.apply(as_uint8), pixel_values.numpy())
     out, start = [], 0
     for grid in grids.tolist():
         num_patches = grid[0] * grid[1] * grid[2]
-        out.append((pixel_values[start : start + num_patches].numpy(), tuple(grid)))
+        out.append((as_uint8[start : start + num_patches], tuple(grid)))
         start += num_patches
     return out
+
+
+def _normalization(processor, order: NormalizationOrder) -> PixelNormalization:
+    mean, std = (
+        tuple(float(v) for v in processor.image_mean),
+        tuple(float(v) for v in processor.image_std),
+    )
+    return PixelNormalization(
+        mean,
+        std,
+        float(processor.rescale_factor),
+        True,
+        True,
+        order,  # type: ignore[arg-type]
+    )
 
 
 def build_case(
@@ -59,19 +91,32 @@ def build_case(
 
     hf: dict[str, torch.Tensor] = {}
     queues: dict[str, list] = {"image": [], "video": []}
+    norms: dict[str, PixelNormalization] = {}
     if images:
         feats = oracle.processor(images=images, return_tensors="pt")
+        levels = oracle.processor(
+            images=images, do_rescale=False, do_normalize=False, return_tensors="pt"
+        )["pixel_values"]
         hf["pixel_values"], hf["image_grid_thw"] = feats["pixel_values"], feats["image_grid_thw"]
-        queues["image"] = _items(feats["pixel_values"], feats["image_grid_thw"])
+        norms["image"] = _normalization(oracle.processor, "rescale_then_normalize")
+        queues["image"] = _items(
+            feats["pixel_values"], levels, feats["image_grid_thw"], norms["image"]
+        )
     seconds = None
     if videos:
         processor = Qwen2VLVideoProcessor(min_pixels=56 * 56, max_pixels=max_pixels)
-        feats = processor(
-            videos=videos, do_sample_frames=False, cap_pixels_per_frame=False, return_tensors="pt"
-        )
+        kwargs = dict(do_sample_frames=False, cap_pixels_per_frame=False, return_tensors="pt")
+        feats = processor(videos=videos, **kwargs)
+        levels = processor(videos=videos, do_rescale=False, do_normalize=False, **kwargs)
         hf["pixel_values_videos"] = feats["pixel_values_videos"]
         hf["video_grid_thw"] = feats["video_grid_thw"]
-        queues["video"] = _items(feats["pixel_values_videos"], feats["video_grid_thw"])
+        norms["video"] = _normalization(processor, "normalize_scaled")
+        queues["video"] = _items(
+            feats["pixel_values_videos"],
+            levels["pixel_values_videos"],
+            feats["video_grid_thw"],
+            norms["video"],
+        )
         seconds = processor.temporal_patch_size / FRAMES_FPS
         if "second_per_grid_ts" in _rope_parameters(oracle):
             hf["second_per_grid_ts"] = torch.tensor([seconds] * len(videos))
@@ -90,7 +135,7 @@ def build_case(
             continue
         pixels, grid = queues[modality].pop(0)
         num_embeds = grid[0] * grid[1] * grid[2] // MERGE**2
-        data = EncoderInput(pixels, grid, seconds if modality == "video" else None)
+        data = EncoderInput(pixels, grid, norms[modality], seconds if modality == "video" else None)
         placeholder = PlaceholderRange(len(ids), num_embeds)
         features.append(MultiModalFeature(_identifier(pixels, grid), modality, placeholder, grid))
         mm_data[features[-1].identifier] = data

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from mmserve.multimodal import EncoderInput
+from mmserve.processing.image_processor import ImageProcessorConfig, process_image
 from mmserve.processing.processor_cache import (
     CACHE_ENTRY_OVERHEAD_BYTES,
     ProcessorCache,
@@ -16,10 +17,12 @@ from mmserve.processing.processor_cache import (
     UUIDRecord,
     cache_entry_bytes,
 )
+from tests.support.factory import CLIP_NORMALIZATION as NORM
+from tests.support.factory import random_image
 
 
 def _item(num_patches: int) -> EncoderInput:
-    return EncoderInput(np.zeros((num_patches, 4), dtype=np.float32), (1, 1, num_patches))
+    return EncoderInput(np.zeros((num_patches, 6), dtype=np.uint8), (1, 1, num_patches), NORM)
 
 
 def _cost(num_patches: int, key: str = "a") -> int:
@@ -51,11 +54,11 @@ def test_big_item_evicts_as_many_as_needed_and_oversized_items_are_skipped() -> 
 
 
 def test_an_entry_costs_its_whole_buffer_key_and_overhead() -> None:
-    base = np.zeros((100, 4), dtype=np.float32)  # 1600 bytes
-    view = EncoderInput(base[:2], (1, 1, 2))  # 32 bytes of its own, but keeps 1600 alive
+    base = np.zeros((100, 6), dtype=np.uint8)  # 600 bytes
+    view = EncoderInput(base[:2], (1, 1, 2), NORM)  # 12 bytes of its own, keeps 600 alive
     key = "k" * 64
-    assert view.nbytes == 32 and view.buffer_bytes == 1600
-    assert cache_entry_bytes(key, view) == 1600 + sys.getsizeof(key) + CACHE_ENTRY_OVERHEAD_BYTES
+    assert view.nbytes == 12 and view.buffer_bytes == 600
+    assert cache_entry_bytes(key, view) == 600 + sys.getsizeof(key) + CACHE_ENTRY_OVERHEAD_BYTES
     cache = ProcessorCache(capacity_bytes=cache_entry_bytes(key, view) - 1)
     cache.put(key, view)
     assert key not in cache  # counted by what it holds, it does not fit
@@ -70,8 +73,8 @@ def test_counted_cost_covers_the_memory_entries_really_hold() -> None:
     try:
         before = tracemalloc.get_traced_memory()[0]
         for key in keys:
-            out = np.empty((4, 3, 2, 4), dtype=np.float32)  # processed shape, then a view of it
-            cache.put(key, EncoderInput(out.reshape(4, 24), (1, 2, 2)))
+            out = np.empty((4, 3, 2, 4), dtype=np.uint8)  # processed shape, then a view of it
+            cache.put(key, EncoderInput(out.reshape(4, 24), (1, 2, 2), NORM))
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
@@ -88,9 +91,9 @@ def test_randomised_operations_keep_the_byte_count_exact() -> None:
         key = str(k) * (1 + k)  # keys of many lengths
         op = rng.random()
         if op < 0.5:
-            data = np.zeros((int(rng.integers(1, 60)), 4), dtype=np.float32)
+            data = np.zeros((int(rng.integers(1, 60)), 6), dtype=np.uint8)
             view = data[: int(rng.integers(1, len(data) + 1))]  # sometimes a view of more
-            cache.put(key, EncoderInput(view, (1, 1, len(view))))
+            cache.put(key, EncoderInput(view, (1, 1, len(view)), NORM))
         else:
             cache.get(key)
         cache.check_integrity()
@@ -146,3 +149,19 @@ def test_uuid_index_randomised_accounting() -> None:
         else:
             index.lookup(ns, uuid)
         index.check_integrity()
+
+
+def test_a_processed_image_costs_one_byte_per_patch_value() -> None:
+    """uint8 levels: a 448x448 image holds 1024 x 1176 bytes, a quarter of its float32 values."""
+    image = process_image(random_image(448, 448, seed=2), ImageProcessorConfig())
+    key = "i" * 64
+    assert image.buffer_bytes == 1024 * 1176 == image.normalized().nbytes // 4
+    cost = cache_entry_bytes(key, image)
+    assert cost == 1024 * 1176 + sys.getsizeof(key) + CACHE_ENTRY_OVERHEAD_BYTES
+    cache = ProcessorCache(capacity_bytes=4 * cost)
+    for k in "abcd":  # four fit where one float32 image would have
+        cache.put(
+            k * 64, process_image(random_image(448, 448, seed=ord(k)), ImageProcessorConfig())
+        )
+    assert len(cache) == 4
+    cache.check_integrity()

@@ -25,6 +25,7 @@ from mmserve.wire import (
     EngineDead,
     Message,
 )
+from tests.support.factory import CLIP_NORMALIZATION, CLIP_VIDEO_NORMALIZATION, uint8_patches
 from tests.wire.executor_samples import executor_messages
 
 PATCH_DIM = 1176  # C * T * P * P of Qwen2-VL: 3 * 2 * 14 * 14
@@ -39,10 +40,9 @@ def positions(num_tokens: int, delta: int = 0) -> np.ndarray:
     return np.stack([row, row // 2, row % 7])  # [3, num_tokens] int64, rows differ
 
 
-def pixels(grid_thw: tuple[int, int, int], seed: int, dtype=np.float32) -> np.ndarray:
-    rng = np.random.default_rng(seed)
+def pixels(grid_thw: tuple[int, int, int], seed: int) -> np.ndarray:
     t, h, w = grid_thw
-    return rng.standard_normal((t * h * w, PATCH_DIM)).astype(dtype)  # [patches, patch_dim]
+    return uint8_patches(t * h * w, PATCH_DIM, seed)  # [patches, patch_dim] uint8
 
 
 def feature(
@@ -53,8 +53,8 @@ def feature(
     return MultiModalFeature(identifier(i), "image", placeholder, grid_thw, is_remote)
 
 
-def encoder_input(f: MultiModalFeature, seed: int = 0, dtype=np.float32) -> EncoderInput:
-    return EncoderInput(pixels(f.grid_thw, seed, dtype), f.grid_thw)
+def encoder_input(f: MultiModalFeature, seed: int = 0) -> EncoderInput:
+    return EncoderInput(pixels(f.grid_thw, seed), f.grid_thw, CLIP_NORMALIZATION)
 
 
 def engine_core_request(num_images: int = 2, *, with_pixels: bool = True) -> EngineCoreRequest:
@@ -104,7 +104,9 @@ def video_and_image_request() -> EngineCoreRequest:
     num_tokens = vid.placeholder.end + 5
     inputs = {
         img.identifier: encoder_input(img, 0),
-        vid.identifier: EncoderInput(pixels(vid.grid_thw, 1), vid.grid_thw, 1.0),
+        vid.identifier: EncoderInput(
+            pixels(vid.grid_thw, 1), vid.grid_thw, CLIP_VIDEO_NORMALIZATION, 1.0
+        ),
     }
     return EngineCoreRequest(
         "chatcmpl-v",

@@ -19,6 +19,7 @@ from mmserve.multimodal import (
 )
 from mmserve.sampling_params import SamplingParams
 from mmserve.wire import EngineCoreRequest, WireError, decode, encode
+from tests.support.factory import CLIP_NORMALIZATION
 from tests.wire.samples import positions
 
 FILE_BYTES = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 3  # what travels is opaque here
@@ -50,7 +51,7 @@ def _feature(identifier: str, offset: int, *, is_remote: bool = True) -> MultiMo
 
 
 def _prompt() -> ProcessedPrompt:
-    pixels = EncoderInput(np.ones((24, 6), dtype=np.float32), (1, 4, 6))
+    pixels = EncoderInput(np.ones((24, 6), dtype=np.uint8), (1, 4, 6), CLIP_NORMALIZATION)
     features = [
         _feature("b" * 64, 2),
         _feature("r" * 64, 10),

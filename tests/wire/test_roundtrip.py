@@ -16,7 +16,14 @@ from mmserve.wire import (
     encode,
 )
 from mmserve.wire.codec import HEADER_BYTES, MAGIC, VERSION
-from tests.wire.samples import all_messages, assert_same, engine_core_request, feature, pixels
+from tests.support.factory import CLIP_NORMALIZATION, CLIP_VIDEO_NORMALIZATION
+from tests.wire.samples import (
+    all_messages,
+    assert_same,
+    engine_core_request,
+    feature,
+    pixels,
+)
 
 MESSAGES = all_messages()
 
@@ -64,31 +71,30 @@ def test_decoded_arrays_are_read_only_views_of_the_frames():
         decoded.mrope_positions[0, 0] = 1
 
 
-def test_a_strided_or_big_endian_array_travels_as_a_contiguous_little_endian_copy():
+def test_a_strided_array_travels_as_a_contiguous_copy():
     f = feature(0, offset=0)
-    base = pixels(f.grid_thw, 0, np.float64)
+    base = pixels(f.grid_thw, 0)
     wide = np.repeat(base, 2, axis=1)[:, ::2]  # same values, not C-contiguous
-    swapped = base.astype(">f8")
-    for arr in (wide, swapped):
-        item = EncoderInput(arr, f.grid_thw)
-        msg = EngineCoreRequest(
-            "r", [0] * f.num_embeds, [f], {f.identifier: item}, SamplingParams(), None, 0, None,
-            None, 0.0,
-        )  # fmt: skip
-        out = decode(encode(msg)).encoder_inputs[f.identifier].pixel_values
-        assert out.dtype == np.dtype("<f8")
-        np.testing.assert_array_equal(out, base)
-
-
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
-def test_pixel_dtypes_round_trip(dtype):
-    f = feature(0, offset=0)
-    item = EncoderInput(pixels(f.grid_thw, 1, dtype), f.grid_thw)
+    item = EncoderInput(wide, f.grid_thw, CLIP_NORMALIZATION)
     msg = EngineCoreRequest(
         "r", [0] * f.num_embeds, [f], {f.identifier: item}, SamplingParams(), None, 0, None,
         None, 0.0,
     )  # fmt: skip
-    assert_same(decode(encode(msg)), msg)
+    out = decode(encode(msg)).encoder_inputs[f.identifier].pixel_values
+    assert out.dtype == np.uint8 and out.flags.c_contiguous
+    np.testing.assert_array_equal(out, base)
+
+
+def test_uint8_pixels_and_their_normalization_round_trip():
+    f = feature(0, offset=0)
+    item = EncoderInput(pixels(f.grid_thw, 1), f.grid_thw, CLIP_VIDEO_NORMALIZATION)
+    msg = EngineCoreRequest(
+        "r", [0] * f.num_embeds, [f], {f.identifier: item}, SamplingParams(), None, 0, None,
+        None, 0.0,
+    )  # fmt: skip
+    got = decode(encode(msg))
+    assert_same(got, msg)
+    assert got.encoder_inputs[f.identifier].normalization == CLIP_VIDEO_NORMALIZATION
 
 
 def test_numpy_scalars_among_plain_ints_travel_as_ints():

@@ -17,6 +17,7 @@ from mmserve.multimodal import (
     PlaceholderRange,
     ProcessedPrompt,
 )
+from mmserve.processing.image_processor import ImageProcessorConfig, process_image
 from mmserve.sampling_params import SamplingParams
 from mmserve.structured_output.params import StructuredOutputParams
 from mmserve.updates import Logprobs, RequestStatus, RequestUpdate
@@ -27,6 +28,8 @@ from mmserve.wire import (
     decode,
     encode,
 )
+from tests.support.factory import CLIP_NORMALIZATION, random_image, uint8_patches
+from tests.support.factory import CLIP_VIDEO_NORMALIZATION as NORM_VIDEO
 from tests.support.fake_runner import image
 from tests.wire.samples import logprobs, positions
 
@@ -45,9 +48,8 @@ def _image(
 ) -> tuple[MultiModalFeature, EncoderInput]:
     """An image item and its pixels: grid (1, 2, 2 * length), 4 * length patches merged 2x2."""
     feature = image(identifier, offset, length)
-    rng = np.random.default_rng(seed)
-    pixels = rng.standard_normal((4 * length, PIXEL_WIDTH)).astype(np.float32)
-    return feature, EncoderInput(pixels, feature.grid_thw)
+    pixels = uint8_patches(4 * length, PIXEL_WIDTH, seed)
+    return feature, EncoderInput(pixels, feature.grid_thw, CLIP_NORMALIZATION)
 
 
 def _prompt() -> ProcessedPrompt:
@@ -88,10 +90,9 @@ def test_a_request_round_trips_with_one_pixel_frame_per_distinct_item():
 
 
 def test_a_video_crosses_with_its_modality_and_seconds_per_temporal_patch():
-    rng = np.random.default_rng(3)
-    pixels = rng.standard_normal((2 * 2 * 4, PIXEL_WIDTH)).astype(np.float32)
+    pixels = uint8_patches(2 * 2 * 4, PIXEL_WIDTH, seed=3)
     video = MultiModalFeature("v" * 64, "video", PlaceholderRange(2, 4), (2, 2, 4))
-    data = {video.identifier: EncoderInput(pixels, (2, 2, 4), 1.0)}
+    data = {video.identifier: EncoderInput(pixels, (2, 2, 4), NORM_VIDEO, 1.0)}
     prompt = ProcessedPrompt(list(range(10)), [video], positions(10), 0, mm_data=data)
     msg = EngineCoreRequest.of("r", prompt, SamplingParams(), arrival_time_s=0.0)
     got_prompt = _through_wire(msg).prompt()
@@ -101,8 +102,8 @@ def test_a_video_crosses_with_its_modality_and_seconds_per_temporal_patch():
     np.testing.assert_array_equal(got_pixels.pixel_values, pixels)
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="second_per_grid_t"):
-            EncoderInput(pixels, (2, 2, 4), bad)
-        forged = EncoderInput(pixels, (2, 2, 4), 1.0)
+            EncoderInput(pixels, (2, 2, 4), NORM_VIDEO, bad)
+        forged = EncoderInput(pixels, (2, 2, 4), NORM_VIDEO, 1.0)
         msgspec.structs.force_setattr(forged, "second_per_grid_t", bad)  # past its own check
         forged_msg = msgspec.structs.replace(msg)
         msgspec.structs.force_setattr(forged_msg, "encoder_inputs", {video.identifier: forged})
@@ -119,6 +120,38 @@ def test_items_the_engine_holds_travel_without_pixels():
     assert len(encode(msg)) == 1 + 1 + 1
     got = _through_wire(msg).prompt()
     assert [f.identifier in got.mm_data for f in got.mm_features] == [False, True, False]
+
+
+def test_float_patches_are_refused_where_uint8_levels_are_expected():
+    (a, a_pixels) = _image("a" * 64, 2, 4, seed=1)
+    levels = a_pixels.pixel_values
+    with pytest.raises(ValueError, match="expected uint8 levels"):
+        EncoderInput(levels.astype(np.float32), a.grid_thw, CLIP_NORMALIZATION)
+    forged = EncoderInput(levels, a.grid_thw, CLIP_NORMALIZATION)
+    msgspec.structs.force_setattr(forged, "pixel_values", a_pixels.normalized())  # a float32 sender
+    prompt = ProcessedPrompt(list(range(8)), [a], positions(8), 0, mm_data={a.identifier: forged})
+    msg = EngineCoreRequest.of("r", prompt, SamplingParams(), arrival_time_s=0.0)
+    with pytest.raises(WireError, match="float32, expected uint8 levels"):
+        _through_wire(msg)
+
+
+def test_an_image_crosses_as_one_byte_per_patch_value():
+    """The processed 448x448 image's pixel frame: a quarter of its float32 values' bytes."""
+    cfg = ImageProcessorConfig()
+    data = process_image(random_image(448, 448, seed=4), cfg)
+    num_tokens = data.num_patches // 4
+    feature = MultiModalFeature("i" * 64, "image", PlaceholderRange(1, num_tokens), data.grid_thw)
+    prompt = ProcessedPrompt(
+        list(range(num_tokens + 2)), [feature], positions(num_tokens + 2), 0,
+        mm_data={feature.identifier: data},
+    )  # fmt: skip
+    frames = encode(EngineCoreRequest.of("r", prompt, SamplingParams(), arrival_time_s=0.0))
+    float32_bytes = data.normalized().nbytes
+    assert data.num_patches == 1024 and float32_bytes == 1024 * 1176 * 4
+    assert [len(f) for f in frames[1:2]] == [float32_bytes // 4]  # the pixel frame
+    got = _through_wire(EngineCoreRequest.of("r", prompt, SamplingParams(), arrival_time_s=0.0))
+    np.testing.assert_array_equal(got.prompt().mm_data[feature.identifier].normalized(),
+                                  data.normalized())  # fmt: skip
 
 
 def test_a_text_only_prompt_without_positions_keeps_them_absent():

@@ -1,12 +1,13 @@
 """Exports an engine's EngineMetrics in Prometheus text format through a per-app registry.
 
 Every series carries `model_name` (the first served name), as vLLM's do, so that a dashboard
-built for vLLM selects mmserve's series the same way. docs/metrics.md maps them one to one.
+built for vLLM selects mmserve's series the same way. A data-parallel engine's core series
+also come per replica (label `replica`) beside their total. docs/metrics.md maps them all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -17,7 +18,15 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from mmserve.metrics import LABELLED_COUNTERS, EngineMetrics, Histogram
+from mmserve.metrics import (
+    CORE_SERIES,
+    DP_ROUTED_REASONS,
+    LABELLED_COUNTERS,
+    EngineMetrics,
+    Histogram,
+    MetricsSnapshot,
+    with_replicas_total,
+)
 
 PREFIX = "mmserve_"
 
@@ -49,6 +58,8 @@ COUNTER_HELP = {
     "divide by remote_encoder_items for the mean (seconds).",
     "remote_encoder_dropped_messages": "Messages from encoders dropped, by reason: malformed, "
     "unsigned, stale, duplicate, cancelled, unknown (events).",
+    "dp_routed_requests": "Requests a data-parallel server routed, by reason: affinity (the "
+    "replica its content ranks first), load (that replica was over the load bound) (requests).",
 }
 GAUGE_HELP = {
     "kv_blocks_free": "KV-cache blocks no request holds, cached prefixes included (blocks).",
@@ -78,60 +89,103 @@ HISTOGRAM_HELP = {
 
 
 class EngineMetricsCollector(Collector):
-    """Reads one snapshot per scrape, so the exported values are mutually consistent."""
+    """Reads one snapshot per scrape, so the exported values are mutually consistent.
 
-    def __init__(self, metrics: EngineMetrics, model_name: str) -> None:
+    With more than one replica, every engine-core series (CORE_SERIES) has one sample per
+    replica (label `replica`, "0", "1", ...) beside its total, which keeps the labels it has
+    with one replica (none more): a query that selects `replica=""` reads what one replica's
+    server exports. One replica (or none given) exports exactly what a single engine does.
+    """
+
+    def __init__(
+        self, metrics: EngineMetrics, model_name: str, replicas: Sequence[EngineMetrics] | None
+    ) -> None:
         self._metrics = metrics
         self._model_name = model_name
+        self._replicas = replicas
 
     def collect(self) -> Iterator[Metric]:
-        snapshot = self._metrics.snapshot()
-        model = [self._model_name]
-        for name, value in snapshot.counters.items():
-            # CounterMetricFamily appends `_total` to the sample name.
-            by_modality = snapshot.modality_counters.get(name)
-            if name in snapshot.labelled_counters:
-                yield _labelled_family(name, model, snapshot.labelled_counters[name])
-                continue
-            labels = ["model_name"] if by_modality is None else ["model_name", "modality"]
-            family = CounterMetricFamily(PREFIX + name, COUNTER_HELP[name], labels=labels)
-            if by_modality is None:
-                family.add_metric(model, value)
-            else:
-                for modality, count in by_modality.items():
-                    family.add_metric([*model, modality], count)
+        total, per_replica = self._read()
+        parts = [({}, total)]
+        if len(per_replica) > 1:
+            parts += [({"replica": str(i)}, s) for i, s in enumerate(per_replica)]
+        model = {"model_name": self._model_name}
+
+        def series_of(name: str) -> list[tuple[dict[str, str], MetricsSnapshot]]:
+            return parts if name in CORE_SERIES else parts[:1]
+
+        for name in total.counters:
+            family = CounterMetricFamily(PREFIX + name, COUNTER_HELP[name], labels=[])
+            for extra, s in series_of(name):
+                by_modality = s.modality_counters.get(name)
+                if name in s.labelled_counters:
+                    by_label = s.labelled_counters[name]
+                    label = LABELLED_COUNTERS[name]
+                    for value, count in sorted(by_label.items()):
+                        _add(family, name, {**model, label: value, **extra}, count)
+                elif by_modality is not None:
+                    for modality, count in by_modality.items():
+                        _add(family, name, {**model, "modality": modality, **extra}, count)
+                else:
+                    _add(family, name, {**model, **extra}, s.counters[name])
             yield family
-        for name, by_label in snapshot.labelled_counters.items():
+        for name, by_label in total.labelled_counters.items():
             # exported above when it has a total; a label-only one once something is counted
-            if name not in snapshot.counters and by_label:
-                yield _labelled_family(name, model, by_label)
+            if name in total.counters or not by_label:
+                continue
+            family = CounterMetricFamily(PREFIX + name, COUNTER_HELP[name], labels=[])
+            for extra, s in series_of(name):
+                for value, count in sorted(s.labelled_counters[name].items()):
+                    labels = {**model, LABELLED_COUNTERS[name]: value, **extra}
+                    _add(family, name, labels, count)
+            yield family
         success = CounterMetricFamily(
             PREFIX + "request_success",
             COUNTER_HELP["request_success"],
             labels=["model_name", "finished_reason"],
         )
-        for reason, value in snapshot.request_success.items():
-            success.add_metric([*model, reason], value)
+        for reason, value in total.request_success.items():
+            success.add_metric([self._model_name, reason], value)
         yield success
-        gauges = {**snapshot.gauges, "kv_cache_usage_perc": snapshot.kv_cache_usage}
-        for name, value in gauges.items():
-            family = GaugeMetricFamily(PREFIX + name, GAUGE_HELP[name], labels=["model_name"])
-            family.add_metric(model, value)
+        for name in [*total.gauges, "kv_cache_usage_perc"]:
+            family = GaugeMetricFamily(PREFIX + name, GAUGE_HELP[name], labels=[])
+            for extra, s in parts if name == "kv_cache_usage_perc" else series_of(name):
+                value = s.kv_cache_usage if name == "kv_cache_usage_perc" else s.gauges[name]
+                family.add_sample(PREFIX + name, {**model, **extra}, value)
             yield family
-        for name, histogram in snapshot.histograms.items():
+        for name, histogram in total.histograms.items():
             family = HistogramMetricFamily(
                 PREFIX + name, HISTOGRAM_HELP[name], labels=["model_name"]
             )
-            family.add_metric(model, _cumulative_buckets(histogram), histogram.total)
+            family.add_metric([self._model_name], _cumulative_buckets(histogram), histogram.total)
             yield family
 
+    def _read(self) -> tuple[MetricsSnapshot, list[MetricsSnapshot]]:
+        """The engine's snapshot and its replicas' (none for a single engine)."""
+        if self._replicas is None:
+            total, per_replica = self._metrics.snapshots()
+            if len(per_replica) > 1:
+                _with_dp_reasons(total)
+            return total, per_replica
+        per_replica = [r.snapshot() for r in self._replicas]
+        own = self._metrics.snapshot()
+        if not per_replica:
+            return own, []
+        total = with_replicas_total(own, per_replica)
+        if len(per_replica) > 1:
+            _with_dp_reasons(total)
+        return total, per_replica
 
-def _labelled_family(name: str, model: list[str], by_label: dict[str, float]) -> Metric:
-    labels = ["model_name", LABELLED_COUNTERS[name]]
-    family = CounterMetricFamily(PREFIX + name, COUNTER_HELP[name], labels=labels)
-    for label, count in sorted(by_label.items()):
-        family.add_metric([*model, label], count)
-    return family
+
+def _with_dp_reasons(total: MetricsSnapshot) -> None:
+    """A data-parallel engine exports both routing reasons from the start (at 0)."""
+    routed = total.labelled_counters.setdefault("dp_routed_requests", {})
+    for reason in DP_ROUTED_REASONS:
+        routed.setdefault(reason, 0)
+
+
+def _add(family: CounterMetricFamily, name: str, labels: dict[str, str], value: float) -> None:
+    family.add_sample(PREFIX + name + "_total", labels, value)
 
 
 def _cumulative_buckets(histogram: Histogram) -> list[tuple[str, float]]:
@@ -145,9 +199,16 @@ def _cumulative_buckets(histogram: Histogram) -> list[tuple[str, float]]:
     return buckets
 
 
-def build_registry(metrics: EngineMetrics, model_name: str) -> CollectorRegistry:
+def build_registry(
+    metrics: EngineMetrics,
+    model_name: str,
+    *,
+    replicas: Sequence[EngineMetrics] | None = None,
+) -> CollectorRegistry:
+    """`metrics`: the engine's (the API process's series); `replicas`: the engine-core metrics
+    of each data-parallel replica, when they are not `metrics.replicas` already (default)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineMetricsCollector(metrics, model_name))
+    registry.register(EngineMetricsCollector(metrics, model_name, replicas))
     return registry
 
 

@@ -74,6 +74,13 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
         help="share of requests that resend an earlier request's exact image bytes",
     )
     wl.add_argument(
+        "--unique-images",
+        type=int,
+        default=None,
+        help="send only this many distinct images (sets), each equally often, shuffled: e.g. "
+        "--num-prompts 48 --unique-images 8 sends each picture 6 times (not with --repeat-ratio)",
+    )
+    wl.add_argument(
         "--shared-prefix-tokens",
         type=int,
         default=0,
@@ -150,6 +157,7 @@ def _workload_config(args: argparse.Namespace) -> WorkloadConfig:
         image_sizes=parse_image_sizes(args.image_sizes),
         images_per_request=args.images_per_request,
         repeat_ratio=args.repeat_ratio,
+        unique_images=args.unique_images,
         shared_prefix_tokens=args.shared_prefix_tokens,
         input_len=args.input_len,
         output_len=args.output_len,

@@ -50,9 +50,7 @@ def format_table(metrics: BenchmarkMetrics, server: dict) -> str:
         lines.append(f"unavailable: {server.get('reason')}")
     else:
         for tier, t in server["cache_tiers"].items():
-            rate = "n/a" if t["hit_rate"] is None else f"{100 * t['hit_rate']:.1f}%"
-            counts = f"{rate} ({_n(t['hits'])}/{_n(t['queries'])})"
-            lines.append(_row(f"{tier} hit rate (hits/queries)".replace("_cache", ""), counts))
+            lines.append(_row(f"{tier} hit rate (hits/queries)".replace("_cache", ""), _hits(t)))
         for name in (
             "encoder_items_encoded",
             "encoder_forward_calls",
@@ -60,8 +58,28 @@ def format_table(metrics: BenchmarkMetrics, server: dict) -> str:
             "embedding_bytes_received",
         ):
             lines.append(_row(name.replace("_", " "), _n(server.get(name))))
+        if server.get("replicas"):
+            lines += _replica_rows(server)
     lines.append("=" * _WIDTH)
     return "\n".join(lines)
+
+
+def _hits(tier: dict) -> str:
+    rate = "n/a" if tier["hit_rate"] is None else f"{100 * tier['hit_rate']:.1f}%"
+    return f"{rate} ({_n(tier['hits'])}/{_n(tier['queries'])})"
+
+
+def _replica_rows(server: dict) -> list[str]:
+    """A data-parallel server's caches and encodes per replica (the totals are above)."""
+    lines = [_header("Per replica over the run (from /metrics)")]
+    for replica, r in server["replicas"].items():
+        for tier, t in r["cache_tiers"].items():
+            name = tier.replace("_cache", "")
+            lines.append(_row(f"replica {replica} {name} hit rate", _hits(t)))
+        lines.append(_row(f"replica {replica} items encoded", _n(r["encoder_items_encoded"])))
+    for reason, n in server["routed_requests"].items():
+        lines.append(_row(f"requests routed by {reason}", _n(n)))
+    return lines
 
 
 def _n(value: float | None) -> str:

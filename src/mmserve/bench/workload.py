@@ -37,6 +37,8 @@ class WorkloadConfig:
     image_sizes: tuple[tuple[int, int], ...] = ((448, 448),)  # (width, height)
     images_per_request: int = 1
     repeat_ratio: float = 0.0
+    # each request's images drawn from this many, every one sent equally often (shuffled)
+    unique_images: int | None = None
     shared_prefix_tokens: int = 0
     input_len: int = 32
     output_len: int = 32
@@ -48,6 +50,13 @@ class WorkloadConfig:
             raise WorkloadError(f"--num-prompts must be >= 1, got {self.num_prompts}")
         if not 0.0 <= self.repeat_ratio <= 1.0:
             raise WorkloadError(f"--repeat-ratio must be in [0, 1], got {self.repeat_ratio}")
+        if self.unique_images is not None:
+            if self.repeat_ratio:
+                raise WorkloadError("--unique-images and --repeat-ratio both say what repeats")
+            if not 1 <= self.unique_images <= self.num_prompts:
+                raise WorkloadError(
+                    f"--unique-images must be in [1, --num-prompts], got {self.unique_images}"
+                )
         if self.images_per_request < 0:
             raise WorkloadError("--images-per-request must be >= 0")
         if self.images_per_request > 0 and not self.image_sizes:
@@ -117,19 +126,31 @@ def _data_url(data: bytes, fmt: str) -> str:
 
 def build_synthetic(cfg: WorkloadConfig) -> list[BenchRequest]:
     """Exactly round(repeat_ratio * num_prompts) requests (never the first) reuse the images of
-    an earlier, non-repeating request, byte for byte, so identity hashing sees the same item."""
+    an earlier, non-repeating request, byte for byte, so identity hashing sees the same item.
+    With `unique_images` k instead, the requests send k image sets, each as often as the others
+    (to within one), in a shuffled order: the first time one comes it is new, then a repeat."""
     rng = np.random.default_rng(cfg.seed)
     n = cfg.num_prompts
     num_repeats = min(round(cfg.repeat_ratio * n), n - 1) if cfg.images_per_request else 0
     repeat_idx = set(rng.choice(np.arange(1, n), size=num_repeats, replace=False).tolist())
+    # --unique-images k: request i sends image set picks[i]; set j comes n/k times (+1 for the
+    # first n % k), in a shuffled order
+    picks = None
+    if cfg.unique_images is not None and cfg.images_per_request:
+        picks = rng.permutation(np.arange(n) % cfg.unique_images).tolist()
     system = random_text(rng, cfg.shared_prefix_tokens) if cfg.shared_prefix_tokens else None
     originals: list[list[bytes]] = []  # image bytes of each non-repeating request, in order
+    by_pick: dict[int, list[bytes]] = {}
     seen: set[bytes] = set()
     requests = []
     for i in range(n):
+        earlier = None
         if i in repeat_idx:
-            images = originals[int(rng.integers(0, len(originals)))]
-            num_repeated = len(images)
+            earlier = originals[int(rng.integers(0, len(originals)))]
+        elif picks is not None:
+            earlier = by_pick.get(picks[i])
+        if earlier is not None:
+            images, num_repeated = earlier, len(earlier)
         else:
             images = []
             for _ in range(cfg.images_per_request):
@@ -139,6 +160,8 @@ def build_synthetic(cfg: WorkloadConfig) -> list[BenchRequest]:
                 seen.add(data)
                 images.append(data)
             originals.append(images)
+            if picks is not None:
+                by_pick[picks[i]] = images
             num_repeated = 0
         # The unique text goes before the images: a repeated image then sits after a prefix that
         # differs, so the prefix cache cannot cover it and the encoder cache tier is exercised.

@@ -61,8 +61,9 @@ class PoolConfig:
     secret: bytes | None = None
     discovery_timeout_s: float = 30.0
     ping_interval_s: float = 0.5
-    # a healthy encoder silent for missed_pings x ping_interval_s leaves rotation; an encoder
-    # answers pings from its I/O loop, also while it encodes
+    # a healthy encoder that leaves a ping unanswered for missed_pings x ping_interval_s leaves
+    # rotation (counted from the ping: a pause of this server's own is not the encoder's
+    # silence); an encoder answers pings from its I/O loop, also while it encodes
     missed_pings: int = 6
     send_hwm: int = 1024
 

@@ -346,14 +346,19 @@ class PoolIO:
                 )
 
     def _ping(self, now: float) -> None:
+        # Silence is counted from a ping that went out: a pause of this thread (a loaded
+        # machine) sends no pings, and is never taken for the encoder's silence.
         silent_s = self.config.missed_pings * self.config.ping_interval_s
         for link in self.links:
-            if link.is_healthy and now - link.last_pong_s > silent_s:
+            since = link.unanswered_since_s
+            if link.is_healthy and since is not None and now - since > silent_s:
                 self._take_out(link, f"encoder {link.url} missed {self.config.missed_pings} pings")
             if now < link.next_ping_s:
                 continue
             link.ping_nonce += 1
             link.next_ping_s = now + self.config.ping_interval_s
+            if link.unanswered_since_s is None:
+                link.unanswered_since_s = now
             self._send_control(link, Ping(link.ping_nonce))
 
     def _on_pong(self, link: EncoderLink, pong: Pong) -> None:
@@ -366,6 +371,7 @@ class PoolIO:
                 self._take_out(link, f"encoder {link.url} now serves another checkpoint")
             return
         link.last_pong_s = time.monotonic()
+        link.unanswered_since_s = None
         link.queued_patches = pong.queued_patches
         if (
             not link.is_healthy

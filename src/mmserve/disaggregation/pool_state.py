@@ -22,7 +22,8 @@ class IOConfig:
     timeout_s: float  # one attempt's deadline
     secret: bytes | None
     ping_interval_s: float
-    missed_pings: int  # a healthy encoder silent this many intervals is out of rotation
+    # a healthy encoder that leaves a ping unanswered this many intervals is out of rotation
+    missed_pings: int
     send_hwm: int  # messages queued towards one encoder at most
 
 
@@ -67,6 +68,7 @@ class EncoderLink:
     queued_patches: int = 0  # its own queue depth, from its last Pong
     ping_nonce: int = 0
     next_ping_s: float = 0.0
+    unanswered_since_s: float | None = None  # when the oldest ping it has not answered went out
     rejoin_after_nonce: int = 0  # out of rotation: only a pong to a later ping brings it back
     # times taken out since it last encoded an item; from the second on, it rejoins only after
     # a doubling wait (an encoder that answers pings but hangs on items is not re-tried hot)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from mmserve.disaggregation.embedding_cache import CachedEmbedding
 from mmserve.disaggregation.embedding_dtypes import DTYPE_NAMES
+from mmserve.execution.encoder.normalize import PixelNormalizer
 from mmserve.grid import grid_num_tokens
 from mmserve.models.qwen2_vl_vision import VisionTransformer
 from mmserve.models.vision_metadata import check_vision_inputs
@@ -39,13 +39,13 @@ class VisionStage:
         self.dtype_name = DTYPE_NAMES[dtype]
         self.embedding_width = embedding_width
         self.merge = tower.config.spatial_merge_size
+        self._normalize = PixelNormalizer(device, dtype)
 
     def encode(self, images: Sequence[EncoderInput]) -> list[CachedEmbedding]:
         """One forward over all `images` (attention never crosses items); blocks the caller."""
         grids = [tuple(img.grid_thw) for img in images]
-        # [total_patches, C * T * P * P], the items concatenated in order
-        joined = np.concatenate([img.pixel_values for img in images], axis=0)
-        pixels = torch.from_numpy(joined).to(device=self.device, dtype=self.dtype)
+        # uint8 levels -> [total_patches, C * T * P * P] in dtype, the items in order
+        pixels = self._normalize(images)
         checked = check_vision_inputs(pixels, grids, self.tower.config)
         with torch.inference_mode():
             embeds = self.tower(pixels, checked)  # [total_patches / merge^2, embedding_width]

@@ -1,4 +1,9 @@
-"""Qwen2-VL image processor in numpy/Pillow: smart_resize, bicubic resize, normalise, patchify."""
+"""Qwen2-VL image processor in numpy/Pillow: smart_resize, bicubic resize, patchify to uint8.
+
+The rescale and normalisation are not applied here: the patches stay uint8 levels (a quarter
+of float32's bytes) and carry the checkpoint's `PixelNormalization`, which the engine applies
+on the device before the first vision layer (bit-identical to transformers' float32 values).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import math
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +21,7 @@ from PIL import Image
 
 from mmserve.errors import InvalidRequestError
 from mmserve.grid import grid_num_tokens
-from mmserve.multimodal import EncoderInput
+from mmserve.multimodal import EncoderInput, NormalizationOrder, PixelNormalization
 
 MAX_ASPECT_RATIO = 200
 # Per-request (and server-wide) overridable keys; everything else is fixed by the checkpoint.
@@ -121,6 +127,28 @@ class ImageProcessorConfig:
             )
         return replace(self, min_pixels=new_min, max_pixels=new_max)
 
+    @cached_property
+    def image_normalization(self) -> PixelNormalization:
+        """This checkpoint's rescale and normalisation in transformers' image arithmetic (one
+        value per config, shared by every image it processes)."""
+        return self._normalization("rescale_then_normalize")
+
+    @cached_property
+    def video_normalization(self) -> PixelNormalization:
+        """The same values in transformers' video arithmetic (see `PixelNormalization`)."""
+        return self._normalization("normalize_scaled")
+
+    def _normalization(self, order: NormalizationOrder) -> PixelNormalization:
+        mean, std = self.image_mean, self.image_std
+        return PixelNormalization(
+            (mean[0], mean[1], mean[2]),
+            (std[0], std[1], std[2]),
+            self.rescale_factor,
+            self.do_rescale,
+            self.do_normalize,
+            order,
+        )
+
     def fingerprint(self) -> tuple[str | int, ...]:
         """The fields that change pixel values for a given resized size (identity input).
 
@@ -213,25 +241,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def _value_table(cfg: ImageProcessorConfig) -> np.ndarray:
-    """[3, 256] float32: the rescaled and normalised value of every uint8 level, per channel.
-
-    Computed with transformers' exact arithmetic (float64 rescale, cast to float32, then
-    float32 (x - mean) / std), so a lookup is bit-identical to its per-pixel path.
-    """
-    levels = np.arange(256, dtype=np.float64)
-    if cfg.do_rescale:
-        levels = levels * cfg.rescale_factor
-    levels32 = np.broadcast_to(levels.astype(np.float32), (3, 256))
-    if not cfg.do_normalize:
-        return np.ascontiguousarray(levels32)
-    mean = np.asarray(cfg.image_mean, dtype=np.float32)[:, None]
-    std = np.asarray(cfg.image_std, dtype=np.float32)[:, None]
-    return ((levels32 - mean) / std).astype(np.float32)
-
-
 def process_image(image: Image.Image, cfg: ImageProcessorConfig) -> EncoderInput:
-    """Resize, rescale, normalise and patchify one image.
+    """Resize and patchify one image into uint8 levels (normalised later, on the engine side).
 
     Output rows follow the merge order the vision tower expects (2x2 merge blocks contiguous)
     and each row is [C, T, P, P] flattened, the single frame repeated T times.
@@ -244,11 +255,10 @@ def process_image(image: Image.Image, cfg: ImageProcessorConfig) -> EncoderInput
     width, height = rgb.size
     _, grid_h, grid_w = get_grid_thw(width, height, cfg)
     p, t = cfg.patch_size, cfg.temporal_patch_size
-    table = _value_table(cfg)
-    out = np.empty((grid_h * grid_w, 3, t, p * p), dtype=np.float32)  # [N, C, T, P*P]
+    out = np.empty((grid_h * grid_w, 3, t, p * p), dtype=np.uint8)  # [N, C, T, P*P]
 
     def fill(c: int, channel: Image.Image) -> None:
-        _fill_channel(out, c, channel, table[c], (grid_h, grid_w), cfg)
+        _fill_channel(out, c, channel, (grid_h, grid_w), cfg)
 
     channels = rgb.split()
     if grid_h * grid_w * p * p < _PARALLEL_MIN_PIXELS:
@@ -259,29 +269,27 @@ def process_image(image: Image.Image, cfg: ImageProcessorConfig) -> EncoderInput
             for future in [pool.submit(fill, c, ch) for c, ch in enumerate(channels)]:
                 future.result()
     return EncoderInput(
-        pixel_values=out.reshape(grid_h * grid_w, 3 * t * p * p), grid_thw=(1, grid_h, grid_w)
+        pixel_values=out.reshape(grid_h * grid_w, 3 * t * p * p),
+        grid_thw=(1, grid_h, grid_w),
+        normalization=cfg.image_normalization,
     )
 
 
 # Below ~0.5 MP thread start-up costs more than the resize it would overlap.
 _PARALLEL_MIN_PIXELS = 512 * 512
-# Patches per gather chunk: ~1 MB of float32 values, small enough to stay in cache.
-_CHUNK_PATCHES = 1024
 
 
 def _fill_channel(
     out: np.ndarray,
     c: int,
     channel: Image.Image,
-    table: np.ndarray,
     grid_hw: tuple[int, int],
     cfg: ImageProcessorConfig,
 ) -> None:
-    """Resize one uint8 channel, then patchify and map levels to floats in cache-sized chunks.
+    """Resize one uint8 channel, then patchify it into `out[:, c]` (every temporal slot).
 
-    The gather reads the uint8 pixels through a transposed view, so patchifying costs no pass
-    of its own; chunking keeps the gather's temporaries small and reused instead of faulting
-    in hundreds of MB of fresh pages for a 4K image.
+    The copy reads the pixels through a transposed view, so patchifying costs no pass of its
+    own beyond the one copy into the output.
     """
     grid_h, grid_w = grid_hw
     p, m = cfg.patch_size, cfg.merge_size
@@ -289,10 +297,4 @@ def _fill_channel(
     pixels = np.asarray(resized)  # [H, W] uint8
     blocks = pixels.reshape(grid_h // m, m, p, grid_w // m, m, p)
     blocks = blocks.transpose(0, 3, 1, 4, 2, 5)  # [gh/m, gw/m, m, m, P, P] view
-    patches_per_row = m * grid_w  # one row of merge blocks
-    step = max(1, _CHUNK_PATCHES // patches_per_row)
-    for r0 in range(0, grid_h // m, step):
-        values = table.take(blocks[r0 : r0 + step])  # [rows, gw/m, m, m, P, P] float32
-        n0 = r0 * patches_per_row
-        n1 = n0 + values.shape[0] * patches_per_row
-        out[n0:n1, c] = values.reshape(-1, 1, p * p)  # the one frame, repeated over T
+    out[:, c] = blocks.reshape(grid_h * grid_w, 1, p * p)  # the one frame, repeated over T

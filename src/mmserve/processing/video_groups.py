@@ -78,7 +78,7 @@ def _group_pieces(
         group = ResolvedItem(
             identifier=hasher.digest(GROUP_DOMAIN, [item.identifier, k]),
             modality=item.modality,
-            data=EncoderInput(pixels, group_grid, data.second_per_grid_t),
+            data=EncoderInput(pixels, group_grid, data.normalization, data.second_per_grid_t),
             grid_thw=group_grid,
             num_tokens=item.num_tokens // grid_t,
         )

@@ -6,7 +6,8 @@ Patches are laid out exactly as transformers' Qwen2VLVideoProcessor lays out
 
     frames [n, H, W, C] uint8 --resize--> [n, h, w, C] --pad to a multiple of T (last frame)-->
     rows [grid_t, h/P/m, w/P/m, m, m] (a merge block's patches contiguous), each row
-    [C, T, P, P] flattened, values (level - mean * 255) / (std * 255) in float32
+    [C, T, P, P] flattened, uint8 levels; the engine computes transformers' values
+    (level - mean * 255) / (std * 255) in float32 (`PixelNormalization`, "normalize_scaled")
 """
 
 from __future__ import annotations
@@ -165,22 +166,6 @@ def _check_given_frames(nframes: int, cfg: VideoConfig) -> None:
         )
 
 
-def _value_table(cfg: ImageProcessorConfig) -> np.ndarray:
-    """[3 * 256] float32: the value of every uint8 level per channel, in transformers' video
-    arithmetic (rescale fused into normalise: (level - mean / r) / (std / r), float32)."""
-    levels = np.broadcast_to(np.arange(256, dtype=np.float32), (3, 256))
-    if cfg.do_normalize:
-        scale = np.float32(1.0 / cfg.rescale_factor) if cfg.do_rescale else np.float32(1.0)
-        mean = (np.asarray(cfg.image_mean, dtype=np.float32) * scale)[:, None]
-        std = (np.asarray(cfg.image_std, dtype=np.float32) * scale)[:, None]
-        table = (levels - mean) / std
-    elif cfg.do_rescale:
-        table = levels * np.float32(cfg.rescale_factor)
-    else:
-        table = levels
-    return np.ascontiguousarray(table, dtype=np.float32).ravel()
-
-
 def process_video(frames: np.ndarray, plan: VideoPlan, cfg: ImageProcessorConfig) -> EncoderInput:
     """[n, H, W, 3] uint8 sampled frames -> patches [grid_t * grid_h * grid_w, C * T * P * P]."""
     assert frames.dtype == np.uint8 and frames.ndim == 4 and frames.shape[3] == 3, frames.shape
@@ -194,9 +179,10 @@ def process_video(frames: np.ndarray, plan: VideoPlan, cfg: ImageProcessorConfig
     # [gt, T, gh/m, m, P, gw/m, m, P, C] -> [gt, gh/m, gw/m, m, m, C, T, P, P]
     blocks = frames.reshape(grid_t, t, grid_h // m, m, p, grid_w // m, m, p, 3)
     blocks = blocks.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
-    channel = np.arange(3, dtype=np.intp).reshape(1, 1, 1, 1, 1, 3, 1, 1, 1) * 256
-    values = _value_table(cfg)[blocks + channel]  # float32, same shape
-    rows = values.reshape(grid_t * grid_h * grid_w, 3 * t * p * p)
+    rows = blocks.reshape(grid_t * grid_h * grid_w, 3 * t * p * p)  # uint8, one copy
     return EncoderInput(
-        pixel_values=rows, grid_thw=plan.grid_thw, second_per_grid_t=plan.second_per_grid_t
+        pixel_values=rows,
+        grid_thw=plan.grid_thw,
+        normalization=cfg.video_normalization,
+        second_per_grid_t=plan.second_per_grid_t,
     )

@@ -40,7 +40,7 @@ from mmserve.wire.executor import (
 )
 
 MAGIC = 0xB5  # any other first byte is not ours
-VERSION = 4  # 4: SamplingParams and RequestUpdate grew (masks, min_p, prompt logprobs)
+VERSION = 5  # 5: EncoderInput carries uint8 levels and their PixelNormalization
 HEADER_BYTES = 3
 MAX_NDIM = 8
 

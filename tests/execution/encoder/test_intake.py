@@ -11,13 +11,14 @@ from mmserve.execution.encoder.cache import EncoderCache
 from mmserve.execution.encoder.intake import RemoteItemIntake
 from mmserve.execution.encoder.runner import EncodeJob, EncoderRunner
 from mmserve.multimodal import EncoderInput, MultiModalFeature, PlaceholderRange, RemoteItem
+from tests.support.factory import LEVELS_AS_FLOATS
 from tests.support.fake_encoder_source import FakeEncoderSource
 
 HIDDEN = 3
 GRID = (1, 2, 4)  # 8 patches merged 2x2: 2 embeddings
 
 
-def _embed_rows(pixels: torch.Tensor, grids):  # [8 * n, 2] -> two [2, HIDDEN] per item
+def _embed_rows(pixels: torch.Tensor, grids):  # [8 * n, 3] -> two [2, HIDDEN] per item
     return [pixels[i * 8 : i * 8 + 2, :1].repeat(1, HIDDEN) for i in range(len(grids))]
 
 
@@ -39,7 +40,7 @@ def _remote_item(identifier: str) -> RemoteItem:
 
 
 def _pixels(grid=GRID) -> EncoderInput:
-    return EncoderInput(np.arange(16, dtype=np.float32).reshape(8, 2), grid)
+    return EncoderInput(np.arange(24, dtype=np.uint8).reshape(8, 3), grid, LEVELS_AS_FLOATS)
 
 
 def test_embeddings_are_checked_moved_to_the_cache_dtype_and_reported_once() -> None:
@@ -74,7 +75,7 @@ def test_fallback_pixels_are_encoded_here_and_a_wrong_grid_fails() -> None:
     results = intake.collect()
     # the local tower's answer: rows 0 and 1 of the pixels' first column, widened
     assert results.arrived == ["a"]
-    assert torch.equal(encoder.cache.get("a"), torch.tensor([[0.0] * HIDDEN, [2.0] * HIDDEN]))
+    assert torch.equal(encoder.cache.get("a"), torch.tensor([[0.0] * HIDDEN, [3.0] * HIDDEN]))
     assert "grid (1, 4, 2)" in results.failed["b"].message and "b" not in encoder.cache
 
 

@@ -1,4 +1,5 @@
-"""EncoderRunner: pixels encoded in place (no copy), one call per modality, per-modality counts."""
+"""EncoderRunner: uint8 levels normalised on the device exactly as transformers' processors
+would, one call per modality, per-modality counts."""
 
 from __future__ import annotations
 
@@ -11,16 +12,17 @@ from mmserve.execution.encoder.cache import EncoderCache
 from mmserve.execution.encoder.runner import EncodeJob, EncoderRunner
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import EncoderInput, MultiModalFeature, PlaceholderRange
+from tests.support.factory import CLIP_NORMALIZATION, CLIP_VIDEO_NORMALIZATION, uint8_patches
 
 
 def _feature(identifier: str, pixels: np.ndarray) -> EncodeJob:
-    data = EncoderInput(pixels, (1, 2, 2))
+    data = EncoderInput(pixels, (1, 2, 2), CLIP_NORMALIZATION)
     return EncodeJob(
         MultiModalFeature(identifier, "image", PlaceholderRange(0, 1), (1, 2, 2)), data
     )
 
 
-def test_a_read_only_array_is_encoded_in_place_without_a_warning():
+def test_read_only_levels_reach_the_tower_normalised_bit_for_bit_without_a_warning():
     seen: list[torch.Tensor] = []
 
     def embed(pixels: torch.Tensor, grids):
@@ -29,20 +31,25 @@ def test_a_read_only_array_is_encoded_in_place_without_a_warning():
 
     runner = EncoderRunner(embed, EncoderCache(torch.device("cpu"), torch.float32),
                            max_patches_per_call=16)  # fmt: skip
-    frame = np.arange(8, dtype=np.float32).tobytes()  # bytes: what a received frame looks like
-    pixels = np.frombuffer(frame, dtype=np.float32).reshape(4, 2)
+    frame = uint8_patches(4, 6, seed=5).tobytes()  # bytes: what a received frame looks like
+    pixels = np.frombuffer(frame, dtype=np.uint8).reshape(4, 6)
     assert not pixels.flags.writeable
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         runner.encode([_feature("a" * 64, pixels)])
-    assert seen[0].data_ptr() == pixels.ctypes.data  # no copy
-    assert torch.equal(runner.cache.get("a" * 64), torch.tensor([[12.0, 16.0]]))
+    want = CLIP_NORMALIZATION.apply(pixels)  # [4, 6] float32: the processor's values
+    assert seen[0].dtype == torch.float32
+    assert torch.equal(seen[0], torch.from_numpy(want))
+    assert torch.equal(runner.cache.get("a" * 64), torch.from_numpy(want).sum(0, keepdim=True))
 
 
 def _item(identifier: str, modality: str, grid: tuple[int, int, int], seed: int):
     t, h, w = grid
-    pixels = np.random.default_rng(seed).standard_normal((t * h * w, 3)).astype(np.float32)
-    data = EncoderInput(pixels, grid, 1.0 if modality == "video" else None)
+    pixels = uint8_patches(t * h * w, 3, seed)
+    if modality == "video":
+        data = EncoderInput(pixels, grid, CLIP_VIDEO_NORMALIZATION, 1.0)
+    else:
+        data = EncoderInput(pixels, grid, CLIP_NORMALIZATION)
     feature = MultiModalFeature(identifier, modality, PlaceholderRange(0, t * h * w // 4), grid)
     return EncodeJob(feature, data)
 
@@ -72,7 +79,7 @@ def test_an_image_video_image_step_is_two_calls_scattered_back_by_identity():
     runner.encode(items)
     assert calls == [[(1, 4, 6), (1, 2, 2)], [(2, 4, 4)]]
     for item in items:
-        pixels = torch.from_numpy(item.pixels.pixel_values)
+        pixels = torch.from_numpy(item.pixels.normalized())
         (alone,) = embed(pixels, [item.feature.grid_thw])
         assert torch.equal(runner.cache.get(item.feature.identifier), alone), item.feature.modality
     assert runner.cache.num_bytes == (6 + 8 + 1) * 3 * 4  # embeddings x width x float32

@@ -153,6 +153,9 @@ class EngineCore:
     def check_alive(self) -> None:
         self._raise_if_dead()
 
+    def wake(self) -> None:
+        """Nothing to do: `step` never waits for anything a new request should interrupt."""
+
     def step(self) -> list[RequestUpdate]:
         """schedule -> execute -> update. Raises only EngineDeadError."""
         self._raise_if_dead()

@@ -186,7 +186,7 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, sampling_params, cache_salt, output_kind))
+        self._command(_Add(request_id, prompt, sampling_params, cache_salt, output_kind))
         finished = False
         try:
             while True:
@@ -200,7 +200,7 @@ class AsyncLLMEngine:
                     return
         finally:
             if not finished:
-                self._commands.put(_Abort(request_id))
+                self._command(_Abort(request_id))
             with self._streams_lock:
                 self._streams.pop(request_id, None)
 
@@ -213,13 +213,18 @@ class AsyncLLMEngine:
                 self._raise_if_dead()
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        self._command(_Abort(request_id))
 
     def is_healthy(self) -> bool:
         return self._error is None and self._thread.is_alive()
 
     def decode_tokens(self, token_ids: list[int]) -> str:
         return self.engine.input_processor.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def _command(self, command: _Add | _Abort) -> None:
+        """Queue a command for the engine thread and end its wait for a step's outputs."""
+        self._commands.put(command)
+        self.engine.wake()
 
     def _raise_if_dead(self) -> None:
         if self._error is not None:
@@ -236,7 +241,7 @@ class AsyncLLMEngine:
         with self._streams_lock:
             remaining = list(self._streams)
         for request_id in remaining:
-            self._commands.put(_Abort(request_id))
+            self._command(_Abort(request_id))
         self._stop.set()
         await asyncio.to_thread(self._thread.join, 5.0)
         await asyncio.to_thread(self.engine.shutdown)

@@ -28,6 +28,7 @@ import zmq
 from mmserve.config.engine import EngineConfig
 from mmserve.config.resolved import ResolvedConfig
 from mmserve.config.scheduler import CacheConfig, SchedulerConfig
+from mmserve.engine.frontend.wakeup import Wakeup, wait_for
 from mmserve.errors import EngineDeadError
 from mmserve.metrics import EngineMetrics, record_scheduler_stats
 from mmserve.multimodal import ProcessedPrompt
@@ -48,8 +49,8 @@ from mmserve.wire.engine_core import (
 logger = logging.getLogger(__name__)
 
 # How long one `step` waits for outputs before it looks at the process and returns: the bound
-# on noticing a dead engine, and on how long a new request waits to be sent while others run.
-STEP_POLL_MS = 2
+# on noticing a dead engine. A new request does not wait for it: `wake` ends the wait at once.
+STEP_POLL_MS = 20
 READY_POLL_MS = 200
 SHUTDOWN_WAIT_S = 10.0
 
@@ -80,6 +81,10 @@ class CoreClient:
         self._unfinished: set[str] = set()
         self.dead_reason: str | None = None
         self._closed = False
+        self._wakeup = Wakeup()
+        self._poller = zmq.Poller()
+        self._poller.register(outputs, zmq.POLLIN)
+        self._poller.register(self._wakeup.fd, zmq.POLLIN)
         # An LLM that is dropped without shutdown() must not leave its engine process behind.
         self._finalizer = weakref.finalize(self, _kill, proc, socket_dir)
 
@@ -180,9 +185,9 @@ class CoreClient:
 
     def step(self) -> list[RequestUpdate]:
         """The updates of the steps the engine finished since the last call; [] after
-        STEP_POLL_MS without any. Raises only EngineDeadError."""
+        STEP_POLL_MS without any, or at once after a `wake`. Raises only EngineDeadError."""
         self.check_alive()
-        if not self._outputs.poll(STEP_POLL_MS):
+        if not wait_for(self._poller, self._outputs, self._wakeup, STEP_POLL_MS):
             return []
         updates: list[RequestUpdate] = []
         while True:
@@ -191,6 +196,12 @@ class CoreClient:
             except zmq.Again:
                 return updates
             updates.extend(self._receive(frames))
+
+    def wake(self) -> None:
+        """End a `step` waiting for outputs now (from any thread): the engine loop has a
+        request or an abort to send, which must reach the engine process before its next
+        step starts, not after the outputs of the current one."""
+        self._wakeup.set()
 
     def check_alive(self) -> None:
         """Raise EngineDeadError if the engine has died. With no request unfinished, also
@@ -218,6 +229,7 @@ class CoreClient:
         self._requests.close(linger=0)
         self._outputs.close(linger=0)
         self._ctx.term()
+        self._wakeup.close()
         self._finalizer()  # kills the process if still there, removes the socket directory
 
     # --------------------------------------------------------------------------- internals

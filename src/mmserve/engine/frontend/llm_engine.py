@@ -139,6 +139,10 @@ class LLMEngine:
         """Raise EngineDeadError if the core has died (called while idle)."""
         self.core.check_alive()
 
+    def wake(self) -> None:
+        """From any thread: end a core step that waits for outputs (`CoreLike.wake`)."""
+        self.core.wake()
+
     def step(self) -> list[RequestOutput]:
         """core step -> text and stop strings -> outputs. Raises only EngineDeadError."""
         updates = self.core.step()

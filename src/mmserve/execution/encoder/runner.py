@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from mmserve.execution.encoder.cache import EncoderCache
+from mmserve.execution.encoder.normalize import PixelNormalizer
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import EncoderInput, MultiModalFeature
 
@@ -42,6 +41,7 @@ class EncoderRunner:
         self.cache = cache
         self._max_patches_per_call = max(1, max_patches_per_call)
         self._metrics = metrics
+        self._normalize = PixelNormalizer(cache.device, cache.dtype)
 
     def encode(self, jobs: Sequence[EncodeJob]) -> None:
         """Encode every item not already cached, deduplicated by identifier.
@@ -82,11 +82,8 @@ class EncoderRunner:
 
     def _run(self, batch: list[EncodeJob]) -> None:
         pixels_of = [job.pixels for job in batch if job.pixels is not None]  # all, see encode
-        arrays = [p.pixel_values for p in pixels_of]
-        # [total_patches, C * T * P * P]
-        joined = np.concatenate(arrays, axis=0) if len(arrays) > 1 else arrays[0]
-        pixels = _as_tensor(joined)
-        pixels = pixels.to(device=self.cache.device, dtype=self.cache.dtype)
+        # uint8 levels -> [total_patches, C * T * P * P] in the tower's dtype, on its device
+        pixels = self._normalize(pixels_of)
         grids = [p.grid_thw for p in pixels_of]
         outputs = self._embed(pixels, grids)
         for job, emb in zip(batch, outputs, strict=True):
@@ -95,18 +92,3 @@ class EncoderRunner:
             modality = batch[0].feature.modality  # a batch never mixes modalities
             self._metrics.inc("encoder_items_encoded", len(batch), modality=modality)
             self._metrics.inc("encoder_forward_calls", modality=modality)
-
-
-def _as_tensor(array: np.ndarray) -> torch.Tensor:
-    """The array as a tensor without a copy, read-only arrays included.
-
-    Pixels decoded from wire frames are read-only views of the received message; torch warns
-    about those because a write through the tensor would be undefined. The vision tower only
-    reads its input (the first op makes a new tensor), so the warning does not apply, and a
-    copy would cost a pass over ~5 MB per 448x448 image on the engine's critical path.
-    """
-    if array.flags.writeable:
-        return torch.from_numpy(array)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(array)
