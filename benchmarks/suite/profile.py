@@ -228,6 +228,7 @@ GPU = Profile(
         "parity": 90,
         "compare_hf": 60,
         "graphs": 60,
+        "tensor_parallel": 40,
         "gpu_tests": 30,
     },
 )
