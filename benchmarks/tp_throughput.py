@@ -44,12 +44,18 @@ def main() -> int:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--multiprocess",
+        action="store_true",
+        help="the engine core in its own process (as `serve` runs it), also at TP=1",
+    )
     args = ap.parse_args()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = _prompts(args.num_prompts)
     rows, first = [], None
     for tp in args.tp:
-        with LLM(model=args.model, tensor_parallel_size=tp, kv_cache_memory_bytes=64 << 20) as llm:
+        engine = {"tensor_parallel_size": tp, "multiprocess": args.multiprocess}
+        with LLM(model=args.model, kv_cache_memory_bytes=64 << 20, **engine) as llm:
             llm.generate(_prompts(2)[::-1], params, use_tqdm=False)  # warm-up, other pictures
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -60,6 +66,7 @@ def main() -> int:
         rows.append(
             {
                 "tensor_parallel_size": tp,
+                "multiprocess": args.multiprocess,
                 "seconds": round(seconds, 2),
                 "output_tok_per_s": round(num / seconds, 1),
                 "same_tokens_as_first": tokens == first,
