@@ -44,6 +44,7 @@ from mmserve.host_allocator import tune_host_allocator
 from mmserve.layers.attention import AttentionBackend, select_backend
 from mmserve.layers.attention.buffers import BatchLimits
 from mmserve.layers.fused import LayerOps, select_layer_ops
+from mmserve.layers.parallel import SINGLE, TPGroup
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import ModelConfig, load_model_config
 from mmserve.models.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
@@ -79,6 +80,8 @@ class WorkerConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
     enable_encoder_cuda_graph: bool = False
+    # tensor parallelism (--mm-encoder-tp-mode): how the ranks share the vision tower
+    mm_encoder_tp_mode: str = "data"
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -102,7 +105,9 @@ class Worker:
     """One device's model, KV cache and runner, built in the order of the module docstring.
 
     `encoder_source` (a disaggregated server's encoder pool) encodes remote items; without one
-    a remote item fails its requests.
+    a remote item fails its requests. `tp`: this worker's tensor-parallel group (a rank
+    process's, `execution/parallel/worker_main.py`); NOTE: until the parallel layers and the
+    runner take it (issue #34, other branches), every rank holds and runs the whole model.
     """
 
     def __init__(
@@ -110,10 +115,13 @@ class Worker:
         config: WorkerConfig,
         metrics: EngineMetrics,
         encoder_source: EncoderSource | None = None,
+        *,
+        tp: TPGroup = SINGLE,
     ) -> None:
         self.config = config
         self.metrics = metrics
         self.encoder_source = encoder_source
+        self.tp = tp
 
     def start(self) -> StartedWorker:
         """The recipe."""

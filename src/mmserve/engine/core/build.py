@@ -225,6 +225,7 @@ def _worker_config(
         enforce_eager=config.device.enforce_eager,
         cuda_graph_sizes=config.device.cuda_graph_sizes,
         enable_encoder_cuda_graph=config.device.enable_encoder_cuda_graph,
+        mm_encoder_tp_mode=config.parallel.mm_encoder_tp_mode,
     )
 
 

@@ -108,7 +108,7 @@ def _run(ns, config, steps: zmq.Socket, answers: zmq.Socket, monitor: zmq.Socket
             device=config.device,
         )
         metrics = EngineMetrics()
-        started = Worker(config, metrics).start()
+        started = Worker(config, metrics, tp=group).start()
     except Exception as exc:  # noqa: BLE001 - said to the executor, which stops the engine
         logger.exception("start-up failed")
         return fail(f"start-up failed: {type(exc).__name__}: {exc}")
