@@ -5,7 +5,8 @@ and 4K images, the Qwen3-VL-8B ViT (head dim 72, patch 16, DeepStack mergers) on
 the fused layer ops against torch's, random 2B/7B-shaped checkpoints, decode ms/step at batch
 1/8/64 against the weight-read limit (once per attention backend), the same for a random
 Qwen3-VL checkpoint at 8B's language-model shape (suite/qwen3_vl.py), greedy
-parity with transformers, compare_hf.py at 7B shape, CUDA graphs against eager, decode
+parity with transformers, compare_hf.py at 7B shape, CUDA graphs against eager, torch.compile
+against eager (ViT and decode steps, 2B-wide layers, paired A/B: suite/compile_ab.py), decode
 throughput at TP=1 and (two GPUs) TP=2 (suite/tensor_parallel.py), every
 gpu-marked test (tests/models/test_gpu.py and others) in the time left, and a summary of the
 issue's goals. Each section is timed and guarded: one that fails
@@ -59,6 +60,7 @@ SECTIONS = (
     "parity",
     "compare_hf",
     "graphs",
+    "compile",
     "tensor_parallel",
     "gpu_tests",
 )
@@ -213,6 +215,12 @@ def section_graphs(run: Run) -> dict[str, Any]:
         decode_with_graphs=decode,
         image_model_dir=image_dir,
     )
+
+
+def section_compile(run: Run) -> dict[str, Any]:
+    from benchmarks.suite.compile_ab import compile_section
+
+    return compile_section(run.profile)
 
 
 def section_tensor_parallel(run: Run) -> dict[str, Any]:

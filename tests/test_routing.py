@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from mmserve.routing import AFFINITY_SLACK, choose_bounded, rendezvous_order
+from mmserve.routing import (
+    AFFINITY_SLACK,
+    Route,
+    choose_bounded,
+    rendezvous_order,
+    route_by_content,
+)
 
 NODES = ["tcp://a:1", "tcp://b:2", "tcp://c:3"]
 
@@ -62,3 +68,53 @@ def test_no_nodes_and_mismatched_loads() -> None:
     assert choose_bounded("k", [], [], cost=1) is None
     with pytest.raises(ValueError, match="2 nodes but 1 loads"):
         choose_bounded("k", NODES[:2], [0], cost=1)
+
+
+REPLICAS = ["replica-0", "replica-1"]
+
+
+def test_a_request_goes_to_its_first_ranked_replica_while_within_the_bound() -> None:
+    key = "item:abc"
+    first = rendezvous_order(key, REPLICAS)[0]
+    loads = [0, 0]
+    loads[first] = 2  # bound: ceil(1.5 * 3 / 2) = 3, and 2 + 1 fits
+    route = route_by_content(key, REPLICAS, loads, [False, False], load_slack=0.5)
+    assert route == Route(first, True)
+
+
+def test_over_the_bound_it_detours_by_load_and_an_idle_replica_always_takes_it() -> None:
+    key = "item:abc"
+    first = rendezvous_order(key, REPLICAS)[0]
+    loads = [0, 0]
+    loads[first] = 3  # bound ceil(1.5 * 4 / 2) = 3: 3 + 1 does not fit
+    route = route_by_content(key, REPLICAS, loads, [False, False], load_slack=0.5)
+    assert route == Route(1 - first, False)
+    # epsilon 0 balances tightly: one request ahead is enough to move it
+    loads[first] = 1
+    route = route_by_content(key, REPLICAS, loads, [False, False], load_slack=0.0)
+    assert route == Route(1 - first, False)
+
+
+def test_a_replica_that_was_sent_the_key_is_preferred_over_the_first_ranked_one() -> None:
+    key = "item:abc"
+    first = rendezvous_order(key, REPLICAS)[0]
+    holders = [False, False]
+    holders[1 - first] = True  # a detour made the other replica hold it too
+    loads = [1, 1]
+    assert route_by_content(key, REPLICAS, loads, holders, load_slack=0.5) == Route(1 - first, True)
+    holders[first] = True  # both hold it: the less loaded one
+    loads[first] = 0
+    assert route_by_content(key, REPLICAS, loads, holders, load_slack=0.5) == Route(first, True)
+
+
+def test_no_replica_carries_more_than_the_bound_over_many_keys() -> None:
+    nodes = [f"replica-{i}" for i in range(4)]
+    loads = [0] * 4
+    for n in range(200):  # nothing finishes: every load only grows
+        route = route_by_content(f"item:{n % 7}", nodes, loads, [False] * 4, load_slack=0.25)
+        assert route is not None
+        loads[route.index] += 1
+        assert max(loads) <= -(-1.25 * sum(loads) // 4), loads
+    assert route_by_content("k", [], [], [], load_slack=0.5) is None
+    with pytest.raises(ValueError, match="holders"):
+        route_by_content("k", nodes, loads, [False], load_slack=0.5)

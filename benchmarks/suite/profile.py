@@ -52,6 +52,20 @@ QWEN2_VL_7B: dict[str, Any] = {
         "num_heads": 16,
     },
 }
+# Qwen2-VL-2B's layer widths, for rows that build a few layers only (suite/compile_ab.py)
+QWEN2_VL_2B_LAYERS: dict[str, Any] = {
+    "text": {
+        k: QWEN2_VL_2B["text"][k]
+        for k in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "rope_parameters",
+        )
+    },
+    "vision": {k: v for k, v in QWEN2_VL_2B["vision"].items() if k != "depth"},
+}
 # Qwen3-VL-8B-Instruct's shapes (config.json), built with mmserve's Qwen3-VL classes: the
 # vision tower (VisionConfig fields: patch 16, 16 heads of 72, three DeepStack mergers) and the
 # language model's checkpoint (written by tests/support/factory.py, random weights).
@@ -154,6 +168,13 @@ class Profile:
     q3_vit_shape: dict[str, Any] = field(default_factory=dict)
     q3_vit_image: tuple[int, int] = (1024, 1024)
     q3_lm: CheckpointSpec | None = None
+    # torch.compile against eager (suite/compile_ab.py): layer shape (tests' factory overrides,
+    # {} = its tiny model), depth, the ViT's image, decode batches, A/B pairs per row
+    compile_shape: dict[str, Any] = field(default_factory=dict)
+    compile_layers: int = 2
+    compile_image: tuple[int, int] = (112, 112)
+    compile_batches: tuple[int, ...] = (1, 8)
+    compile_pairs: int = 1
     # Rough seconds of each section on this profile's machine, to skip what no longer fits.
     estimates_s: dict[str, float] = field(default_factory=dict)
 
@@ -162,7 +183,7 @@ GPU = Profile(
     smoke=False,
     device="cuda",
     dtype="bfloat16",
-    budget_s=530.0,
+    budget_s=540.0,
     checkpoints=(
         CheckpointSpec("toy", None, check_fp32=True),
         CheckpointSpec("qwen2_vl_2b", QWEN2_VL_2B, check_fp32=True),
@@ -216,10 +237,18 @@ GPU = Profile(
     #   vit_q3      the Qwen3-VL-8B tower (27 blocks of 1152) on 1024^2 x (1 + 3)  ~10 s
     #   decode_q3   16.4 GB of Qwen3-VL-8B written in bf16, one engine (triton + graphs),
     #               3 batches x 2 x (4 + 36) steps                               ~70 s
+    #   compile     4 blocks / layers of 2B width compiled (inductor + Triton, cold cache),
+    #               ViT 1024^2 and decode at 1/8/64, 5 pairs each                ~40 s
     #   tensor_parallel  a 2B engine at TP=1, 16 x 32 tokens (TP=2 only with two GPUs,
-    #               then a second engine over NCCL)                              ~20 s
-    # ~470 s with the environment: the gpu tests get the rest, at least 30 s.
+    #               then a second engine over NCCL)                              ~15 s
+    # ~525 s with the environment: the gpu tests get the rest of 540 s, at least 15 s.
+    compile_shape=QWEN2_VL_2B_LAYERS,
+    compile_layers=4,
+    compile_image=(1024, 1024),
+    compile_batches=(1, 8, 64),
+    compile_pairs=5,
     estimates_s={
+        "compile": 40,
         "peaks": 10,
         "vit": 20,
         "vit_q3": 10,
@@ -230,8 +259,8 @@ GPU = Profile(
         "parity": 90,
         "compare_hf": 60,
         "graphs": 60,
-        "tensor_parallel": 20,
-        "gpu_tests": 30,
+        "tensor_parallel": 15,
+        "gpu_tests": 15,
     },
 )
 

@@ -108,6 +108,18 @@ def _figure_lines(results: dict[str, Any]) -> list[str]:
                 f"eager {_fmt(r['eager_ms'])} ms, graph {_fmt(r['graph_ms'])} ms "
                 f"({_fmt(r['speedup'])}x; {graphs['vit']['graph']})"
             )
+    compiled = _ok(results, "compile")
+    if compiled:
+        vit = compiled["vit"]
+        decode = ", ".join(
+            f"batch {r['batch']}: {_fmt(r['speedup_median'])}x" for r in compiled["decode"]
+        )
+        lines.append(
+            f"- torch.compile (-O3) vs eager, {compiled['layers']} layers, paired medians of "
+            f"eager/compiled: ViT {vit['image']} {_fmt(vit['speedup_median'])}x; decode "
+            f"{decode}; compile {_fmt(compiled['compile_s'], 1)} s, "
+            f"{compiled['recompiles_after_warm_up']} recompiles after warm-up"
+        )
     return lines
 
 

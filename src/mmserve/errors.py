@@ -91,6 +91,14 @@ class EncoderUnavailableError(InvalidRequestError):
     code = "encoder_unavailable"
 
 
+class NoReplicaAvailableError(InvalidRequestError):
+    """Every data-parallel replica is down (each is being restarted): the server's state, not
+    the request's (503, retry)."""
+
+    status_code = 503
+    code = "no_replica_available"
+
+
 class PromptTooLongError(InvalidRequestError):
     code = "prompt_too_long"
 

@@ -8,12 +8,16 @@ is skipped only while it carries both more than its fair share (1.25x the mean) 
 flight and more than AFFINITY_SLACK beyond the least-loaded node, so a burst cannot queue
 behind one node while others idle, but a short queue (or a load figure a moment stale, as an
 encoder's last pong is) never sends a picture away from the node that has it.
+
+`choose_bounded` routes items to encoders (the pool); `route_by_content` routes requests to
+data-parallel replicas, with load in requests and a replica's memory of the keys it was sent.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import blake3
 
@@ -59,3 +63,46 @@ def choose_bounded(
         if loads[i] == 0 or loads[i] + cost <= bound:
             return i
     return min(order, key=lambda i: loads[i])
+
+
+class Route(NamedTuple):
+    """Where one request goes, and whether content chose it (`by_affinity`) or load did."""
+
+    index: int
+    by_affinity: bool
+
+
+def route_by_content(
+    key: str,
+    nodes: Sequence[str],
+    loads: Sequence[int],
+    holders: Sequence[bool],
+    *,
+    load_slack: float,
+) -> Route | None:
+    """The node for a request whose content has `key` (None when there are no nodes).
+
+    `loads[i]` is node i's work in flight (in requests), `holders[i]` whether node i was sent
+    `key` lately (so its caches probably hold it). The bound is ceil((1 + load_slack) * (total
+    load + 1) / len(nodes)); an idle node is always within it. In order:
+
+    1. the least-loaded holder within the bound (affinity: no new encode, no new prefill);
+    2. else the first node in `key`'s rendezvous order within the bound: affinity if that is
+       the key's first-ranked node (a key's first request), load otherwise (a detour: the
+       key is encoded on one more node, at most once per node);
+    3. else (only when every node is over the bound, impossible with load_slack >= 0) the
+       least-loaded node, by load.
+    """
+    if not len(nodes) == len(loads) == len(holders):
+        raise ValueError(f"{len(nodes)} nodes, {len(loads)} loads, {len(holders)} holders")
+    if not nodes:
+        return None
+    bound = math.ceil((1 + load_slack) * (sum(loads) + 1) / len(nodes))
+    order = rendezvous_order(key, nodes)
+    within = [i for i in order if loads[i] == 0 or loads[i] + 1 <= bound]
+    held = [i for i in within if holders[i]]
+    if held:
+        return Route(min(held, key=lambda i: loads[i]), True)
+    if within:
+        return Route(within[0], within[0] == order[0])
+    return Route(min(order, key=lambda i: loads[i]), False)

@@ -111,6 +111,12 @@ def test_figures_are_measured(smoke: dict) -> None:
     assert all(r["eager_ms"] > 0 and r["graph_ms"] > 0 for r in vit_graphs["calls"])
     assert all(r["max_abs_diff"] < 1e-4 for r in vit_graphs["calls"])
     assert vit_graphs["captured"] == [256] and s["vit"]["attention"] == "reference"
+    compiled = s["compile"]  # torch.compile vs eager: the engine's compile, paired A/B
+    assert compiled["compile_s"] > 0 and compiled["graphs"] > 0
+    assert compiled["recompiles_after_warm_up"] == 0
+    assert compiled["vit"]["speedup_median"] > 0 and compiled["vit"]["max_abs_diff"] < 1e-4
+    assert [r["batch"] for r in compiled["decode"]] == list(SMOKE.compile_batches)
+    assert all(r["max_abs_diff"] < 1e-4 for r in compiled["decode"])
     gpu_tests = s["gpu_tests"]
     assert gpu_tests["tests"] >= 7 and gpu_tests["failed"] == 0
     assert gpu_tests["skipped"] == gpu_tests["tests"]  # no CUDA here: every test skips

@@ -133,12 +133,27 @@ def test_the_engine_process_gets_no_server_setting() -> None:
     assert field_default(dataclasses.fields(ServerConfig)[0]) == "127.0.0.1"
 
 
-@pytest.mark.parametrize("flag", ["--pipeline-parallel-size", "-dp"])
+@pytest.mark.parametrize("flag", ["--pipeline-parallel-size"])
 def test_parallel_sizes_above_one_are_refused_not_ignored(flag: str) -> None:
     from tests.support.config_args import args_of
 
     assert args_of(flag, "1").engine.parallel == ParallelConfig()
-    with pytest.raises(ValueError, match="does not run pipeline stages or engine replicas"):
+    with pytest.raises(ValueError, match="does not run pipeline stages yet"):
         args_of(flag, "2")
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        ParallelConfig(data_parallel_size=0)
+
+
+def test_data_parallel_size_is_accepted_with_engine_processes_and_refused_without() -> None:
+    from tests.support.config_args import args_of
+
+    parallel = args_of("-dp", "2").engine.parallel
+    assert parallel.data_parallel_size == 2 and parallel.uses_engine_processes
+    assert parallel.data_parallel_load_slack == 0.5
+    assert args_of("--data-parallel-load-slack", "0").engine.parallel.data_parallel_load_slack == 0
+    with pytest.raises(ValueError, match="--no-multiprocess"):
+        args_of("-dp", "2", "--no-multiprocess")
+    with pytest.raises(ValueError, match="--data-parallel-load-slack"):
+        ParallelConfig(data_parallel_load_slack=-0.1)
     with pytest.raises(ValueError, match="must be a positive integer"):
         ParallelConfig(data_parallel_size=0)

@@ -205,6 +205,9 @@ class EchoEngine:
     def is_healthy(self) -> bool:
         return self.healthy
 
+    def replica_states(self) -> list:
+        return []  # one engine core
+
     def decode_tokens(self, token_ids: list[int]) -> str:
         return bytes(token_ids).decode(errors="replace")
 

@@ -34,6 +34,7 @@ from mmserve.api.generation import (
     stream_events,
     until_disconnect,
 )
+from mmserve.api.health import replica_health
 from mmserve.api.json_body import read_json_body
 from mmserve.api.prometheus import build_registry, render
 from mmserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -331,10 +332,13 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.is_healthy():
+        if not engine.is_healthy():
+            err = as_api_error(EngineDeadError("health check"))  # 503 engine_dead
+            return error_response(err.message, status_code=err.status_code, code=err.code)
+        replicas = engine.replica_states()
+        if not replicas:  # one engine core: an empty 200, as vLLM answers
             return Response(status_code=200)
-        err = as_api_error(EngineDeadError("health check"))  # 503 engine_dead
-        return error_response(err.message, status_code=err.status_code, code=err.code)
+        return replica_health(replicas)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from mmserve.config.flags import check_choice, flag
 
 DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZATION_LEVELS = (0, 1, 2, 3)  # vLLM's -O levels
+# Inductor's artefacts (--compile-cache-dir), kept across restarts.
+DEFAULT_COMPILE_CACHE_DIR = "~/.cache/mmserve/torch_compile"
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEVICE = "Device and parallelism"
 
@@ -61,6 +64,26 @@ class DeviceConfig:
         "of sizes (256 input patches, doubling, up to the encoder budget), each captured on "
         "first use. CUDA and bfloat16/float16 only; --enforce-eager turns it off. Default off.",
     )
+    # torch.compile of the vision blocks and decoder layers (issue #37, execution/compile.py):
+    # vLLM's -O spelling. None: mmserve's default, eager (compiling measured no faster on CPU).
+    optimization_level: int | None = flag(
+        None,
+        type=int,
+        choices=OPTIMIZATION_LEVELS,
+        group=DEVICE,
+        aliases=("-O",),
+        help="vLLM's optimization level. -O0: nothing compiled and no CUDA graphs (as "
+        "--enforce-eager); -O1, -O2, -O3 (the same in mmserve): the vision blocks and decoder "
+        "layers compiled by torch.compile (inductor; attention stays eager), at start-up, with "
+        "the CUDA graphs as usual. Default: not compiled (docs/compile.md: why).",
+    )
+    compile_cache_dir: str = flag(
+        DEFAULT_COMPILE_CACHE_DIR,
+        group=DEVICE,
+        metavar="DIR",
+        help="Where torch.compile (-O1..-O3) keeps inductor's compiled artefacts, reused by the "
+        "next start with the same model shapes and torch. Default {default}.",
+    )
     # Language-model attention (issue #15): auto is triton on CUDA, torch (SDPA) elsewhere.
     attention_backend: str = flag(
         "auto",
@@ -73,6 +96,15 @@ class DeviceConfig:
     def __post_init__(self) -> None:
         check_choice("device", self.device, DEVICES)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.optimization_level is not None and (
+            isinstance(self.optimization_level, bool)
+            or self.optimization_level not in OPTIMIZATION_LEVELS
+        ):
+            raise ValueError(
+                f"--optimization-level (-O) takes 0, 1, 2 or 3; got {self.optimization_level!r}"
+            )
+        if not self.compile_cache_dir:
+            raise ValueError("--compile-cache-dir needs a directory")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 "--gpu-memory-utilization is the fraction of the GPU's memory mmserve may use, "
@@ -87,6 +119,16 @@ class DeviceConfig:
                     f"it; several: exactly those), e.g. --cuda-graph-sizes 1 2 4 8; got {sizes!r}"
                 )
             object.__setattr__(self, "cuda_graph_sizes", sizes)
+
+    @property
+    def compiles_model(self) -> bool:
+        """-O1..-O3: the vision blocks and decoder layers run compiled."""
+        return self.optimization_level is not None and self.optimization_level >= 1
+
+    @property
+    def runs_eager(self) -> bool:
+        """No CUDA graphs: --enforce-eager, or -O0 (vLLM's "no compilation, no cudagraphs")."""
+        return self.enforce_eager or self.optimization_level == 0
 
 
 def _is_positive_int(value: object) -> bool:

@@ -46,8 +46,22 @@ class ParallelConfig:
         type=int,
         group=DEVICE,
         aliases=("-dp",),
-        help="Engine replicas, one per device; mmserve runs one ({default}), larger values are "
-        "refused at start-up.",
+        help="Engine replicas behind this server, each an engine process with the whole model "
+        "on a device of its own (CUDA: device i for replica i; CPU: the cores split between "
+        "them). A request goes to the replica its first item's identity (or its prompt's "
+        "first block) ranks first, unless that replica is over the load bound "
+        "(--data-parallel-load-slack). Default {default}.",
+    )
+    # epsilon of the load bound: a replica carrying more than (1 + epsilon) x the mean number
+    # of unfinished requests (counting the new one) is passed over (docs/data_parallel.md).
+    data_parallel_load_slack: float = flag(
+        0.5,
+        type=float,
+        group=DEVICE,
+        help="With --data-parallel-size > 1: a replica is passed over while it has more than "
+        "(1 + this) x the mean number of unfinished requests per replica, the new one counted. "
+        "Smaller balances more tightly and encodes a repeated picture on more replicas. "
+        "Default {default}.",
     )
     # The vision tower under TP (issue #34): replicated with the step's items split across
     # ranks, or sharded like the decoder.
@@ -120,13 +134,14 @@ class ParallelConfig:
         "request gets an error). Default {default} s.",
     )
     # The scheduler and the model in an engine process of their own (issue #14). None: the
-    # entry point's default (the server: yes; the offline LLM: no).
+    # entry point's default (the server: yes; the offline LLM: no, unless data-parallel).
     multiprocess: bool | None = flag(
         None,
         action=argparse.BooleanOptionalAction,
         group=DEVICE,
         help="Run the scheduler and the model in an engine process, apart from the HTTP server "
-        "and its media processing (default on for `serve`). --no-multiprocess keeps one process.",
+        "and its media processing (default on for `serve`). --no-multiprocess keeps one process "
+        "(and one replica: --data-parallel-size > 1 needs engine processes).",
     )
 
     def __post_init__(self) -> None:
@@ -135,15 +150,30 @@ class ParallelConfig:
             flag_name = "--" + name.replace("_", "-")
             if not _is_positive_int(value):
                 raise ValueError(f"{flag_name} must be a positive integer, got {value!r}")
-        for name in ("pipeline_parallel_size", "data_parallel_size"):
-            value = getattr(self, name)
-            if value > 1:
-                flag_name = "--" + name.replace("_", "-")
-                raise ValueError(
-                    f"{flag_name} {value}: mmserve does not run pipeline stages or engine "
-                    f"replicas yet; use {flag_name} 1 (--tensor-parallel-size splits a model "
-                    "over devices)"
-                )
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"--pipeline-parallel-size {self.pipeline_parallel_size}: mmserve does not run "
+                "pipeline stages yet; use --pipeline-parallel-size 1 (--tensor-parallel-size "
+                "splits a model over devices)"
+            )
+        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"--data-parallel-size {self.data_parallel_size} with --tensor-parallel-size "
+                f"{self.tensor_parallel_size}: replicas of a tensor-parallel model are not "
+                "built yet; use one of the two"
+            )
+        slack = self.data_parallel_load_slack
+        if isinstance(slack, bool) or not isinstance(slack, int | float) or not slack >= 0:
+            raise ValueError(
+                "--data-parallel-load-slack is the epsilon of the load bound (a replica over "
+                f"(1 + epsilon) x the mean load is passed over), a number >= 0; got {slack!r}"
+            )
+        if self.data_parallel_size > 1 and self.multiprocess is False:
+            raise ValueError(
+                f"--data-parallel-size {self.data_parallel_size} runs one engine process per "
+                "replica, but --no-multiprocess (multiprocess=False) keeps the engine in this "
+                "process; drop --no-multiprocess, or use --data-parallel-size 1"
+            )
         check_choice("mm_encoder_tp_mode", self.mm_encoder_tp_mode, MM_ENCODER_TP_MODES)
         check_choice(
             "distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS
@@ -195,6 +225,12 @@ class ParallelConfig:
             )
         if not self.master_addr or not isinstance(self.master_addr, str):
             raise ValueError("--master-addr must be node 0's host name or address")
+
+    @property
+    def uses_engine_processes(self) -> bool:
+        """Whether the engine core(s) run in engine processes: asked for, or implied by more
+        than one replica (the offline LLM's default is in-process)."""
+        return bool(self.multiprocess) or self.data_parallel_size > 1
 
     @property
     def ranks_per_node(self) -> int:

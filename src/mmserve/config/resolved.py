@@ -38,6 +38,7 @@ class ResolvedConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknow
     layer_ops: str  # who computes the decoder's norms, SwiGLU and rotary: torch or triton
     encoder_cuda_graph: bool = False
     cuda_graph_sizes: tuple[_PosInt, ...] = ()  # decode batch sizes captured; () when eager
+    compiled: bool = False  # -O1..-O3: vision blocks and decoder layers run torch.compile'd
 
     def __post_init__(self) -> None:
         # a tuple whatever sequence a caller gives: the config is frozen all the way down

@@ -1,8 +1,9 @@
 """The one place that wires an engine together from an EngineConfig.
 
 The API side (input processor, output processor, `LLMEngine`) is built here; the core is an
-engine process (`CoreClient`) or, in-process, what `engine.core.build` makes, imported only on
-that path so that an API process with its core apart never imports torch.
+engine process (`CoreClient`), several (`ReplicaSet`, with --data-parallel-size > 1) or,
+in-process, what `engine.core.build` makes, imported only on that path so that an API process
+with its core apart never imports torch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from mmserve.engine.frontend.core_client import CoreClient
 from mmserve.engine.frontend.llm_engine import LLMEngine
 from mmserve.engine.frontend.output_processor import OutputProcessor
 from mmserve.engine.frontend.protocol import CoreLike
+from mmserve.engine.frontend.replicas import ReplicaSet
 from mmserve.engine.model_source import with_local_sources
 from mmserve.engine.remote_encoders import build_url_planner
 from mmserve.engine.shape import EngineShape, loader_media_config, resolve_shape
@@ -32,12 +34,15 @@ def build_engine(
     config: EngineConfig, *, decode_workers: int = 0
 ) -> tuple[LLMEngine, ResolvedConfig]:
     """An engine with its core in this process, or in an engine process if
-    `config.parallel.multiprocess`."""
+    `config.parallel.multiprocess`, or in `data_parallel_size` engine processes (replicas)."""
     config = with_local_sources(config)  # a hub id becomes its snapshot directory, once, here
     shape = resolve_shape(config)
     metrics = EngineMetrics(max_model_len=shape.max_model_len)
     core: CoreLike
-    if config.parallel.multiprocess:
+    if config.parallel.data_parallel_size > 1:
+        # each replica's stats land in its own metrics, which `metrics.replicas` sums
+        core, resolved = ReplicaSet.start(config, metrics, shape.max_model_len)
+    elif config.parallel.uses_engine_processes:
         core, resolved = CoreClient.start(config, metrics)
     else:
         # The model runs in this process: only here does the API side import the core (torch).

@@ -5,6 +5,8 @@
         profile()           the largest step once (GPU): the activation peak -> the KV budget
         allocate_kv()       as many blocks as the budget holds (never more than all sequences
                             at full length need), one cache tensor per decoder layer
+        compile()           -O1..-O3: the vision blocks and decoder layers compiled and
+                            warmed up (compile.py), before any graph captures them
         build_runner()      the encoder (its CUDA graphs if asked), the model runner
         capture_graphs()    decode CUDA graphs (after the KV cache: their replays write it)
 
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from mmserve.config.scheduler import CPU_KV_CACHE_BYTES
+from mmserve.execution.compile import CompileReport, compile_model, warm_up
 from mmserve.execution.encoder.cache import EncoderCache
 from mmserve.execution.encoder.graphs import make_encoder_embed
 from mmserve.execution.encoder.pixels import ItemDataStore
@@ -43,7 +46,7 @@ from mmserve.execution.model_runner import ModelRunner
 from mmserve.host_allocator import tune_host_allocator
 from mmserve.layers.attention import AttentionBackend, select_backend
 from mmserve.layers.attention.buffers import BatchLimits
-from mmserve.layers.fused import LayerOps, select_layer_ops
+from mmserve.layers.fused import LayerOps, TorchLayerOps, select_layer_ops
 from mmserve.layers.parallel import SINGLE, TPGroup
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import ModelConfig, load_model_config
@@ -80,6 +83,8 @@ class WorkerConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
     enable_encoder_cuda_graph: bool = False
+    # torch.compile (-O1..-O3) and where inductor keeps its artefacts; None: eager
+    compile_cache_dir: Path | None = None
     # tensor parallelism (--mm-encoder-tp-mode): how the ranks share the vision tower
     mm_encoder_tp_mode: str = "data"
 
@@ -99,6 +104,7 @@ class StartedWorker(NamedTuple):
     layer_ops: str
     encoder_cuda_graph: bool
     cuda_graph_sizes: tuple[int, ...]  # decode batch sizes captured; () when eager
+    compiled: CompileReport | None  # -O1..-O3: the start-up compile; None when eager
 
 
 class Worker:
@@ -128,6 +134,7 @@ class Worker:
         backend, layer_ops, model, model_config, at_start = self.load_model()
         budget_bytes = self.profile(model, model_config, backend, at_start)
         num_blocks, kv_caches = self.allocate_kv(model_config, budget_bytes)
+        compiled = self.compile(model, kv_caches, backend)
         runner, encoder_cuda_graph = self.build_runner(model, model_config, kv_caches, backend)
         graph_sizes = self.capture_graphs(runner)
         return StartedWorker(
@@ -139,6 +146,7 @@ class Worker:
             layer_ops.name,
             encoder_cuda_graph,
             graph_sizes,
+            compiled,
         )
 
     def load_model(
@@ -154,7 +162,10 @@ class Worker:
         backend = select_backend(
             cfg.attention_backend, cfg.device, block_size=cfg.block_size, head_dim=head_dim
         )
-        layer_ops = select_layer_ops(backend.name)
+        # Compiled (-O1..-O3), the layers keep torch's ops and inductor fuses them itself; the
+        # hand-written Triton ops are for eager layers (compile.py).
+        compiles = cfg.compile_cache_dir is not None
+        layer_ops = TorchLayerOps() if compiles else select_layer_ops(backend.name)
         at_start = CudaMemory(cfg.device).snapshot() if cfg.device.type == "cuda" else None
         logger.info(
             "attention backend: %s (--attention-backend %s, device %s); norms, SwiGLU, rotary: %s",
@@ -236,6 +247,23 @@ class Worker:
                 f"{bytes_per_block} bytes; raise --kv-cache-memory-bytes"
             )
         return int(num_blocks)
+
+    def compile(
+        self, model: nn.Module, kv_caches: list[torch.Tensor], backend: AttentionBackend
+    ) -> CompileReport | None:
+        """-O1..-O3: compile the blocks and layers and run each graph once (compile.py)."""
+        cfg = self.config
+        if cfg.compile_cache_dir is None:
+            return None
+        compile_model(model, cfg.compile_cache_dir)
+        return warm_up(
+            model,
+            kv_caches,
+            backend,
+            block_size=cfg.block_size,
+            device=cfg.device,
+            cache_dir=cfg.compile_cache_dir,
+        )
 
     def build_runner(
         self,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import msgspec
 import torch
@@ -95,6 +96,7 @@ def build_core(
         resolved,
         encoder_cuda_graph=worker.encoder_cuda_graph,
         cuda_graph_sizes=worker.cuda_graph_sizes,
+        compiled=worker.compiled is not None,
     )
     return core, resolved
 
@@ -222,9 +224,14 @@ def _worker_config(
         num_gpu_blocks_override=config.cache.num_gpu_blocks_override,
         kv_cache_memory_bytes=config.cache.kv_cache_memory_bytes,
         gpu_memory_utilization=config.device.gpu_memory_utilization,
-        enforce_eager=config.device.enforce_eager,
+        enforce_eager=config.device.runs_eager,
         cuda_graph_sizes=config.device.cuda_graph_sizes,
         enable_encoder_cuda_graph=config.device.enable_encoder_cuda_graph,
+        compile_cache_dir=(
+            Path(config.device.compile_cache_dir).expanduser()
+            if config.device.compiles_model
+            else None
+        ),
         mm_encoder_tp_mode=config.parallel.mm_encoder_tp_mode,
     )
 

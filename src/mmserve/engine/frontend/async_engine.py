@@ -94,6 +94,7 @@ class AsyncLLMEngine:
         self.max_logprobs = engine.max_logprobs
         self.sampling_defaults = engine.sampling_defaults
         self.metrics = engine.metrics
+        self.replica_states = engine.replica_states  # read from any thread (for /health)
         self.tokenizer = engine.input_processor.tokenizer
         self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}

@@ -90,13 +90,14 @@ class CoreClient:
 
     @classmethod
     def start(
-        cls, config: EngineConfig, metrics: EngineMetrics
+        cls, config: EngineConfig, metrics: EngineMetrics, *, env: dict[str, str] | None = None
     ) -> tuple[CoreClient, ResolvedConfig]:
         """Start an engine process for `config` and wait until it has loaded the model.
 
-        What the engine resolved (device, dtype, KV blocks, the scheduler's budgets) comes
-        back in its ready message: this process admits requests by it and never resolves a
-        device itself (it does not import torch).
+        `env`: variables set for the engine process on top of this one's (a data-parallel
+        replica's CUDA_VISIBLE_DEVICES). What the engine resolved (device, dtype, KV blocks,
+        the scheduler's budgets) comes back in its ready message: this process admits requests
+        by it and never resolves a device itself (it does not import torch).
         """
         socket_dir = tempfile.mkdtemp(prefix="mmserve-core-")
         requests_addr = f"ipc://{socket_dir}/requests"
@@ -125,7 +126,12 @@ class CoreClient:
         ]
         # A session of its own: a terminal's Ctrl-C or a SIGTERM to the group reaches only
         # the API process, which drains and then stops the engine.
-        proc = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+            env={**os.environ, **env} if env else None,
+        )
         assert proc.stdin is not None
         proc.stdin.write(msgspec.json.encode(config))
         proc.stdin.close()
@@ -183,11 +189,21 @@ class CoreClient:
     def has_unfinished_requests(self) -> bool:
         return bool(self._unfinished)
 
-    def step(self) -> list[RequestUpdate]:
+    @property
+    def num_unfinished_requests(self) -> int:
+        """The requests sent and not finished: a data-parallel replica's load."""
+        return len(self._unfinished)
+
+    @property
+    def outputs_socket(self) -> zmq.Socket:
+        """The socket the engine's outputs arrive on (to wait on several clients at once)."""
+        return self._outputs
+
+    def step(self, poll_ms: int = STEP_POLL_MS) -> list[RequestUpdate]:
         """The updates of the steps the engine finished since the last call; [] after
-        STEP_POLL_MS without any, or at once after a `wake`. Raises only EngineDeadError."""
+        `poll_ms` without any, or at once after a `wake`. Raises only EngineDeadError."""
         self.check_alive()
-        if not wait_for(self._poller, self._outputs, self._wakeup, STEP_POLL_MS):
+        if not wait_for(self._poller, self._outputs, self._wakeup, poll_ms):
             return []
         updates: list[RequestUpdate] = []
         while True:

@@ -12,6 +12,7 @@ import msgspec
 from mmserve.engine.frontend.output_processor import OutputProcessor
 from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
 from mmserve.engine.frontend.protocol import CoreLike
+from mmserve.engine.frontend.replicas import ReplicaSet, ReplicaState
 from mmserve.errors import EngineDeadError, FailureKind, InvalidRequestError, RequestFailure
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
@@ -134,6 +135,10 @@ class LLMEngine:
     def dead_reason(self) -> str | None:
         """Why the core can no longer run, or None while it can."""
         return self.core.dead_reason
+
+    def replica_states(self) -> list[ReplicaState]:
+        """Each data-parallel replica's state; [] with one engine core."""
+        return self.core.states() if isinstance(self.core, ReplicaSet) else []
 
     def check_alive(self) -> None:
         """Raise EngineDeadError if the core has died (called while idle)."""

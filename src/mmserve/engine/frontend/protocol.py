@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from mmserve.config.scheduler import CacheConfig, SchedulerConfig
 from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
+from mmserve.engine.frontend.replicas import ReplicaState
 from mmserve.metrics import EngineMetrics
 from mmserve.multimodal import ProcessedPrompt
 from mmserve.sampling_params import SamplingParams
@@ -96,6 +97,10 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def is_healthy(self) -> bool: ...
+
+    def replica_states(self) -> list[ReplicaState]:
+        """Each data-parallel replica's state (live or restarting); [] with one engine core."""
+        ...
 
     def decode_tokens(self, token_ids: list[int]) -> str:
         """The text of token ids, special tokens shown (what `echo` shows of a prompt)."""

@@ -63,6 +63,9 @@ class TorchAttentionBackend:
         layout = build_layout(query_lens, seq_lens, block_tables, block_size, device, self, buffers)
         return layout.with_plan(plan_decodes(layout, buffers))
 
+    # Opaque to torch.compile (`execution/compile.py`): per-step metadata and the paged cache
+    # stay outside the compiled pieces between attentions.
+    @torch.compiler.disable
     def forward(
         self,
         query: torch.Tensor,

@@ -186,6 +186,9 @@ class TritonAttentionBackend:
         )
         return layout.with_plan(plan)
 
+    # Opaque to torch.compile (`execution/compile.py`): per-step metadata and the paged cache
+    # stay outside the compiled pieces between attentions.
+    @torch.compiler.disable
     def forward(
         self,
         query: torch.Tensor,

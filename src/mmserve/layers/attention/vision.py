@@ -164,6 +164,9 @@ def varlen_segment_attention(
     return varlen_attn(q, k, v, cu, cu, n, n)
 
 
+# Opaque to torch.compile (`execution/compile.py`): the reference path loops in Python over
+# host segment lengths; compiled code runs the dense parts of a block around it. Eager: no-op.
+@torch.compiler.disable
 def vision_attention(
     q: torch.Tensor,
     k: torch.Tensor,
