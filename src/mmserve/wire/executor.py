@@ -60,6 +60,10 @@ class WorkerReady(WireStruct):
     layer_ops: str
     encoder_cuda_graph: bool
     cuda_graph_sizes: tuple[NonNegInt, ...]
+    # -O1..-O3: the start-up compile (`execution.compile.CompileReport`); None when eager
+    compile_seconds: float | None = None
+    compile_num_graphs: NonNegInt = 0
+    compile_cache_dir: str = ""
 
 
 class WorkerStepDone(WireStruct):

@@ -15,12 +15,14 @@ import msgspec
 import torch
 
 from mmserve.config.engine import EngineConfig
+from mmserve.config.parallel import ParallelConfig
 from mmserve.config.resolved import ResolvedConfig
 from mmserve.config.scheduler import CacheConfig, SchedulerConfig
 from mmserve.config.torch_device import resolve_device, resolve_dtype
 from mmserve.engine.core.encoder_pool import build_encoder_pool
 from mmserve.engine.core.engine_core import EngineCore
 from mmserve.engine.shape import EngineShape, loader_media_config
+from mmserve.execution.compile import CompileReport
 from mmserve.execution.executor import Executor, InProcessExecutor
 from mmserve.execution.parallel.start import start_executor
 from mmserve.execution.worker import StartedWorker, Worker, WorkerConfig
@@ -32,6 +34,7 @@ from mmserve.scheduling.kv_cache_manager import KVCacheManager
 from mmserve.scheduling.scheduler import Scheduler
 from mmserve.structured_output.compiler import GrammarCompiler
 from mmserve.structured_output.manager import StructuredOutputManager
+from mmserve.wire.executor import WorkerReady
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,25 @@ def build_core(
         worker, executor, item_data = _start_ranks(config, shape, metrics, device, dtype)
     else:
         worker, executor, item_data = _start_in_process(config, shape, metrics, device, dtype)
+    try:
+        return _build_around(config, shape, metrics, scheduler_config, worker, executor, item_data)
+    except BaseException:
+        executor.shutdown()  # rank processes (or the runner's encoder source) go with it
+        raise
+
+
+def _build_around(
+    config: EngineConfig,
+    shape: EngineShape,
+    metrics: EngineMetrics,
+    scheduler_config: SchedulerConfig,
+    worker: StartedWorker,
+    executor: Executor,
+    item_data: ItemDataHolder,
+) -> tuple[EngineCore, ResolvedConfig]:
+    """The scheduler and the core around a started worker (or ranks)."""
+    device = resolve_device(config.device.device)
+    dtype = resolve_dtype(config.checkpoint.dtype, device, shape.model_config.dtype)
     cache_config = dataclasses.replace(config.cache, num_blocks=worker.num_blocks)
     scheduler = Scheduler(
         scheduler_config,
@@ -162,7 +184,23 @@ def _start_ranks(
     executor, ready = start_executor(
         worker_config(config, shape, device, dtype), parallel, metrics, _log_level()
     )
+    try:
+        worker = _started_ranks(ready, shape, parallel)
+    except BaseException:
+        executor.shutdown()
+        raise
+    return worker, executor, executor.item_data
+
+
+def _started_ranks(
+    ready: list[WorkerReady], shape: EngineShape, parallel: ParallelConfig
+) -> StartedWorker:
+    """The ranks' start-up as one worker's figures (no runner in this process)."""
     first = ready[0]
+    compiled = None
+    if first.compile_seconds is not None:
+        cache_dir = Path(first.compile_cache_dir)
+        compiled = CompileReport(first.compile_seconds, first.compile_num_graphs, cache_dir)
     worker = StartedWorker(
         None,
         shape.model_config,
@@ -172,6 +210,7 @@ def _start_ranks(
         first.layer_ops,
         first.encoder_cuda_graph,
         first.cuda_graph_sizes,
+        compiled,
     )
     logger.info(
         "tensor parallel: %d ranks over %d node(s), vision tower --mm-encoder-tp-mode %s; "
@@ -181,7 +220,7 @@ def _start_ranks(
         parallel.mm_encoder_tp_mode,
         [r.num_blocks for r in ready],
     )
-    return worker, executor, executor.item_data
+    return worker
 
 
 def _log_level() -> str:

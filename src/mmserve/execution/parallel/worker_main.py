@@ -24,6 +24,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from mmserve.execution.compile import CompileReport
 from mmserve.execution.model_runner import ModelRunner
 from mmserve.execution.parallel.launch import decode_worker_config
 from mmserve.execution.parallel.rendezvous import join_group, leave_group
@@ -122,6 +123,7 @@ def _run(ns, config, steps: zmq.Socket, answers: zmq.Socket, monitor: zmq.Socket
                 started.layer_ops,
                 started.encoder_cuda_graph,
                 started.cuda_graph_sizes,
+                *_compile_fields(started.compiled),
             )
         )
     )
@@ -130,6 +132,12 @@ def _run(ns, config, steps: zmq.Socket, answers: zmq.Socket, monitor: zmq.Socket
         return loop.run(steps, monitor, lambda: os.getppid() == ns.parent_pid, fail)
     finally:
         leave_group()
+
+
+def _compile_fields(report: CompileReport | None) -> tuple[float | None, int, str]:
+    if report is None:
+        return None, 0, ""
+    return report.seconds, report.num_graphs, str(report.cache_dir)
 
 
 class StepLoop:
