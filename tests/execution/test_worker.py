@@ -11,6 +11,7 @@ import torch
 
 from mmserve.config.scheduler import CPU_KV_CACHE_BYTES
 from mmserve.execution.worker import Worker, WorkerConfig
+from mmserve.layers.parallel import TPGroup
 from mmserve.metrics import EngineMetrics
 from mmserve.models.config import load_model_config
 from mmserve.models.kv_cache import kv_cache_bytes_per_block
@@ -71,3 +72,13 @@ def test_start_up_leaves_the_callers_random_state_alone(qwen2_vl_dir: Path) -> N
     before = torch.random.get_rng_state()
     Worker(_config(qwen2_vl_dir, seed=1234), EngineMetrics()).start()
     assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_a_tensor_parallel_rank_sizes_and_allocates_its_own_kv_heads(qwen2_vl_dir: Path) -> None:
+    rank = TPGroup(rank=1, size=2, group=object())  # start-up runs no collective on the CPU
+    per_block = _bytes_per_block(qwen2_vl_dir) // 2  # 1 of the 2 KV heads
+    config = _config(qwen2_vl_dir, kv_cache_memory_bytes=5 * per_block)
+    started = Worker(config, EngineMetrics(), tp=rank).start()
+    assert started.num_blocks == 5 and started.bytes_per_block == per_block
+    head_dim = started.model_config.text.head_dim
+    assert started.runner.kv_caches[0].shape == (2, 5, 16, 1, head_dim)

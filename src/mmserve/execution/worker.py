@@ -111,9 +111,8 @@ class Worker:
     """One device's model, KV cache and runner, built in the order of the module docstring.
 
     `encoder_source` (a disaggregated server's encoder pool) encodes remote items; without one
-    a remote item fails its requests. `tp`: this worker's tensor-parallel group (a rank
-    process's, `execution/parallel/worker_main.py`); NOTE: until the parallel layers and the
-    runner take it (issue #34, other branches), every rank holds and runs the whole model.
+    a remote item fails its requests. `tp`: this worker's rank in its tensor-parallel group:
+    it loads only its shard, and its KV cache (its budget, its blocks) holds only its KV heads.
     """
 
     def __init__(
@@ -175,7 +174,13 @@ class Worker:
             layer_ops.name,
         )
         model, model_config = load_model(
-            cfg.model_dir, device=cfg.device, dtype=cfg.dtype, layer_ops=layer_ops
+            cfg.model_dir,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            layer_ops=layer_ops,
+            tp=self.tp,
+            # --mm-encoder-tp-mode weights: the tower sharded too (data: replicated)
+            shard_vision=cfg.mm_encoder_tp_mode == "weights",
         )
         return backend, layer_ops, model, model_config, at_start
 
@@ -211,7 +216,9 @@ class Worker:
         )
         limits = self.batch_limits()
         return profiled_kv_budget(
-            GpuProfile(model, model_config, backend, shape, at_start, cfg.device, cfg.dtype),
+            GpuProfile(
+                model, model_config, backend, shape, at_start, cfg.device, cfg.dtype, self.tp
+            ),
             CudaMemory(cfg.device),
             utilization=cfg.gpu_memory_utilization,
             bytes_per_block=self.bytes_per_block(model_config),
@@ -228,7 +235,9 @@ class Worker:
         """The number of blocks and the zeroed caches, one per decoder layer."""
         cfg = self.config
         num_blocks = self.num_kv_blocks(model_config, budget_bytes)
-        caches = allocate_kv_caches(model_config, num_blocks, cfg.block_size, cfg.device, cfg.dtype)
+        caches = allocate_kv_caches(
+            model_config, num_blocks, cfg.block_size, cfg.device, cfg.dtype, self.tp
+        )
         return num_blocks, caches
 
     def num_kv_blocks(self, model_config: ModelConfig, budget_bytes: int | None) -> int:
@@ -347,4 +356,6 @@ class Worker:
         )
 
     def bytes_per_block(self, model_config: ModelConfig) -> int:
-        return kv_cache_bytes_per_block(model_config, self.config.block_size, self.config.dtype)
+        """What one KV block costs this rank (its KV heads only)."""
+        cfg = self.config
+        return kv_cache_bytes_per_block(model_config, cfg.block_size, cfg.dtype, self.tp)

@@ -16,6 +16,14 @@ from mmserve.layers.activation import get_activation
 from mmserve.layers.attention import AttentionMetadata
 from mmserve.layers.fused import LayerOps, TorchLayerOps
 from mmserve.layers.norm import RMSNorm
+from mmserve.layers.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    split_heads,
+)
 from mmserve.layers.rotary import MRotaryEmbedding
 from mmserve.models.config import TextConfig
 
@@ -33,27 +41,44 @@ class DeepstackInputs:
 
 
 class Qwen2Attention(nn.Module):
-    """GQA self-attention with q/k/v biases and M-RoPE."""
+    """GQA self-attention with q/k/v biases and M-RoPE: one fused q/k/v projection
+    (column-parallel over this rank's heads) and a row-parallel o_proj (one all-reduce)."""
 
     def __init__(
-        self, config: TextConfig, ops: LayerOps, *, qkv_bias: bool = True, o_bias: bool = False
+        self,
+        config: TextConfig,
+        ops: LayerOps,
+        tp: TPGroup = SINGLE,
+        *,
+        qkv_bias: bool = True,
+        o_bias: bool = False,
     ) -> None:
         super().__init__()
         self.ops = ops
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        heads = split_heads(config.num_attention_heads, config.num_key_value_heads, tp)
+        self.num_heads = heads.num_heads  # this rank's
+        self.num_kv_heads = heads.num_kv_heads
         self.head_dim = config.head_dim
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.qkv_proj = ColumnParallelLinear.qkv(
+            hidden,
+            self.head_dim,
+            heads,
+            (config.num_attention_heads, config.num_key_value_heads),
+            ("q_proj", "k_proj", "v_proj"),
+            bias=qkv_bias,
+            tp=tp,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            hidden,
+            bias=o_bias,
+            tp=tp,
+            what="attention width",
+        )
 
-    def project_qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [n, heads, head_dim], k [n, kv_heads, head_dim] before the rotary."""
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, heads, head_dim], k [n, kv_heads, head_dim] before the rotary (Qwen3 norms)."""
         return q, k
 
     def forward(
@@ -65,8 +90,12 @@ class Qwen2Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k = self.project_qk(x)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        # [n, (heads + 2 * kv_heads) * head_dim], split into strided views
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q, k = self.norm_qk(
+            q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim)
+        )
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = self.ops.rotate_qk(q, k, cos, sin)
         # The step's metadata names the backend that built it (chosen once at start-up).
         out = attn_metadata.backend.forward(q, k, v, kv_cache, attn_metadata, self.head_dim**-0.5)
@@ -74,17 +103,28 @@ class Qwen2Attention(nn.Module):
 
 
 class Qwen2MLP(nn.Module):
-    def __init__(self, config: TextConfig, ops: LayerOps) -> None:
+    """SwiGLU: one fused gate/up projection (column-parallel) and a row-parallel down_proj."""
+
+    def __init__(self, config: TextConfig, ops: LayerOps, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inter = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear.merged(
+            config.hidden_size,
+            [inter, inter],
+            ["gate_proj", "up_proj"],
+            bias=False,
+            tp=tp,
+            what="intermediate_size",
+        )
+        self.down_proj = RowParallelLinear(
+            inter, config.hidden_size, bias=False, tp=tp, what="intermediate_size"
+        )
         self.act = get_activation(config.hidden_act)
         self.is_swiglu = config.hidden_act in ("silu", "swish")  # silu(gate) * up: one op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # strided halves of one output
         hidden = self.ops.silu_mul(gate, up) if self.is_swiglu else self.act(gate) * up
         return self.down_proj(hidden)
 
@@ -99,12 +139,16 @@ class Qwen2DecoderLayer(nn.Module):
     """
 
     def __init__(
-        self, config: TextConfig, ops: LayerOps, attention: type[nn.Module] | None = None
+        self,
+        config: TextConfig,
+        ops: LayerOps,
+        attention: type[Qwen2Attention] | None = None,
+        tp: TPGroup = SINGLE,
     ) -> None:
         """`attention`: the attention module's class (Qwen3's for Qwen3-VL; Qwen2's default)."""
         super().__init__()
-        self.self_attn = (attention or Qwen2Attention)(config, ops)
-        self.mlp = Qwen2MLP(config, ops)
+        self.self_attn = (attention or Qwen2Attention)(config, ops, tp)
+        self.mlp = Qwen2MLP(config, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -132,19 +176,22 @@ class Qwen2Model(nn.Module):
 
     `ops` does the layers' norms, SwiGLU and rotary (chosen at start-up with the attention
     backend: `layers/fused/`); the torch reference by default. `attention` is the layers'
-    attention class (Qwen3Model's differs).
+    attention class (Qwen3Model's differs). `tp`: this rank's group; the embedding is
+    vocab-parallel, each layer holds its heads and its share of the MLP (`layers/parallel/`).
     """
 
-    attention: type[nn.Module] = Qwen2Attention
+    attention: type[Qwen2Attention] = Qwen2Attention
 
-    def __init__(self, config: TextConfig, ops: LayerOps | None = None) -> None:
+    def __init__(
+        self, config: TextConfig, ops: LayerOps | None = None, tp: TPGroup = SINGLE
+    ) -> None:
         super().__init__()
         self.config = config
         ops = ops or TorchLayerOps()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
             [
-                Qwen2DecoderLayer(config, ops, self.attention)
+                Qwen2DecoderLayer(config, ops, self.attention, tp)
                 for _ in range(config.num_hidden_layers)
             ]
         )

@@ -30,6 +30,7 @@ from mmserve.errors import RequestFailedError
 from mmserve.grid import grid_num_tokens
 from mmserve.layers.attention import AttentionMetadata
 from mmserve.layers.fused import LayerOps
+from mmserve.layers.parallel import SINGLE, ParallelLMHead, TPGroup, vocab_parallel_logits
 from mmserve.models.config import ModelConfig
 from mmserve.models.qwen2_lm import DeepstackInputs, Qwen2Model
 from mmserve.models.qwen2_vl_vision import VisionTransformer
@@ -38,21 +39,35 @@ from mmserve.models.vision_metadata import check_vision_inputs
 
 class Qwen2VLForConditionalGeneration(nn.Module):
     """Qwen2-VL; the vision block structure (and Qwen2.5-VL windows) follows `config.vision`.
-    `layer_ops` does the decoder's norms, SwiGLU and rotary (torch by default)."""
+    `layer_ops` does the decoder's norms, SwiGLU and rotary (torch by default).
+
+    `tp`: this rank's tensor-parallel group. The decoder is sharded over it (heads, MLP,
+    vocab-parallel embedding and LM head: every rank gets the full logits); the vision tower is
+    sharded too with `shard_vision` (`--mm-encoder-tp-mode weights`), else whole on every rank.
+    ValueError naming the numbers when the group cannot split the heads or widths.
+    """
 
     vision_tower: type[nn.Module] = VisionTransformer
     decoder: type[Qwen2Model] = Qwen2Model
 
-    def __init__(self, config: ModelConfig, layer_ops: LayerOps | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_ops: LayerOps | None = None,
+        tp: TPGroup = SINGLE,
+        shard_vision: bool = False,
+    ) -> None:
         super().__init__()
         self.config = config
-        self.visual = self.vision_tower(config.vision)
-        self.model = self.decoder(config.text, layer_ops)
+        self.tp = tp
+        self.visual = self.vision_tower(config.vision, tp=tp if shard_vision else SINGLE)
+        self.model = self.decoder(config.text, layer_ops, tp)
+        text = config.text
         # Tied checkpoints have no lm_head tensor: logits reuse the embedding matrix.
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
+            else ParallelLMHead(text.vocab_size, text.hidden_size, tp)
         )
         self._deepstack: DeepstackInputs | None = None  # the last splice's levels
 
@@ -135,15 +150,22 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         return self.model(inputs_embeds, positions, attn_metadata, kv_caches, deepstack)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [n, hidden] -> logits [n, vocab_size] (in the model's dtype)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden_states @ weight.t()
+        """hidden_states [n, hidden] -> logits [n, vocab_size] (in the model's dtype), the full
+        vocabulary on every rank."""
+        table = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return vocab_parallel_logits(hidden_states, table)
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):  # noqa: N801
     """Qwen2.5-VL: same decoder; RMSNorm + SwiGLU ViT blocks with window attention."""
 
-    def __init__(self, config: ModelConfig, layer_ops: LayerOps | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_ops: LayerOps | None = None,
+        tp: TPGroup = SINGLE,
+        shard_vision: bool = False,
+    ) -> None:
         if not config.vision.is_windowed:
             raise ValueError("Qwen2_5_VLForConditionalGeneration needs a qwen2_5_vl vision config")
-        super().__init__(config, layer_ops)
+        super().__init__(config, layer_ops, tp, shard_vision)

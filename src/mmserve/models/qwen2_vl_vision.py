@@ -34,6 +34,14 @@ from mmserve.layers.attention.vision import (
     vision_attention,
 )
 from mmserve.layers.norm import RMSNorm
+from mmserve.layers.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    HeadSplit,
+    RowParallelLinear,
+    TPGroup,
+    split_evenly,
+)
 from mmserve.layers.rotary import VisionRotaryEmbedding, apply_rotary
 from mmserve.models.config import VisionConfig
 from mmserve.models.vision_metadata import (
@@ -91,12 +99,22 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, config: VisionConfig) -> None:
+    """Bidirectional attention over segments; with a group (`--mm-encoder-tp-mode weights`) the
+    heads are split: the stacked [q|k|v] column-parallel, `proj` row-parallel (one all-reduce)."""
+
+    def __init__(self, config: VisionConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
+        self.num_heads = split_evenly(config.num_heads, tp, "vision attention heads")
         self.head_dim = config.head_dim
-        self.qkv = nn.Linear(config.embed_dim, 3 * config.embed_dim, bias=True)
-        self.proj = nn.Linear(config.embed_dim, config.embed_dim, bias=True)
+        first = tp.rank * self.num_heads
+        heads = HeadSplit(self.num_heads, first, self.num_heads, first, 1)
+        total = (config.num_heads, config.num_heads)
+        self.qkv = ColumnParallelLinear.qkv(
+            config.embed_dim, self.head_dim, heads, total, None, bias=True, tp=tp
+        )
+        self.proj = RowParallelLinear(
+            config.embed_dim, config.embed_dim, bias=True, tp=tp, what="vision embed_dim"
+        )
 
     def forward(
         self,
@@ -114,13 +132,25 @@ class VisionAttention(nn.Module):
         return self.proj(out.reshape(n, -1))
 
 
-class VisionMLP(nn.Module):
-    """Qwen2-VL: fc1 -> act -> fc2."""
+def _mlp_in(config: VisionConfig, tp: TPGroup) -> ColumnParallelLinear:
+    return ColumnParallelLinear.split(
+        config.embed_dim, config.mlp_hidden_dim, bias=True, tp=tp, what="vision MLP width"
+    )
 
-    def __init__(self, config: VisionConfig) -> None:
+
+def _mlp_out(config: VisionConfig, tp: TPGroup) -> RowParallelLinear:
+    return RowParallelLinear(
+        config.mlp_hidden_dim, config.embed_dim, bias=True, tp=tp, what="vision MLP width"
+    )
+
+
+class VisionMLP(nn.Module):
+    """Qwen2-VL: fc1 -> act -> fc2 (column- then row-parallel with a group)."""
+
+    def __init__(self, config: VisionConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(config.embed_dim, config.mlp_hidden_dim)
-        self.fc2 = nn.Linear(config.mlp_hidden_dim, config.embed_dim)
+        self.fc1 = _mlp_in(config, tp)
+        self.fc2 = _mlp_out(config, tp)
         self.act = get_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,13 +158,13 @@ class VisionMLP(nn.Module):
 
 
 class VisionGatedMLP(nn.Module):
-    """Qwen2.5-VL: down(act(gate(x)) * up(x)), with biases."""
+    """Qwen2.5-VL: down(act(gate(x)) * up(x)), with biases (gate, up column-parallel)."""
 
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: VisionConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.embed_dim, config.mlp_hidden_dim)
-        self.up_proj = nn.Linear(config.embed_dim, config.mlp_hidden_dim)
-        self.down_proj = nn.Linear(config.mlp_hidden_dim, config.embed_dim)
+        self.gate_proj = _mlp_in(config, tp)
+        self.up_proj = _mlp_in(config, tp)
+        self.down_proj = _mlp_out(config, tp)
         self.act = get_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,12 +176,12 @@ def _norm(config: VisionConfig, dim: int) -> nn.Module:
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: VisionConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.norm1 = _norm(config, config.embed_dim)
         self.norm2 = _norm(config, config.embed_dim)
-        self.attn = VisionAttention(config)
-        self.mlp = VisionGatedMLP(config) if config.is_windowed else VisionMLP(config)
+        self.attn = VisionAttention(config, tp)
+        self.mlp = VisionGatedMLP(config, tp) if config.is_windowed else VisionMLP(config, tp)
 
     def forward(
         self,
@@ -186,16 +216,18 @@ class VisionTransformer(nn.Module):
     """pixel_values [num_patches, C*T*P*P] + grid_thw -> embeddings [num_patches / m^2, out_dim].
 
     `attention`: "varlen" (flash attention over cu_seqlens: CUDA, half precision), "reference"
-    (SDPA per group of equal segments, any device), or "auto" (varlen where it runs).
+    (SDPA per group of equal segments, any device), or "auto" (varlen where it runs). `tp`: the
+    group the blocks' heads and MLPs are split over (`--mm-encoder-tp-mode weights`); the patch
+    embedding and the merger stay whole on every rank.
     """
 
-    def __init__(self, config: VisionConfig, attention: str = "auto") -> None:
+    def __init__(self, config: VisionConfig, attention: str = "auto", tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = config
         self.attention = check_vision_attention(attention)
         self.patch_embed = PatchEmbed(config)
         self.rotary = VisionRotaryEmbedding(config.head_dim, config.rope_theta)
-        self.blocks = nn.ModuleList([VisionBlock(config) for _ in range(config.depth)])
+        self.blocks = nn.ModuleList([VisionBlock(config, tp) for _ in range(config.depth)])
         self.merger = PatchMerger(config)
 
     def uses_varlen(self, device: torch.device | str, dtype: torch.dtype) -> bool:

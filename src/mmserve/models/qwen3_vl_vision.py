@@ -28,6 +28,7 @@ from torch import nn
 
 from mmserve.layers.activation import get_activation
 from mmserve.layers.attention.vision import VisionAttentionMetadata
+from mmserve.layers.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup
 from mmserve.layers.rotary import VisionRotaryEmbedding
 from mmserve.models.config import VisionConfig
 from mmserve.models.qwen2_vl_vision import (
@@ -86,10 +87,16 @@ def position_table_taps(
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, config: VisionConfig) -> None:
+    """linear_fc1 -> act -> linear_fc2 (column- then row-parallel with a group)."""
+
+    def __init__(self, config: VisionConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(config.embed_dim, config.mlp_hidden_dim)
-        self.linear_fc2 = nn.Linear(config.mlp_hidden_dim, config.embed_dim)
+        self.linear_fc1 = ColumnParallelLinear.split(
+            config.embed_dim, config.mlp_hidden_dim, bias=True, tp=tp, what="vision MLP width"
+        )
+        self.linear_fc2 = RowParallelLinear(
+            config.mlp_hidden_dim, config.embed_dim, bias=True, tp=tp, what="vision MLP width"
+        )
         self.act = get_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,12 +104,12 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: VisionConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(config.embed_dim, eps=1e-6)
         self.norm2 = nn.LayerNorm(config.embed_dim, eps=1e-6)
-        self.attn = VisionAttention(config)
-        self.mlp = VisionMLP(config)
+        self.attn = VisionAttention(config, tp)
+        self.mlp = VisionMLP(config, tp)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: VisionAttentionMetadata
@@ -135,10 +142,12 @@ class PatchMerger(nn.Module):
 class Qwen3VisionTransformer(nn.Module):
     """pixel_values [num_patches, C*T*P*P] + grid_thw -> [num_patches / m^2, out_dim * (1 + L)].
 
-    `attention` as in the Qwen2-VL tower ("auto", "reference", "varlen").
+    `attention` as in the Qwen2-VL tower ("auto", "reference", "varlen"); `tp` splits the
+    blocks' heads and MLPs (`--mm-encoder-tp-mode weights`); the patch embedding, position
+    table and mergers (main and DeepStack) stay whole on every rank.
     """
 
-    def __init__(self, config: VisionConfig, attention: str = "auto") -> None:
+    def __init__(self, config: VisionConfig, attention: str = "auto", tp: TPGroup = SINGLE) -> None:
         super().__init__()
         if config.model_type != "qwen3_vl":
             raise ValueError(f"Qwen3VisionTransformer needs a qwen3_vl config, got {config}")
@@ -147,7 +156,7 @@ class Qwen3VisionTransformer(nn.Module):
         self.patch_embed = PatchEmbed(config, bias=True)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.embed_dim)
         self.rotary = VisionRotaryEmbedding(config.head_dim, config.rope_theta)
-        self.blocks = nn.ModuleList([VisionBlock(config) for _ in range(config.depth)])
+        self.blocks = nn.ModuleList([VisionBlock(config, tp) for _ in range(config.depth)])
         self.merger = PatchMerger(config, postshuffle_norm=False)
         self.deepstack_merger_list = nn.ModuleList(
             [PatchMerger(config, postshuffle_norm=True) for _ in config.deepstack_visual_indexes]

@@ -33,6 +33,7 @@ from mmserve.execution.graphs.decode import CUDA_GRAPH_RESERVE_BYTES
 from mmserve.execution.memory.device import DeviceMemory, MemorySnapshot
 from mmserve.execution.memory.profile import MemoryFigures, ProfileShape, profile_memory
 from mmserve.layers.attention import AttentionBackend
+from mmserve.layers.parallel import SINGLE, TPGroup
 from mmserve.models.config import ModelConfig
 
 __all__ = ["CUDA_GRAPH_RESERVE_BYTES", "GpuProfile", "profiled_kv_budget", "size_kv_cache"]
@@ -122,8 +123,9 @@ def size_kv_cache(
 
 @dataclass(frozen=True)
 class GpuProfile:
-    """What the profile run needs: the loaded model, its attention, the largest step, and the
-    device snapshot taken before the weights were loaded."""
+    """What the profile run needs: the loaded model, its attention, the largest step, the
+    device snapshot taken before the weights were loaded, and the rank's tensor-parallel group
+    (its dummy KV cache holds its KV heads; every rank of a group runs the profile together)."""
 
     model: nn.Module
     model_config: ModelConfig
@@ -132,6 +134,7 @@ class GpuProfile:
     at_start: MemorySnapshot
     device: torch.device
     dtype: torch.dtype
+    tp: TPGroup = SINGLE
 
 
 def profiled_kv_budget(
@@ -155,6 +158,7 @@ def profiled_kv_budget(
         gpu.at_start,
         device=gpu.device,
         dtype=gpu.dtype,
+        tp=gpu.tp,
     )
     logger.info(
         "profile run on %s: ViT on grids %s, LM over %s new tokens, its head and the sampler "

@@ -16,6 +16,7 @@ from mmserve.execution.sample.sampler import make_device_generator
 from mmserve.execution.sample.step import sample_step
 from mmserve.grid import grid_num_patches
 from mmserve.layers.attention import AttentionBackend
+from mmserve.layers.parallel import SINGLE, TPGroup
 from mmserve.models.config import ModelConfig
 from mmserve.models.kv_cache import allocate_kv_caches
 from mmserve.sampling_params import SamplingParams
@@ -95,16 +96,18 @@ def profile_memory(
     *,
     device: torch.device,
     dtype: torch.dtype,
+    tp: TPGroup = SINGLE,
 ) -> MemoryFigures:
     """Run the ViT and the LM once at their budgets and read the device's figures.
 
     `at_start` is the snapshot taken before the weights were loaded. The LM attends over a
     dummy KV cache of one block per layer that every block table entry points at: its values
-    do not matter, and the real pool's memory is what this run decides.
+    do not matter, and the real pool's memory is what this run decides. `tp`: the rank's group
+    (the dummy cache holds its KV heads; the model's collectives run with the other ranks').
     """
     memory.synchronize()
     weights_bytes = memory.allocated_bytes()
-    kv_caches = allocate_kv_caches(model_config, 1, shape.block_size, device, dtype)
+    kv_caches = allocate_kv_caches(model_config, 1, shape.block_size, device, dtype, tp)
     live_before_bytes = memory.allocated_bytes()
     memory.reset_peak()
     merge = model_config.spatial_merge_size
