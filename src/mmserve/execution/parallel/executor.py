@@ -211,6 +211,9 @@ class MultiprocExecutor:
         except WireError as exc:
             self._die(f"a worker sent a malformed message: {exc}")
         if isinstance(msg, WorkerFailed):
+            # NOTE: when a rank dies, the others' collectives fail with it and they report
+            # first: a rank whose process is gone is the cause, so it is named.
+            self._check_processes()
             self._die(f"tensor-parallel rank {msg.rank} failed: {msg.reason}")
         return msg
 
