@@ -6,7 +6,8 @@ the fused layer ops against torch's, random 2B/7B-shaped checkpoints, decode ms/
 1/8/64 against the weight-read limit (once per attention backend), the same for a random
 Qwen3-VL checkpoint at 8B's language-model shape (suite/qwen3_vl.py), greedy
 parity with transformers, compare_hf.py at 7B shape, CUDA graphs against eager, torch.compile
-against eager (ViT and decode steps, 2B-wide layers, paired A/B: suite/compile_ab.py), every
+against eager (ViT and decode steps, 2B-wide layers, paired A/B: suite/compile_ab.py), decode
+throughput at TP=1 and (two GPUs) TP=2 (suite/tensor_parallel.py), every
 gpu-marked test (tests/models/test_gpu.py and others) in the time left, and a summary of the
 issue's goals. Each section is timed and guarded: one that fails
 records its error and the next runs; sections that no longer fit the time budget are skipped
@@ -60,6 +61,7 @@ SECTIONS = (
     "compare_hf",
     "graphs",
     "compile",
+    "tensor_parallel",
     "gpu_tests",
 )
 
@@ -219,6 +221,13 @@ def section_compile(run: Run) -> dict[str, Any]:
     from benchmarks.suite.compile_ab import compile_section
 
     return compile_section(run.profile)
+
+
+def section_tensor_parallel(run: Run) -> dict[str, Any]:
+    from benchmarks.suite.tensor_parallel import measure_tensor_parallel
+
+    model_dir, _ = run.checkpoint("qwen2_vl_2b")
+    return measure_tensor_parallel(run.profile, model_dir)
 
 
 def section_gpu_tests(run: Run) -> dict[str, Any]:

@@ -35,6 +35,7 @@ FOUNDATION = frozenset(
         "routing",  # rendezvous hashing bounded by load: encoder pools (and replicas)
         "sampling_params",
         "serve_flags",
+        "scheduling.outputs",  # the step and its answer: the executor's wire (wire/executor)
         "structured_output.params",  # a value type carried by SamplingParams
         "updates",  # RequestUpdate, Logprobs, RequestStatus: what a step did to a request
         "wire",

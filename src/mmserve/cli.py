@@ -80,6 +80,10 @@ def main(
     except ValueError as exc:  # ModelNotFoundError included
         args.subparser.error(str(exc))
     _log_vllm_flags(engine_config)
+    if engine_config.parallel.headless:  # this node runs tensor-parallel ranks, no server
+        from mmserve.engine.core.headless import run_headless
+
+        return run_headless(engine_config, server_config.log_level.upper())
     return serve(engine_config, server_config, build_engine)
 
 

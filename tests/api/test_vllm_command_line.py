@@ -46,7 +46,7 @@ def test_vllm_flags_reach_their_fields() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--tensor-parallel-size", "2"], "runs a model on one device"),
+        (["--distributed-executor-backend", "ray"], "mmserve has no Ray executor"),
         (["-pp", "4"], "--pipeline-parallel-size 4"),
         (["-tp", "0"], "--tensor-parallel-size must be a positive integer"),
         (["--gpu-memory-utilization", "1.5"], r"in \(0, 1\]; got 1.5"),
@@ -77,8 +77,8 @@ def run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.Complet
 
 
 def test_start_up_refusals_exit_2_with_the_reason(tmp_path: Path) -> None:
-    proc = run_cli(bundled_toy_model_dir(), "--tensor-parallel-size", "2")
-    assert proc.returncode == 2 and "does not split it across devices yet" in proc.stderr
+    proc = run_cli(bundled_toy_model_dir(), "--pipeline-parallel-size", "2")
+    assert proc.returncode == 2 and "does not run pipeline stages" in proc.stderr
     env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
     proc = run_cli(bundled_toy_model_dir(), "--generation-config", str(tmp_path / "nothing"))

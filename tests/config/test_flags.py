@@ -9,10 +9,10 @@ import re
 import pytest
 
 from mmserve.cli import build_parser
-from mmserve.config.device import ParallelConfig
 from mmserve.config.engine import EngineConfig, keyword_owners, section_types
 from mmserve.config.flags import FLAG_KEY, field_default, flag_fields
 from mmserve.config.media import MediaConfig
+from mmserve.config.parallel import ParallelConfig
 from mmserve.config.server import ServerConfig
 from mmserve.disaggregation.encode_args import ENCODE_MEDIA_TOPICS, EncodeServerConfig
 
@@ -133,12 +133,12 @@ def test_the_engine_process_gets_no_server_setting() -> None:
     assert field_default(dataclasses.fields(ServerConfig)[0]) == "127.0.0.1"
 
 
-@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+@pytest.mark.parametrize("flag", ["--pipeline-parallel-size"])
 def test_parallel_sizes_above_one_are_refused_not_ignored(flag: str) -> None:
     from tests.support.config_args import args_of
 
     assert args_of(flag, "1").engine.parallel == ParallelConfig()
-    with pytest.raises(ValueError, match="does not split it across devices yet"):
+    with pytest.raises(ValueError, match="does not run pipeline stages yet"):
         args_of(flag, "2")
     with pytest.raises(ValueError, match="must be a positive integer"):
         ParallelConfig(data_parallel_size=0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import numpy as np
 
@@ -24,6 +26,7 @@ from mmserve.wire import (
     Message,
 )
 from tests.support.factory import CLIP_NORMALIZATION, CLIP_VIDEO_NORMALIZATION, uint8_patches
+from tests.wire.executor_samples import executor_messages
 
 PATCH_DIM = 1176  # C * T * P * P of Qwen2-VL: 3 * 2 * 14 * 14
 
@@ -251,6 +254,7 @@ def all_messages() -> list[tuple[str, Message]]:
             ),
         ),
     ]
+    messages += executor_messages(engine_core_request(2), remote_items_request(), logprobs)
     assert {type(m) for _, m in messages} == set(MESSAGE_TAGS), "a message type has no sample"
     return messages
 
@@ -261,6 +265,9 @@ def assert_same(a: object, b: object, path: str = "$") -> None:
     if isinstance(a, msgspec.Struct):
         for name in a.__struct_fields__:
             assert_same(getattr(a, name), getattr(b, name), f"{path}.{name}")
+    elif dataclasses.is_dataclass(a):  # the step and its answer (scheduling/outputs.py)
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
     elif isinstance(a, np.ndarray):
         assert (a.dtype, a.shape) == (b.dtype, b.shape), (
             f"{path}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"

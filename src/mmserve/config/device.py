@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from mmserve.config.flags import check_choice, flag
@@ -130,95 +129,6 @@ class DeviceConfig:
     def runs_eager(self) -> bool:
         """No CUDA graphs: --enforce-eager, or -O0 (vLLM's "no compilation, no cudagraphs")."""
         return self.enforce_eager or self.optimization_level == 0
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """How the engine is laid out over processes and devices: one device per engine core, the
-    core in this process or in an engine process of its own, and `data_parallel_size` engine
-    processes (replicas, routed by content: docs/data_parallel.md) behind one front end."""
-
-    tensor_parallel_size: int = flag(
-        1,
-        type=int,
-        group=DEVICE,
-        aliases=("-tp",),
-        help="Devices to split the model over; mmserve runs on one device ({default}), larger "
-        "values are refused at start-up.",
-    )
-    pipeline_parallel_size: int = flag(
-        1,
-        type=int,
-        group=DEVICE,
-        aliases=("-pp",),
-        help="Pipeline stages; {default} (larger values are refused at start-up).",
-    )
-    data_parallel_size: int = flag(
-        1,
-        type=int,
-        group=DEVICE,
-        aliases=("-dp",),
-        help="Engine replicas behind this server, each an engine process with the whole model "
-        "on a device of its own (CUDA: device i for replica i; CPU: the cores split between "
-        "them). A request goes to the replica its first item's identity (or its prompt's "
-        "first block) ranks first, unless that replica is over the load bound "
-        "(--data-parallel-load-slack). Default {default}.",
-    )
-    # epsilon of the load bound: a replica carrying more than (1 + epsilon) x the mean number
-    # of unfinished requests (counting the new one) is passed over (docs/data_parallel.md).
-    data_parallel_load_slack: float = flag(
-        0.5,
-        type=float,
-        group=DEVICE,
-        help="With --data-parallel-size > 1: a replica is passed over while it has more than "
-        "(1 + this) x the mean number of unfinished requests per replica, the new one counted. "
-        "Smaller balances more tightly and encodes a repeated picture on more replicas. "
-        "Default {default}.",
-    )
-    # The scheduler and the model in an engine process of their own (issue #14). None: the
-    # entry point's default (the server: yes; the offline LLM: no, unless data-parallel).
-    multiprocess: bool | None = flag(
-        None,
-        action=argparse.BooleanOptionalAction,
-        group=DEVICE,
-        help="Run the scheduler and the model in an engine process, apart from the HTTP server "
-        "and its media processing (default on for `serve`). --no-multiprocess keeps one process "
-        "(and one replica: --data-parallel-size > 1 needs engine processes).",
-    )
-
-    def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-            value = getattr(self, name)
-            flag_name = "--" + name.replace("_", "-")
-            if not _is_positive_int(value):
-                raise ValueError(f"{flag_name} must be a positive integer, got {value!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            value = getattr(self, name)
-            flag_name = "--" + name.replace("_", "-")
-            if value > 1:
-                raise ValueError(
-                    f"{flag_name} {value}: mmserve runs a model on one device and does not "
-                    f"split it across devices yet; use {flag_name} 1 (a Qwen2-VL-7B in "
-                    "bfloat16 needs ~17 GiB plus KV cache, one 24 GiB+ GPU)"
-                )
-        slack = self.data_parallel_load_slack
-        if isinstance(slack, bool) or not isinstance(slack, int | float) or not slack >= 0:
-            raise ValueError(
-                "--data-parallel-load-slack is the epsilon of the load bound (a replica over "
-                f"(1 + epsilon) x the mean load is passed over), a number >= 0; got {slack!r}"
-            )
-        if self.data_parallel_size > 1 and self.multiprocess is False:
-            raise ValueError(
-                f"--data-parallel-size {self.data_parallel_size} runs one engine process per "
-                "replica, but --no-multiprocess (multiprocess=False) keeps the engine in this "
-                "process; drop --no-multiprocess, or use --data-parallel-size 1"
-            )
-
-    @property
-    def uses_engine_processes(self) -> bool:
-        """Whether the engine core(s) run in engine processes: asked for, or implied by more
-        than one replica (the offline LLM's default is in-process)."""
-        return bool(self.multiprocess) or self.data_parallel_size > 1
 
 
 def _is_positive_int(value: object) -> bool:

@@ -8,11 +8,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmserve.config.device import DeviceConfig, ParallelConfig
+from mmserve.config.device import DeviceConfig
 from mmserve.config.flags import flag_fields, flag_values, values_from
 from mmserve.config.media import MediaConfig
 from mmserve.config.model import CheckpointConfig
 from mmserve.config.multimodal import MultimodalConfig
+from mmserve.config.parallel import ParallelConfig
 from mmserve.config.pool import EncoderPoolConfig
 from mmserve.config.scheduler import CacheConfig, SchedulerConfig
 from mmserve.config.server import ServerConfig

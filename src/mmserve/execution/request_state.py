@@ -7,26 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmserve.multimodal import MultiModalFeature
-from mmserve.sampling_params import SamplingParams
+from mmserve.scheduling.outputs import RunnerPayload
 from mmserve.updates import Logprobs
-
-
-@dataclass(frozen=True)
-class RunnerPayload:
-    """Attached to a scheduler Request by the engine and handed to the runner unread.
-
-    Plain data: a seeded request's draws are keyed by its seed and output position
-    (`sample.noise.seeded_keys`), so no random state lives here or anywhere.
-    """
-
-    sampling_params: SamplingParams
-    mrope_positions: np.ndarray  # [3, num_prompt_tokens] int64
-    mrope_position_delta: int
-    eos_token_ids: tuple[int, ...]
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return int(self.mrope_positions.shape[1])
 
 
 @dataclass(slots=True)

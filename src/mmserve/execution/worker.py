@@ -85,8 +85,8 @@ class WorkerConfig:
     enable_encoder_cuda_graph: bool = False
     # torch.compile (-O1..-O3) and where inductor keeps its artefacts; None: eager
     compile_cache_dir: Path | None = None
-    # tensor parallelism: "data" (a replicated vision tower, the step's items split across the
-    # ranks) or "weights" (a sharded one); see execution/encoder/step.py
+    # tensor parallelism (--mm-encoder-tp-mode): "data" (a replicated vision tower, the step's
+    # items split across the ranks) or "weights" (a sharded one); see execution/encoder/step.py
     mm_encoder_tp_mode: str = "data"
 
     @property
@@ -180,6 +180,7 @@ class Worker:
             dtype=cfg.dtype,
             layer_ops=layer_ops,
             tp=self.tp,
+            # --mm-encoder-tp-mode weights: the tower sharded too (data: replicated)
             shard_vision=self.tp.size > 1 and cfg.mm_encoder_tp_mode == "weights",
         )
         return backend, layer_ops, model, model_config, at_start

@@ -10,6 +10,7 @@ import numpy as np
 from mmserve.errors import RequestFailure
 from mmserve.metrics import SchedulerStats
 from mmserve.multimodal import MultiModalFeature
+from mmserve.sampling_params import SamplingParams
 from mmserve.updates import Logprobs
 
 __all__ = [
@@ -17,9 +18,28 @@ __all__ = [
     "GrammarOutput",
     "ModelRunnerOutput",
     "NewRequestData",
+    "RunnerPayload",
     "SchedulerOutput",
     "SchedulerStats",  # defined beside the metric names it carries (mmserve.metrics)
 ]
+
+
+@dataclass(frozen=True)
+class RunnerPayload:
+    """Attached to a scheduler Request by the engine and handed to the runner unread.
+
+    Plain data: a seeded request's draws are keyed by its seed and output position
+    (`sample.noise.seeded_keys`), so no random state lives here or anywhere.
+    """
+
+    sampling_params: SamplingParams
+    mrope_positions: np.ndarray  # [3, num_prompt_tokens] int64
+    mrope_position_delta: int
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self.mrope_positions.shape[1])
 
 
 @dataclass(frozen=True)
@@ -35,7 +55,7 @@ class NewRequestData:
     mm_features: list[MultiModalFeature]
     block_ids: list[int]
     num_computed_tokens: int
-    payload: object
+    payload: RunnerPayload | None  # None only in tests that run no model
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,15 @@ from mmserve.wire.engine_core import (
     EngineCoreShutdown,
     EngineDead,
 )
+from mmserve.wire.executor import (
+    WorkerAddItems,
+    WorkerFailed,
+    WorkerFreeItems,
+    WorkerReady,
+    WorkerShutdown,
+    WorkerStep,
+    WorkerStepDone,
+)
 
 MAGIC = 0xB5  # any other first byte is not ours
 VERSION = 5  # 5: EncoderInput carries uint8 levels and their PixelNormalization
@@ -42,11 +51,19 @@ Message = (
     | EngineCoreOutputs
     | EngineDead
     | EngineCoreReady
+    | WorkerAddItems
+    | WorkerFreeItems
+    | WorkerStep
+    | WorkerShutdown
+    | WorkerReady
+    | WorkerStepDone
+    | WorkerFailed
 )
 Frame = bytes | bytearray | memoryview
 
 # Tags group by direction: 1.. API -> engine core, 16.. engine core -> API (17 was the stats
-# of an older version: they ride in EngineCoreOutputs).
+# of an older version: they ride in EngineCoreOutputs), 32.. executor -> tensor-parallel
+# workers, 48.. workers -> executor.
 MESSAGE_TAGS: MappingProxyType[type, int] = MappingProxyType(
     {
         EngineCoreRequest: 1,
@@ -55,6 +72,13 @@ MESSAGE_TAGS: MappingProxyType[type, int] = MappingProxyType(
         EngineCoreOutputs: 16,
         EngineDead: 18,
         EngineCoreReady: 19,
+        WorkerAddItems: 32,
+        WorkerFreeItems: 33,
+        WorkerStep: 34,
+        WorkerShutdown: 35,
+        WorkerReady: 48,
+        WorkerStepDone: 49,
+        WorkerFailed: 50,
     }
 )
 _TYPES_BY_TAG = MappingProxyType({tag: t for t, tag in MESSAGE_TAGS.items()})

@@ -229,6 +229,15 @@ class EngineCore:
         status = RequestStatus.FINISHED_ERROR
         return [RequestUpdate(i, [], status, error=failure) for i in request_ids]
 
+    def check_health(self) -> None:
+        """While idle: EngineDeadError when the executor can no longer compute (a worker
+        process that died between steps), so the server learns of it before the next request."""
+        self._raise_if_dead()
+        try:
+            self.executor.check_health()
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the core cannot go on
+            self._declare_dead(exc)
+
     def shutdown(self) -> None:
         self.executor.shutdown()
 

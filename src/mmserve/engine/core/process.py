@@ -81,9 +81,10 @@ class CoreLoop:
                 if not keep_going:
                     logger.info("shutdown requested; the engine core stops")
                     return 0
-            if not core.has_unfinished_requests():
-                continue
             try:
+                if not core.has_unfinished_requests():
+                    core.check_health()  # a TP worker may die while nothing runs
+                    continue
                 updates = core.step()
             except EngineDeadError as exc:
                 self._send(EngineDead(exc.reason))

@@ -23,14 +23,13 @@ from collections.abc import Sequence
 
 import torch
 
+from mmserve.config.parallel import MM_ENCODER_TP_MODES
 from mmserve.errors import FailureKind, RequestFailure
 from mmserve.execution.encoder.cache import EncoderCache
 from mmserve.execution.encoder.runner import EncodeJob, EncoderRunner
 from mmserve.layers.parallel import SINGLE, TPGroup
 
 logger = logging.getLogger(__name__)
-
-MM_ENCODER_TP_MODES = ("data", "weights")
 
 
 def split_by_patches(jobs: Sequence[EncodeJob], size: int) -> list[list[EncodeJob]]:

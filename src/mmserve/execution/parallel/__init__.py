@@ -1,0 +1,1 @@
+"""Tensor parallelism across processes: the executor, its ranks' processes and their meeting."""
