@@ -156,11 +156,17 @@ class ParallelConfig:
                 "pipeline stages yet; use --pipeline-parallel-size 1 (--tensor-parallel-size "
                 "splits a model over devices)"
             )
-        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+        if (
+            self.data_parallel_size > 1
+            and self.tensor_parallel_size > 1
+            and (self.nnodes > 1 or self.master_port is not None)
+        ):
+            # Replicas of a tensor-parallel model run on this node, each group's rendezvous on
+            # a port of its own picked at start-up: one --master-port cannot serve them all.
             raise ValueError(
                 f"--data-parallel-size {self.data_parallel_size} with --tensor-parallel-size "
-                f"{self.tensor_parallel_size}: replicas of a tensor-parallel model are not "
-                "built yet; use one of the two"
+                f"{self.tensor_parallel_size} runs every replica's ranks on this node, each "
+                "group on free ports picked at start-up; drop --nnodes and --master-port"
             )
         slack = self.data_parallel_load_slack
         if isinstance(slack, bool) or not isinstance(slack, int | float) or not slack >= 0:

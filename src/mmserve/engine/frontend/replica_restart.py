@@ -1,8 +1,9 @@
 """Starting data-parallel replicas: their devices, the start-up log, and restarting a lost one.
 
-Each replica is an engine process (`CoreClient.start`) with the whole model. On CUDA replica i
-sees one device, the i-th visible GPU, through CUDA_VISIBLE_DEVICES; on the CPU they share the
-cores (each engine process takes its share of intra-op threads: `engine.core.process`).
+Each replica is an engine process (`CoreClient.start`) with the whole model, or with
+`--tensor-parallel-size` ranks of its own. On CUDA replica i sees its devices (the i-th visible
+GPU, or the i-th group of N) through CUDA_VISIBLE_DEVICES; on the CPU they share the cores
+(each engine process, or each rank, takes its share of intra-op threads).
 """
 
 from __future__ import annotations
@@ -35,21 +36,31 @@ class StartedReplica(NamedTuple):
 
 
 def replica_env(config: EngineConfig, index: int) -> dict[str, str]:
-    """The environment replica `index`'s engine process gets on top of this one's: on a GPU
-    (`--device cuda` or `auto`), CUDA_VISIBLE_DEVICES naming one device, the index-th of
-    those this process may use."""
+    """The environment replica `index`'s engine process gets on top of this one's.
+
+    On a GPU (`--device cuda` or `auto`): CUDA_VISIBLE_DEVICES naming the replica's devices,
+    `--tensor-parallel-size` of them (one without it), the index-th group of those this process
+    may use. On the CPU with tensor-parallel replicas: OMP_NUM_THREADS sharing the cores left
+    to the engines (one stays with the API process) between every rank of every replica.
+    """
+    tp = config.parallel.tensor_parallel_size
     if config.device.device == "cpu":
-        return {}
+        if tp == 1 or "OMP_NUM_THREADS" in os.environ:
+            return {}  # the engine process splits the cores itself (engine.core.process)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        ranks = config.parallel.data_parallel_size * tp
+        return {"OMP_NUM_THREADS": str(max(1, ((cpus or 1) - 1) // ranks))}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
-        return {"CUDA_VISIBLE_DEVICES": str(index)}
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(index * tp + r) for r in range(tp))}
     ids = [v.strip() for v in visible.split(",") if v.strip()]
-    if index >= len(ids):
+    needed = config.parallel.data_parallel_size * tp
+    if len(ids) < needed:
         raise ValueError(
-            f"--data-parallel-size {config.parallel.data_parallel_size} needs one GPU per "
-            f"replica, but CUDA_VISIBLE_DEVICES={visible!r} names {len(ids)}"
+            f"--data-parallel-size {config.parallel.data_parallel_size} needs {tp} GPU(s) per "
+            f"replica ({needed} in all), but CUDA_VISIBLE_DEVICES={visible!r} names {len(ids)}"
         )
-    return {"CUDA_VISIBLE_DEVICES": ids[index]}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[index * tp : (index + 1) * tp])}
 
 
 def start_replica(config: EngineConfig, index: int, metrics: EngineMetrics) -> StartedReplica:
@@ -58,7 +69,7 @@ def start_replica(config: EngineConfig, index: int, metrics: EngineMetrics) -> S
     env = replica_env(config, index)
     client, resolved = CoreClient.start(config, metrics, env=env)
     device = resolved.device
-    if env and device.startswith("cuda"):  # the process sees its one GPU as cuda:0
+    if "CUDA_VISIBLE_DEVICES" in env and device.startswith("cuda"):  # its GPUs from cuda:0
         device = f"cuda:{env['CUDA_VISIBLE_DEVICES']} ({device} in its process)"
     return StartedReplica(index, device, client, metrics, resolved)
 
