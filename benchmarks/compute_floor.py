@@ -118,7 +118,8 @@ def measure_floor(args: FloorArgs) -> dict:
     from mmserve.engine.factory import build_engine
 
     threads = engine_threads()
-    torch.set_num_threads(threads)
+    callers_threads = torch.get_num_threads()  # restored below: a caller's process (a test) is
+    torch.set_num_threads(threads)  # not left with the engine's thread count
     engine, _resolved = build_engine(engine_config(args))
     try:
         core, processor = engine.core, engine.input_processor
@@ -136,6 +137,7 @@ def measure_floor(args: FloorArgs) -> dict:
             loop_cpu_s = time.process_time() - started_cpu
     finally:
         engine.shutdown()
+        torch.set_num_threads(callers_threads)
     steps = clock.steps
     phases_s = {p: sum(s.phases_s[p] for s in steps) for p in PHASES}
     phases_cpu_s = {p: sum(s.phases_cpu_s[p] for s in steps) for p in PHASES}

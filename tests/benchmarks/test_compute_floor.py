@@ -70,6 +70,7 @@ def test_repeated_images_are_encoded_once(
     assert repeated["vit_items"] == 4 and fresh["vit_items"] == 8
 
 
+@pytest.mark.slow  # a whole server for a benchmark's reporting; the floor itself runs above
 def test_serve_runs_the_same_requests_and_splits_cpu_by_process(
     compute_floor: ModuleType, qwen2_vl_dir: Path, tmp_path: Path
 ) -> None:
