@@ -18,6 +18,8 @@ leaves what it measured.
     python benchmarks/gpu_suite.py --smoke --out /tmp/smoke.json        # CPU, tiny, seconds
     python benchmarks/gpu_suite.py --sections environment,peaks,vit_q3,decode_q3 \
         --out $OUT/gpu_suite_q3.json                                    # the Qwen3-VL-8B rows
+    python benchmarks/gpu_suite.py --sections environment,checkpoints,parity --fp32-parity \
+        --out $OUT/parity.json        # is a bf16 divergence at 7B rounding? (fp32 both sides)
     python benchmarks/gpu_suite.py --report gpu_suite.json   # Markdown for benchmarks/RESULTS.md
 """
 
@@ -292,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, help="total time budget (default: the profile's)")
     ap.add_argument("--sections", help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--work-dir", type=Path, help="where checkpoints go (default: a temp dir)")
+    ap.add_argument(
+        "--fp32-parity",
+        action="store_true",
+        help="also check bf16 against float32 on the largest checkpoints (7B: ~90 s more)",
+    )
     args = ap.parse_args(argv)
     if args.report:
         from benchmarks.suite.report import render_markdown
@@ -304,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     profile = SMOKE if args.smoke else GPU
     if args.budget_s is not None:
         profile = dataclasses.replace(profile, budget_s=args.budget_s)
+    if args.fp32_parity:
+        specs = tuple(dataclasses.replace(c, check_fp32=True) for c in profile.checkpoints)
+        profile = dataclasses.replace(profile, checkpoints=specs)
     if not profile.smoke:
         import torch
 

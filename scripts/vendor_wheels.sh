@@ -12,6 +12,10 @@
 #   numpy                        transformers requires it, so it is there (16 MB per Python)
 #   matplotlib                   only `mmserve bench` plots import it, never the suite
 # pytest and pytest-timeout are added: the suite runs tests/models/test_gpu.py as one section.
+# Wheels of packages the GPU image already ships at versions that satisfy pyproject.toml
+# (PREINSTALLED) are deleted after the download: they stay in requirements.txt, pip finds them
+# installed there, and without them .whl fits the device's 64 MiB carry limit with the tree
+# (av alone is 34 MB). Set PREINSTALLED="" to keep every wheel for a machine without them.
 #
 #   bash scripts/vendor_wheels.sh            # Python 3.11, 3.12 and 3.13
 #   PYTHONS="3.12" bash scripts/vendor_wheels.sh
@@ -24,6 +28,7 @@ DEST="${DEST:-$REPO/.whl}"
 PYTHONS="${PYTHONS:-3.11 3.12 3.13}"
 EXCLUDE="torch triton transformers numpy matplotlib"
 EXTRA="pytest pytest-timeout"
+PREINSTALLED="${PREINSTALLED-pillow tokenizers huggingface_hub hf_xet pyyaml pygments pytest pluggy iniconfig}"
 
 requirements() {
     "$PY" - "$REPO/pyproject.toml" "$EXCLUDE" "$EXTRA" <<'PYEOF'
@@ -55,4 +60,7 @@ for version in $PYTHONS; do
 done
 # numpy is a dependency of nothing listed; if a resolver ever pulls it in, drop it again.
 rm -f "$DEST"/numpy-*.whl
+for name in $PREINSTALLED; do
+    rm -f "$DEST/$name"-*.whl
+done
 echo "$(ls "$DEST"/*.whl | wc -l) wheels, $(du -sh "$DEST" | cut -f1) in $DEST"

@@ -51,13 +51,46 @@ def mmserve_tokens(profile: Profile, model_dir: Path, dtype: str) -> list[list[i
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def hf_tokens(profile: Profile, model_dir: Path, dtype: str) -> list[list[int]]:
+def hf_tokens(
+    profile: Profile, model_dir: Path, dtype: str, ours: list[list[int]] | None = None
+) -> tuple[list[list[int]], list[dict[str, Any] | None]]:
+    """transformers' greedy tokens per prompt and, where `ours` diverges from them, its margins
+    there (`divergence_margin`)."""
     oracle = HFOracle(model_dir, dtype=getattr(torch, dtype), device=profile.device)
     try:
-        return [oracle.greedy(p, imgs, profile.parity_tokens) for p, imgs in _requests()]
+        requests = _requests()
+        theirs = [oracle.greedy(p, imgs, profile.parity_tokens) for p, imgs in requests]
+        margins: list[dict[str, Any] | None] = []
+        for (prompt, imgs), a, b in zip(requests, ours or [], theirs, strict=False):
+            i = first_divergence(a, b)
+            margins.append(
+                None if i is None else divergence_margin(oracle, prompt, imgs, b[:i], a[i], b[i])
+            )
+        return theirs, margins
     finally:
         del oracle
         release_memory(profile.device)
+
+
+def divergence_margin(
+    oracle: HFOracle, prompt: str, images: list, prefix: list[int], ours: int, theirs: int
+) -> dict[str, Any]:
+    """How far apart the two tokens are in transformers' own logits at the first divergence:
+    a gap of a few units in the last place of the top logit's dtype is a near-tie that rounding
+    decides (random weights give flat logits), a wide gap is a bug in one of the two."""
+    logits = oracle.next_logits(prompt, images, prefix)
+    top = float(logits.max())
+    ulp = 2.0 ** (torch.floor(torch.log2(torch.tensor(abs(top) or 1.0))).item() - 7)  # bf16
+    gap = float(logits[theirs] - logits[ours])
+    return {
+        "index": len(prefix),
+        "top_logit": top,
+        "gap_theirs_minus_ours": gap,
+        "bf16_ulp_at_top": ulp,
+        "gap_in_bf16_ulps": gap / ulp,
+        "logit_std": float(logits.std()),
+        "ours_rank": int((logits > logits[ours]).sum()),
+    }
 
 
 def _agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
@@ -70,7 +103,7 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
 
 def check_parity(profile: Profile, spec: CheckpointSpec, model_dir: Path) -> dict[str, Any]:
     ours = mmserve_tokens(profile, model_dir, profile.dtype)
-    theirs = hf_tokens(profile, model_dir, profile.dtype)
+    theirs, margins = hf_tokens(profile, model_dir, profile.dtype, ours)
     result: dict[str, Any] = {
         "dtype": profile.dtype,
         "tokens_compared": profile.parity_tokens,
@@ -78,6 +111,7 @@ def check_parity(profile: Profile, spec: CheckpointSpec, model_dir: Path) -> dic
             ("image " if size else "text ") + p.split("user\n")[1][:40] for p, size in PROMPTS
         ],
         "mmserve_vs_transformers": _agreement(ours, theirs),
+        "divergence_margins": margins,  # per prompt, in transformers' logits; None: identical
         "mmserve_tokens": ours,
         "transformers_tokens": theirs,
     }
@@ -92,12 +126,16 @@ def check_parity(profile: Profile, spec: CheckpointSpec, model_dir: Path) -> dic
     ours_fp32 = (
         ours if profile.dtype == "float32" else mmserve_tokens(profile, model_dir, "float32")
     )
-    theirs_low = theirs if profile.dtype == low else hf_tokens(profile, model_dir, low)
-    theirs_fp32 = theirs if profile.dtype == "float32" else hf_tokens(profile, model_dir, "float32")
+    theirs_low = theirs if profile.dtype == low else hf_tokens(profile, model_dir, low)[0]
+    theirs_fp32 = (
+        theirs if profile.dtype == "float32" else hf_tokens(profile, model_dir, "float32")[0]
+    )
     # transformers' own bf16-vs-fp32 agreement is the baseline: random weights give flat logits,
     # so an early divergence in both is rounding, one in mmserve alone is a bug.
     result["bf16_vs_fp32"] = {
         "mmserve": _agreement(ours_low, ours_fp32),
         "transformers": _agreement(theirs_low, theirs_fp32),
+        # The decisive check where bf16 diverges: in float32 the two must still agree.
+        "mmserve_vs_transformers_fp32": _agreement(ours_fp32, theirs_fp32),
     }
     return result

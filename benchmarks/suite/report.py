@@ -70,6 +70,19 @@ def _figure_lines(results: dict[str, Any]) -> list[str]:
                 f"attention): {_fmt(r['ms'])} ms, "
                 f"{_fmt(r['tflops'], 1)} TFLOP/s = {_fmt(r.get('pct_of_gemm_peak'), 1)}% of peak"
             )
+    for name, entry in (_ok(results, "parity") or {}).items():
+        for prompt, margin in zip(
+            entry["prompts"], entry.get("divergence_margins") or [], strict=False
+        ):
+            if margin:
+                lines.append(
+                    f"- Parity {name} ({prompt.split()[0]} prompt) diverges at token "
+                    f"{margin['index']}: in transformers' logits its token leads ours by "
+                    f"{_fmt(margin['gap_theirs_minus_ours'], 3)} "
+                    f"({_fmt(margin['gap_in_bf16_ulps'], 1)} bf16 ulps of the top logit "
+                    f"{_fmt(margin['top_logit'])}); ours ranks "
+                    f"{margin['ours_rank']}"
+                )
     layer_ops = _ok(results, "layer_ops")
     if layer_ops:
         cells = [

@@ -150,6 +150,8 @@ def test_parity_in_float32_is_exact_on_every_checkpoint(smoke: dict) -> None:
         assert entry["mmserve_vs_transformers"]["identical"], (name, entry)
         assert all(len(t) == SMOKE.parity_tokens for t in entry["mmserve_tokens"])
     assert "mmserve" in parity["toy"]["bf16_vs_fp32"]
+    assert parity["toy"]["bf16_vs_fp32"]["mmserve_vs_transformers_fp32"]["identical"]
+    assert parity["toy"]["divergence_margins"] == [None, None]  # none where the tokens agree
     assert "skipped" in parity["qwen2_vl_7b"]["bf16_vs_fp32"]
 
 

@@ -67,3 +67,13 @@ def test_same_prompt_twice_hits_the_caches_and_answers_the_same(diverse_checkpoi
     counters = llm.engine.metrics.snapshot().counters
     assert counters["encoder_items_encoded"] == 2  # the second request re-encoded nothing
     assert counters["prefix_cache_hits"] >= len(first.prompt_token_ids) - 16
+
+
+def test_the_oracles_teacher_forced_logits_pick_its_own_greedy_tokens(oracle):
+    """`HFOracle.next_logits` (the GPU suite's divergence margins) sees the same context as its
+    greedy generation: teacher-forced on the first k tokens, its argmax is token k."""
+    prompt = chat(f"{IMG}Describe it.")
+    images = [random_image(56, 84, seed=4)]
+    tokens = oracle.greedy(prompt, images, 4)
+    for k in (0, 3):
+        assert int(oracle.next_logits(prompt, images, tokens[:k]).argmax()) == tokens[k]

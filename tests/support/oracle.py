@@ -75,6 +75,23 @@ class HFOracle:
         out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         return out[0, n:].tolist()
 
+    @torch.no_grad()
+    def next_logits(
+        self, prompt: str, images: list[Image.Image], prefix: list[int]
+    ) -> torch.Tensor:
+        """float32 logits [vocab] of the token after the prompt and `prefix` (teacher-forced)."""
+        inputs = {k: v.to(self.model.device) for k, v in self.inputs(prompt, images).items()}
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
+        if prefix:
+            extra = torch.tensor([prefix], device=self.model.device)
+            inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
+            inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+            inputs["mm_token_type_ids"] = torch.cat(
+                [inputs["mm_token_type_ids"], torch.zeros_like(extra)], dim=1
+            )
+        return self.model(**inputs).logits[0, -1].float().cpu()
+
 
 @dataclass
 class LoadedPair:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from mmserve.errors import FailureKind, RequestFailure
-from mmserve.execution.host_copy import to_device
+from mmserve.execution.host_copy import fill_cells_, to_device
 from mmserve.execution.sample.rows import SamplingRow
 
 
@@ -58,8 +58,7 @@ def apply_token_masks(
             ban_rows.append(i)
             ban_ids.append(token_id)
     if ban_rows:
-        index = to_device([ban_rows, ban_ids], torch.long, logits.device)
-        logits[index[0], index[1]] = float("-inf")
+        fill_cells_(logits, ban_rows, ban_ids, float("-inf"))
     return failures
 
 
@@ -69,10 +68,9 @@ def _keep_only(
     """-inf everywhere in rows `row_idxs` except at the (row, id) pairs to keep."""
     device = logits.device
     keep = torch.zeros(logits.shape, dtype=torch.bool, device=device)  # [num_rows, vocab]
-    pairs = to_device([keep_rows, keep_ids], torch.long, device)
-    keep[pairs[0], pairs[1]] = True
+    fill_cells_(keep, keep_rows, keep_ids, True)
     in_rows = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
-    in_rows[to_device(row_idxs, torch.long, device)] = True
+    in_rows.index_fill_(0, to_device(row_idxs, torch.long, device), True)  # no scalar copy
     logits.masked_fill_(in_rows[:, None] & ~keep, float("-inf"))
 
 

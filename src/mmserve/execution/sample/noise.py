@@ -14,9 +14,12 @@ process samples it. It is a pure function of the row's seed, the position of the
 
 So no random state travels with a request: a seed (an integer) is all a runner needs.
 
-Every product is split so that it stays below 2**63: int64 arithmetic that never overflows,
-bit-identical on the CPU and on CUDA. Unseeded rows take torch's `exponential_` from the
-engine's generator (one kernel, cheaper than the hash).
+Every product is split so that it stays below 2**63: int64 arithmetic that never overflows, so
+u is bit-identical on the CPU and on CUDA. q is not quite: each device's float32 log rounds in
+its own way (the H200 and this CPU differ by an ulp on some tokens), so a seeded row draws the
+same token on every device unless two tokens' ratios probs / q tie to within that ulp. Unseeded
+rows take torch's `exponential_` from the engine's generator (one kernel, cheaper than the
+hash).
 """
 
 from __future__ import annotations
@@ -45,11 +48,15 @@ def draw_keys(generator: torch.Generator) -> tuple[int, int]:
 
 def hashed_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exp(1) noise [num_rows, vocab_size] float32 from keys [num_rows, 2] int64 (device)."""
+    return (-torch.log(hashed_uniform(keys, vocab_size))).clamp_min_(_MIN_NOISE)
+
+
+def hashed_uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The uniforms u in (0, 1) behind `hashed_noise`: bit-identical on every device."""
     token = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)  # [vocab]
     h = _mix(token[None, :] ^ keys[:, :1])  # [num_rows, vocab]
     h = _mix(h ^ keys[:, 1:])
-    u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))  # (0, 1), exact in float32
-    return (-torch.log(u)).clamp_min_(_MIN_NOISE)
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))  # exact in float32
 
 
 def exponential_noise(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.errors import FailureKind, RequestFailure
-from mmserve.execution.host_copy import to_device
+from mmserve.execution.host_copy import fill_cells_, to_device
 from mmserve.execution.sample.bitmask import apply_token_bitmask_
 from mmserve.execution.sample.masks import apply_token_masks
 from mmserve.execution.sample.noise import (
@@ -251,8 +251,7 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int
                 param,
             )
     if row_idx:
-        index = to_device([row_idx, token_idx], torch.long, logits.device)
-        logits[index[0], index[1]] = float("-inf")
+        fill_cells_(logits, row_idx, token_idx, float("-inf"))
     return failures
 
 
