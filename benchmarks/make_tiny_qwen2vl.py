@@ -36,8 +36,8 @@ import torch
 # The Qwen2-VL special tokens (in the real vocabulary's order) and the chat template its
 # instruct checkpoints ship: the same data the test checkpoints use.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.support.factory import QWEN2_VL_CHAT_TEMPLATE as CHAT_TEMPLATE  # noqa: E402
-from tests.support.factory import SPECIAL_TOKENS  # noqa: E402
+from tests.support.chat_tokens import QWEN2_VL_CHAT_TEMPLATE as CHAT_TEMPLATE  # noqa: E402
+from tests.support.chat_tokens import SPECIAL_TOKENS  # noqa: E402
 
 log = logging.getLogger("make_tiny_qwen2vl")
 

@@ -16,6 +16,9 @@ import numpy as np
 from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+# re-exported: the checkpoints' tokens and template, importable without mmserve
+from tests.support.chat_tokens import QWEN2_VL_CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402,F401
+
 # re-exported: tests import the pixel values beside the checkpoints and media
 from tests.support.pixels import (  # noqa: E402,F401
     CLIP_NORMALIZATION,
@@ -24,45 +27,6 @@ from tests.support.pixels import (  # noqa: E402,F401
     uint8_patches,
 )
 from tests.support.processor_configs import preprocessor_config, qwen3_vl_preprocessor_config
-
-# The Qwen2-VL special tokens, in the order the real vocabulary has them.
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
-
-# The chat template the Qwen2-VL instruct checkpoints ship (data, reproduced so that tests
-# exercise the same rendering path as a real checkpoint).
-QWEN2_VL_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}"
-    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 DEFAULT_CORPUS = [
     "You are a helpful assistant.",
