@@ -35,6 +35,29 @@ def test_a_mixed_batch_normalises_each_item_by_its_own_arithmetic(cfg) -> None:
     assert torch.equal(out, torch.from_numpy(want))
 
 
+def test_items_longer_than_a_chunk_and_a_reused_workspace_give_the_same_values(monkeypatch) -> None:
+    """The CPU gathers in blocks of CHUNK_ROWS into a workspace kept between calls: a block
+    boundary inside an item, and a smaller call after a larger one, change no value."""
+    import mmserve.execution.encoder.normalize as normalize_module
+
+    monkeypatch.setattr(normalize_module, "CHUNK_ROWS", 7)  # items of 20-ish rows: many blocks
+    cfg = ImageProcessorConfig()
+    big, small, video = (
+        process_image(random_image(90, 70, seed=1), cfg),
+        process_image(random_image(40, 30, seed=5), cfg),
+        _video(cfg),
+    )
+    reused = PixelNormalizer(torch.device("cpu"), torch.float32, reuse_output=True)
+    fresh = PixelNormalizer(torch.device("cpu"), torch.float32)
+    for batch in ([big, video, small], [small], [video, big]):
+        want = torch.from_numpy(np.concatenate([item.normalized() for item in batch]))
+        out = reused(batch)
+        assert torch.equal(out, want)
+        assert torch.equal(fresh(batch), want)
+    first = reused([big, video])
+    assert reused([small]).data_ptr() == first.data_ptr()  # the workspace, not a new tensor
+
+
 def test_the_two_orders_differ_somewhere_so_the_order_matters() -> None:
     """transformers rounds images and videos differently; a shared table would change one."""
     cfg = ImageProcessorConfig()

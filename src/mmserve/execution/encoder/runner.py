@@ -41,7 +41,8 @@ class EncoderRunner:
         self.cache = cache
         self._max_patches_per_call = max(1, max_patches_per_call)
         self._metrics = metrics
-        self._normalize = PixelNormalizer(cache.device, cache.dtype)
+        # one caller, which drops the pixels once the tower has run: the output can be reused
+        self._normalize = PixelNormalizer(cache.device, cache.dtype, reuse_output=True)
 
     def encode(self, jobs: Sequence[EncodeJob]) -> None:
         """Encode every item not already cached, deduplicated by identifier.
