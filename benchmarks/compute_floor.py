@@ -35,8 +35,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import floor_serve
-from ab_workloads import REPEAT_RATIO, WORKLOADS, resolve_dtype
+# The engine process's OpenMP wait policy (engine/core/threads.py), before torch loads libgomp
+# here: the floor runs with the threads, and the threads' manners, of the server's engine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import floor_serve  # noqa: E402
+from ab_workloads import REPEAT_RATIO, WORKLOADS, resolve_dtype  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -54,11 +58,11 @@ class FloorArgs:
 
 
 def engine_threads() -> int:
-    """The engine process's intra-op threads on a CPU (engine/core/process.py): every core but
-    one, unless OMP_NUM_THREADS is set."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return int(os.environ["OMP_NUM_THREADS"])
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    """The engine process's intra-op threads on a CPU (engine/core/threads.py), under the wait
+    policy this process was started with (set at the top of this file, as the server does)."""
+    from mmserve.engine.core.threads import engine_cpu_threads, usable_cpus
+
+    return engine_cpu_threads(1, os.environ, usable_cpus())
 
 
 def bench_requests(args: FloorArgs, seed: int, num_prompts: int) -> list:

@@ -93,8 +93,26 @@ class DeviceConfig:
         "TRITON_INTERPRET=1) or torch (SDPA, any device). auto: triton on CUDA, else torch.",
     )
 
+    # None: on a CPU every core, split between -dp replicas (engine/core/threads.py).
+    cpu_threads: int | None = flag(
+        None,
+        type=int,
+        group=DEVICE,
+        metavar="N",
+        help="torch intra-op threads of each engine process. Default on a CPU: every core, "
+        "split between the data-parallel replicas, with idle threads sleeping "
+        "(OMP_WAIT_POLICY=PASSIVE) so the API process gets a core when it needs one; "
+        "OMP_NUM_THREADS in the environment sets it too. Default on CUDA: torch's.",
+    )
+
     def __post_init__(self) -> None:
         check_choice("device", self.device, DEVICES)
+        if self.cpu_threads is not None and (
+            isinstance(self.cpu_threads, bool)
+            or not isinstance(self.cpu_threads, int)
+            or self.cpu_threads < 1
+        ):
+            raise ValueError(f"--cpu-threads takes a thread count >= 1; got {self.cpu_threads!r}")
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.optimization_level is not None and (
             isinstance(self.optimization_level, bool)

@@ -49,6 +49,8 @@ def build_core(
     """Start the worker(s) and build the scheduler and the executor: what the engine process
     runs."""
     device = resolve_device(config.device.device)
+    if config.device.cpu_threads is not None:  # in the engine process or the caller's own
+        torch.set_num_threads(config.device.cpu_threads)
     dtype = resolve_dtype(config.checkpoint.dtype, device, shape.model_config.dtype)
     scheduler_config = core_scheduler_config(shape, dtype)
     if config.parallel.tensor_parallel_size > 1:
@@ -182,7 +184,11 @@ def _start_ranks(
             "encoder pool feeds one in-process worker; drop one of the two"
         )
     executor, ready = start_executor(
-        worker_config(config, shape, device, dtype), parallel, metrics, _log_level()
+        worker_config(config, shape, device, dtype),
+        parallel,
+        metrics,
+        _log_level(),
+        cpu_threads=config.device.cpu_threads,
     )
     try:
         worker = _started_ranks(ready, shape, parallel)

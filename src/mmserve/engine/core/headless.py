@@ -50,6 +50,7 @@ def run_headless(config: EngineConfig, log_level: str) -> int:
             local_rank=local_rank,
             num_local_ranks=parallel.ranks_per_node,
             log_level=log_level,
+            cpu_threads=config.device.cpu_threads,
         )
         for local_rank, rank in enumerate(parallel.local_ranks)
     }

@@ -29,6 +29,7 @@ from mmserve.config.engine import EngineConfig
 from mmserve.config.torch_device import resolve_device
 from mmserve.engine.core.build import build_core
 from mmserve.engine.core.engine_core import EngineCore
+from mmserve.engine.core.threads import engine_cpu_threads, usable_cpus
 from mmserve.engine.shape import resolve_shape
 from mmserve.errors import EngineDeadError, FailureKind, MMServeError, RequestFailure
 from mmserve.metrics import CORE_COUNTERS, CORE_GAUGES, EngineMetrics, SchedulerStats
@@ -185,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(config: EngineConfig, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> int:
     try:
-        if resolve_device(config.device.device).type == "cpu":
-            _share_cpus_with_the_api_process(config.parallel.data_parallel_size)
+        _set_intra_op_threads(config, resolve_device(config.device.device).type)
         core, resolved = build_core(config, resolve_shape(config), EngineMetrics())
     except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits
         logger.exception("the engine core failed to start")
@@ -205,25 +205,20 @@ def _serve(config: EngineConfig, inbox: zmq.Socket, outbox: zmq.Socket, parent_p
         core.shutdown()
 
 
-def _share_cpus_with_the_api_process(num_replicas: int) -> None:
-    """On a CPU device, leave one core to the API process (HTTP, media, image processing) and
-    split the rest between the `num_replicas` engine processes (data-parallel replicas).
-
-    torch's default of one intra-op thread per core makes the two processes fight for every
-    core: on 2 cores the engine spent 1.7x the CPU time for the same steps (spinning threads
-    losing their core), and served ~15% fewer requests. An explicit OMP_NUM_THREADS wins.
-    """
-    if "OMP_NUM_THREADS" in os.environ:
+def _set_intra_op_threads(config: EngineConfig, device_type: str) -> None:
+    """On a CPU without --cpu-threads (which build_core applies, in-process engines too):
+    engine_cpu_threads's share (engine/core/threads.py: every core with sleeping idle
+    threads, split between the replicas)."""
+    if config.device.cpu_threads is not None or device_type != "cpu":
         return
-    num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, ((num_cpus or 1) - 1) // num_replicas)
+    threads = engine_cpu_threads(config.parallel.data_parallel_size, os.environ, usable_cpus())
     torch.set_num_threads(threads)
     logger.info(
-        "%d intra-op threads (one of %d cores left to the API process, the rest split between "
-        "%d engine process(es))",
+        "%d intra-op threads (%d CPUs, %d engine process(es), OMP_WAIT_POLICY=%s)",
         threads,
-        num_cpus,
-        num_replicas,
+        usable_cpus(),
+        config.parallel.data_parallel_size,
+        os.environ.get("OMP_WAIT_POLICY", "unset"),
     )
 
 

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import msgspec
 import zmq
@@ -28,6 +28,7 @@ import zmq
 from mmserve.config.engine import EngineConfig
 from mmserve.config.resolved import ResolvedConfig
 from mmserve.config.scheduler import CacheConfig, SchedulerConfig
+from mmserve.engine.core.threads import WAIT_POLICY_ENV
 from mmserve.engine.frontend.wakeup import Wakeup, wait_for
 from mmserve.errors import EngineDeadError
 from mmserve.metrics import EngineMetrics, record_scheduler_stats
@@ -130,7 +131,7 @@ class CoreClient:
             command,
             stdin=subprocess.PIPE,
             start_new_session=True,
-            env={**os.environ, **env} if env else None,
+            env=engine_env(os.environ, env),
         )
         assert proc.stdin is not None
         proc.stdin.write(msgspec.json.encode(config))
@@ -318,3 +319,10 @@ def _log_level() -> str:
     configured no logging (the offline LLM) gets the engine's start-up story at info."""
     root = logging.getLogger()
     return logging.getLevelName(root.level) if root.handlers else "INFO"
+
+
+def engine_env(parent: Mapping[str, str], extra: Mapping[str, str] | None) -> dict[str, str]:
+    """The engine process's environment: the parent's, `extra` over it, and idle OpenMP threads
+    that sleep (OMP_WAIT_POLICY=PASSIVE) unless either already says otherwise, so that on a CPU
+    the engine may take every core (engine/core/threads.py)."""
+    return {**WAIT_POLICY_ENV, **parent, **(extra or {})}

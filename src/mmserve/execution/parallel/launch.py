@@ -89,8 +89,11 @@ def spawn_rank(
     local_rank: int,
     num_local_ranks: int,
     log_level: str,
+    cpu_threads: int | None = None,
 ) -> subprocess.Popen:
-    """Start one rank; its parent is this process (it exits when this one is gone)."""
+    """Start one rank; its parent is this process (it exits when this one is gone). With
+    `cpu_threads` (--cpu-threads) the rank takes that many intra-op threads (OMP_NUM_THREADS),
+    else its node's cores split between the node's ranks."""
     cmd = [
         sys.executable,
         "-m",
@@ -107,7 +110,8 @@ def spawn_rank(
         f"--parent-pid={os.getpid()}",
         f"--log-level={log_level}",
     ]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+    env = None if cpu_threads is None else {**os.environ, "OMP_NUM_THREADS": str(cpu_threads)}
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
     assert proc.stdin is not None
     proc.stdin.write(encode_worker_config(config))
     proc.stdin.close()

@@ -21,7 +21,11 @@ LOOPBACK = "127.0.0.1"
 
 
 def start_executor(
-    config: WorkerConfig, parallel: ParallelConfig, metrics: EngineMetrics, log_level: str
+    config: WorkerConfig,
+    parallel: ParallelConfig,
+    metrics: EngineMetrics,
+    log_level: str,
+    cpu_threads: int | None = None,
 ) -> tuple[MultiprocExecutor, list[WorkerReady]]:
     """Bind the steps (XPUB) and answers (PULL) sockets, start this node's ranks and wait
     until every rank of every node is ready. WorkerGone (after stopping the local ranks) when
@@ -55,6 +59,7 @@ def start_executor(
             local_rank=local_rank,
             num_local_ranks=parallel.ranks_per_node,
             log_level=log_level,
+            cpu_threads=cpu_threads,
         )
         for local_rank, rank in enumerate(parallel.local_ranks)
     }
