@@ -18,11 +18,15 @@ def _dense_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: 
     return torch.cat(outs)
 
 
+# Same-length segments apart (gathered) and back to back (read and written through views, as
+# the images of one size in a batch are), each with and without query chunks.
+@pytest.mark.parametrize("seqlens", [[8, 3, 8, 8, 17, 3, 1], [8, 8, 8, 3, 3]])
 @pytest.mark.parametrize("max_score_elements", [1 << 28, 4 * 8 * 8 * 2, 50])
-def test_segment_attention_is_exact_per_segment(max_score_elements: int) -> None:
+def test_segment_attention_is_exact_per_segment(
+    seqlens: list[int], max_score_elements: int
+) -> None:
     """Tokens attend within their own segment only, whatever the batching and chunking."""
     torch.manual_seed(0)
-    seqlens = [8, 3, 8, 8, 17, 3, 1]
     q, k, v = (torch.randn(sum(seqlens), 4, 16) for _ in range(3))
     out = segment_attention(q, k, v, seqlens, 16**-0.5, max_score_elements)
     torch.testing.assert_close(out.double(), _dense_segments(q, k, v, seqlens), atol=1e-5, rtol=0)

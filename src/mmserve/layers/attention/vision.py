@@ -127,7 +127,8 @@ def segment_attention(
         if length:
             by_len[length].append(start)
         start += length
-    out = torch.zeros_like(q)
+    # every token in a segment (the well-formed case): each is written below, none stays zero
+    out = torch.empty_like(q) if start == q.shape[0] else torch.zeros_like(q)
     for length, starts in by_len.items():
         per_segment = num_heads * length * length
         segs_per_call = max(1, max_score_elements // per_segment)
@@ -136,16 +137,24 @@ def segment_attention(
             q_chunk = max(1, max_score_elements // (num_heads * length))
         offsets = torch.arange(length, device=q.device)
         for i in range(0, len(starts), segs_per_call):
-            group = torch.tensor(starts[i : i + segs_per_call], device=q.device)
-            idx = group.unsqueeze(1) + offsets  # [num_segments, length]
-            qs = q[idx].transpose(1, 2)  # [num_segments, num_heads, length, head_dim]
-            ks = k[idx].transpose(1, 2)
-            vs = v[idx].transpose(1, 2)
-            chunks = [
-                F.scaled_dot_product_attention(qs[:, :, s : s + q_chunk], ks, vs, scale=scale)
-                for s in range(0, length, q_chunk)
-            ]
-            out[idx] = torch.cat(chunks, dim=2).transpose(1, 2)
+            group = starts[i : i + segs_per_call]
+            first, n = group[0], len(group)
+            if group[-1] - first == (n - 1) * length:  # back to back (images of one size): views
+                rows = slice(first, first + n * length)
+                qs, ks, vs = (t[rows].unflatten(0, (n, length)).transpose(1, 2) for t in (q, k, v))
+                dest = out[rows].unflatten(0, (n, length))  # [n, length, num_heads, head_dim]
+            else:
+                idx = torch.tensor(group, device=q.device).unsqueeze(1) + offsets  # [n, length]
+                qs, ks, vs = (t[idx].transpose(1, 2) for t in (q, k, v))  # [n, heads, len, dim]
+                dest = None
+            for s in range(0, length, q_chunk):
+                part = F.scaled_dot_product_attention(
+                    qs[:, :, s : s + q_chunk], ks, vs, scale=scale
+                ).transpose(1, 2)  # [n, q_chunk, num_heads, head_dim]
+                if dest is not None:
+                    dest[:, s : s + q_chunk].copy_(part)
+                else:
+                    out[idx[:, s : s + q_chunk]] = part
     return out
 
 
