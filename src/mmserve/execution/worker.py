@@ -157,11 +157,10 @@ class Worker:
         cfg = self.config
         if cfg.device.type == "cpu":
             tune_host_allocator()  # activations live in host memory: reuse it, do not re-fault it
-            # Arithmetic on denormal floats (below 1.2e-38) takes a slow microcode path on x86:
-            # quick_gelu's sigmoid of large negative inputs made the ViT's MLP 3-4x slower on
-            # the benchmark checkpoint. Flushed to zero they change no value above that. The
-            # flag is per thread and new threads inherit it: set before any step runs.
-            torch.set_flush_denormal(True)
+            # NOTE: not torch.set_flush_denormal(True), though denormals slow quick_gelu's
+            # sigmoid on x86 (~5% of a CPU step on the benchmark checkpoint): it sets the
+            # thread's FTZ/DAZ bits, so every float op of the thread, Python's included, reads
+            # a denormal as 0 (a repetition_penalty of 5e-324 became a division by zero).
         # the head dim is checked from config.json, before the weights load
         head_dim = load_model_config(cfg.model_dir).text.head_dim
         backend = select_backend(
