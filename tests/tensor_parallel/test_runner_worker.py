@@ -38,11 +38,16 @@ def _start(group: TPGroup, model_dir: Path, mode: str) -> tuple[int, int, str, i
     return runner.tp.rank, runner.tp.size, runner.step_encoder.mode, tower
 
 
+def _start_both(group: TPGroup, model_dir: Path) -> list[tuple[int, int, str, int]]:
+    """Both modes' workers, one after the other, on one pair of rank processes (a spawn of
+    two processes costs seconds): each builds its own runner over the same group."""
+    return [_start(group, model_dir, mode) for mode in ("data", "weights")]
+
+
 def test_a_ranks_worker_gives_its_runner_the_group_and_the_encoder_mode(
     qwen2_vl_dir: Path,
 ) -> None:
-    data = run_ranks(_start, 2, qwen2_vl_dir, "data")
-    weights = run_ranks(_start, 2, qwen2_vl_dir, "weights")
+    data, weights = zip(*run_ranks(_start_both, 2, qwen2_vl_dir), strict=True)
     assert [d[:3] for d in data] == [(0, 2, "data"), (1, 2, "data")]
     assert [w[:3] for w in weights] == [(0, 2, "weights"), (1, 2, "weights")]
     assert weights[0][3] == weights[1][3] < data[0][3] == data[1][3]  # the tower's shard
