@@ -18,6 +18,8 @@ from tests.support.factory import png_bytes
 from tests.support.harness import data_url, image_part, user
 
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+# a small KV cache: zeroing the CPU default (2 GiB) costs each of the five engines seconds
+SMALL_KV = {"kv_cache_memory_bytes": 16 << 20}
 
 
 def test_two_tensor_parallel_replicas_answer_as_one_device(qwen2_vl_dir: Path) -> None:
@@ -25,7 +27,7 @@ def test_two_tensor_parallel_replicas_answer_as_one_device(qwen2_vl_dir: Path) -
         user(image_part(data_url(png_bytes(56, 56, seed=i))), f"Q{i}?") for i in range(4)
     ]
     config = EngineConfig.from_kwargs(
-        model=str(qwen2_vl_dir), data_parallel_size=2, tensor_parallel_size=2
+        model=str(qwen2_vl_dir), data_parallel_size=2, tensor_parallel_size=2, **SMALL_KV
     )
     engine = build_async_engine(config)
     try:
@@ -47,7 +49,7 @@ def test_two_tensor_parallel_replicas_answer_as_one_device(qwen2_vl_dir: Path) -
         served = [m.snapshot().counters["encoder_items_encoded"] for m in core.replica_metrics]
     finally:
         asyncio.run(engine.shutdown(timeout_s=10))
-    with LLM(model=str(qwen2_vl_dir)) as single:
+    with LLM(model=str(qwen2_vl_dir), **SMALL_KV) as single:
         expected = [list(o.outputs[0].token_ids) for o in single.chat(conversations, PARAMS)]
     assert got == expected
     assert sum(served) >= len(conversations)  # every picture was encoded by some replica
