@@ -175,6 +175,9 @@ class Profile:
     compile_image: tuple[int, int] = (112, 112)
     compile_batches: tuple[int, ...] = (1, 8)
     compile_pairs: int = 1
+    # tensor parallelism's throughput run: greedy prompts x tokens each (suite/tensor_parallel.py)
+    tp_prompts: int = 16
+    tp_tokens: int = 32
     # Rough seconds of each section on this profile's machine, to skip what no longer fits.
     estimates_s: dict[str, float] = field(default_factory=dict)
 
@@ -296,6 +299,8 @@ SMOKE = Profile(
     q3_lm=CheckpointSpec("qwen3_vl_8b_lm", TINY_Q3_LM, check_fp32=False),
     compare_requests=4,
     compare_output_len=4,
+    tp_prompts=4,  # the smoke checks that the section runs, not a throughput
+    tp_tokens=8,
     gpu_tests_timeout_s=40.0,
     layer_ops_tokens=(3,),
     layer_ops_repeats=1,

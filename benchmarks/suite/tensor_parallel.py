@@ -16,9 +16,6 @@ from benchmarks.suite.profile import Profile
 
 from mmserve import SamplingParams
 
-NUM_PROMPTS = 16
-NUM_TOKENS = 32
-
 
 def measure_tensor_parallel(profile: Profile, model_dir: Path) -> dict[str, Any]:
     import torch
@@ -37,8 +34,8 @@ def measure_tensor_parallel(profile: Profile, model_dir: Path) -> dict[str, Any]
 
 
 def _throughput(profile: Profile, model_dir: Path, tp: int) -> dict[str, Any]:
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    prompts = [f"Count to {i}: one, two," for i in range(NUM_PROMPTS)]
+    params = SamplingParams(temperature=0, max_tokens=profile.tp_tokens, ignore_eos=True)
+    prompts = [f"Count to {i}: one, two," for i in range(profile.tp_prompts)]
     with open_llm(profile, model_dir, profile.dtype, tensor_parallel_size=tp) as llm:
         llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up, not timed
         start = time.perf_counter()
@@ -48,7 +45,7 @@ def _throughput(profile: Profile, model_dir: Path, tp: int) -> dict[str, Any]:
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {
         "tensor_parallel_size": tp,
-        "num_prompts": NUM_PROMPTS,
+        "num_prompts": profile.tp_prompts,
         "output_tokens": num_tokens,
         "seconds": seconds,
         "output_tok_per_s": num_tokens / seconds,

@@ -102,7 +102,8 @@ def test_figures_are_measured(smoke: dict) -> None:
     assert s["compare_hf"]["identical_outputs"] == SMOKE.compare_requests
     assert s["graphs"]["status"] in ("built", "not built")
     tp = s["tensor_parallel"]
-    assert tp["tp1"]["output_tokens"] == 16 * 32 and tp["tp1"]["output_tok_per_s"] > 0
+    assert tp["tp1"]["output_tokens"] == SMOKE.tp_prompts * SMOKE.tp_tokens
+    assert tp["tp1"]["num_prompts"] == SMOKE.tp_prompts and tp["tp1"]["output_tok_per_s"] > 0
     assert "TP=2 needs two" in tp["tp2"]["absent"]  # the CPU smoke has no GPU
     # encoder graphs exist: the tower is measured with and without them (1024^2 stands in as
     # 112^2 here, and a thumbnail batch), on the eager stand-in of a graph without CUDA
