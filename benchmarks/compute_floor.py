@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# The engine process's OpenMP wait policy (engine/core/threads.py), before torch loads libgomp
+# The engine process's OpenMP wait policy (cpu_threads.py), before torch loads libgomp
 # here: the floor runs with the threads, and the threads' manners, of the server's engine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -58,9 +58,9 @@ class FloorArgs:
 
 
 def engine_threads() -> int:
-    """The engine process's intra-op threads on a CPU (engine/core/threads.py), under the wait
+    """The engine process's intra-op threads on a CPU (cpu_threads.py), under the wait
     policy this process was started with (set at the top of this file, as the server does)."""
-    from mmserve.engine.core.threads import engine_cpu_threads, usable_cpus
+    from mmserve.cpu_threads import engine_cpu_threads, usable_cpus
 
     return engine_cpu_threads(1, os.environ, usable_cpus())
 

@@ -25,6 +25,7 @@ MAX_LINES = 400
 FOUNDATION = frozenset(
     {
         "config",
+        "cpu_threads",  # the engine's CPU thread policy: the API process and the engine process
         "errors",
         "generation_config",
         "grid",

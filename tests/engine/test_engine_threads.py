@@ -9,7 +9,7 @@ import torch
 from mmserve import LLM
 from mmserve.config.device import DeviceConfig
 from mmserve.config.model import bundled_toy_model_dir
-from mmserve.engine.core.threads import engine_cpu_threads
+from mmserve.cpu_threads import engine_cpu_threads
 from mmserve.engine.frontend.core_client import engine_env
 
 

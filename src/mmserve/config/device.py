@@ -93,7 +93,7 @@ class DeviceConfig:
         "TRITON_INTERPRET=1) or torch (SDPA, any device). auto: triton on CUDA, else torch.",
     )
 
-    # None: on a CPU every core, split between -dp replicas (engine/core/threads.py).
+    # None: on a CPU every core, split between -dp replicas (cpu_threads.py).
     cpu_threads: int | None = flag(
         None,
         type=int,

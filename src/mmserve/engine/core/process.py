@@ -27,9 +27,9 @@ import zmq
 
 from mmserve.config.engine import EngineConfig
 from mmserve.config.torch_device import resolve_device
+from mmserve.cpu_threads import engine_cpu_threads, usable_cpus
 from mmserve.engine.core.build import build_core
 from mmserve.engine.core.engine_core import EngineCore
-from mmserve.engine.core.threads import engine_cpu_threads, usable_cpus
 from mmserve.engine.shape import resolve_shape
 from mmserve.errors import EngineDeadError, FailureKind, MMServeError, RequestFailure
 from mmserve.metrics import CORE_COUNTERS, CORE_GAUGES, EngineMetrics, SchedulerStats
@@ -207,7 +207,7 @@ def _serve(config: EngineConfig, inbox: zmq.Socket, outbox: zmq.Socket, parent_p
 
 def _set_intra_op_threads(config: EngineConfig, device_type: str) -> None:
     """On a CPU without --cpu-threads (which build_core applies, in-process engines too):
-    engine_cpu_threads's share (engine/core/threads.py: every core with sleeping idle
+    engine_cpu_threads's share (cpu_threads.py: every core with sleeping idle
     threads, split between the replicas)."""
     if config.device.cpu_threads is not None or device_type != "cpu":
         return

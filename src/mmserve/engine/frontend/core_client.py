@@ -28,7 +28,7 @@ import zmq
 from mmserve.config.engine import EngineConfig
 from mmserve.config.resolved import ResolvedConfig
 from mmserve.config.scheduler import CacheConfig, SchedulerConfig
-from mmserve.engine.core.threads import WAIT_POLICY_ENV
+from mmserve.cpu_threads import WAIT_POLICY_ENV
 from mmserve.engine.frontend.wakeup import Wakeup, wait_for
 from mmserve.errors import EngineDeadError
 from mmserve.metrics import EngineMetrics, record_scheduler_stats
@@ -324,5 +324,5 @@ def _log_level() -> str:
 def engine_env(parent: Mapping[str, str], extra: Mapping[str, str] | None) -> dict[str, str]:
     """The engine process's environment: the parent's, `extra` over it, and idle OpenMP threads
     that sleep (OMP_WAIT_POLICY=PASSIVE) unless either already says otherwise, so that on a CPU
-    the engine may take every core (engine/core/threads.py)."""
+    the engine may take every core (cpu_threads.py)."""
     return {**WAIT_POLICY_ENV, **parent, **(extra or {})}
