@@ -107,11 +107,7 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, DEVICES)
-        if self.cpu_threads is not None and (
-            isinstance(self.cpu_threads, bool)
-            or not isinstance(self.cpu_threads, int)
-            or self.cpu_threads < 1
-        ):
+        if self.cpu_threads is not None and not _is_positive_int(self.cpu_threads):
             raise ValueError(f"--cpu-threads takes a thread count >= 1; got {self.cpu_threads!r}")
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.optimization_level is not None and (

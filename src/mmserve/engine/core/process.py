@@ -211,12 +211,13 @@ def _set_intra_op_threads(config: EngineConfig, device_type: str) -> None:
     threads, split between the replicas)."""
     if config.device.cpu_threads is not None or device_type != "cpu":
         return
-    threads = engine_cpu_threads(config.parallel.data_parallel_size, os.environ, usable_cpus())
+    num_cpus = usable_cpus()
+    threads = engine_cpu_threads(config.parallel.data_parallel_size, os.environ, num_cpus)
     torch.set_num_threads(threads)
     logger.info(
         "%d intra-op threads (%d CPUs, %d engine process(es), OMP_WAIT_POLICY=%s)",
         threads,
-        usable_cpus(),
+        num_cpus,
         config.parallel.data_parallel_size,
         os.environ.get("OMP_WAIT_POLICY", "unset"),
     )
