@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from mmserve.execution.lm_threads import LMThreads, intra_op_threads
 from mmserve.layers.attention import AttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -96,11 +97,18 @@ def warm_up(
     block_size: int,
     device: torch.device,
     cache_dir: Path,
+    lm_threads: LMThreads | None = None,
+    max_num_tokens: int = 2,
 ) -> CompileReport:
     """Run the tower on a tiny image and the decoder on 2 tokens and on 1: every graph a
     request can need is compiled (or read from the cache) now. The decoder's steps write two
     slots of block 0 of the KV cache, which no request has yet: a request's tokens are written
-    before they are read."""
+    before they are read.
+
+    Dynamo guards a graph on torch's intra-op thread count, and on a CPU a small step's
+    language model runs on one thread (`lm_threads`, the runner's policy): the multi-token
+    graph is compiled under each count a step of 2 to `max_num_tokens` tokens may run on, the
+    one-token graph under a one-token step's (without a policy: the caller's count for all)."""
     graphs_before = compiled_graph_count()
     start = time.perf_counter()
     vision = model.config.vision
@@ -111,8 +119,13 @@ def warm_up(
         pixels = torch.zeros(grid[0] * grid[1] * grid[2], patch_dim, device=device, dtype=dtype)
         model.embed_multimodal(pixels, [grid])
         model.embed_multimodal(torch.cat([pixels, pixels]), [grid, grid])  # two segments
-        for num_tokens in (2, 1):
-            _decoder_step(model, kv_caches, backend, num_tokens, block_size, device)
+        policy = lm_threads or LMThreads(device, macs_per_token=0, min_parallel_macs=0)
+        multi_token = {policy.threads_for(n) for n in (2, max(2, max_num_tokens))}
+        for num_tokens, threads in [(2, t) for t in sorted(multi_token)] + [
+            (1, policy.threads_for(1))
+        ]:
+            with intra_op_threads(threads):
+                _decoder_step(model, kv_caches, backend, num_tokens, block_size, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     report = CompileReport(

@@ -23,6 +23,7 @@ from mmserve.execution.encoder.step import StepEncoder
 from mmserve.execution.graphs.capture import GraphFactory
 from mmserve.execution.graphs.decode import DecodeGraphs
 from mmserve.execution.input_batch import InputBuffers, SpliceError, StepBatch, prepare_batch
+from mmserve.execution.lm_threads import LMThreads, lm_macs_per_token
 from mmserve.execution.mm_splice import gather_mm_embeddings, items_missing_in_windows
 from mmserve.execution.request_state import RequestState, RunnerPayload
 from mmserve.execution.sample.bitmask import sampling_bitmask
@@ -81,13 +82,15 @@ class ModelRunner:
         item_data: ItemDataStore | None = None,
         tp: TPGroup = SINGLE,
         mm_encoder_tp_mode: str = "data",
+        lm_threads: LMThreads | None = None,
     ) -> None:
         """`encoder_source` encodes remote items (a disaggregated server); without one a
         remote item fails its requests. `item_data` holds the items' pixels (see
         encoder/pixels.py); None: one that keeps nothing for a re-encode. `tp`: this rank's
         group, the model built for it; `mm_encoder_tp_mode`: "data" (a replicated tower, the
         step's items split across the ranks) or "weights" (a sharded tower: every rank
-        encodes every item); see encoder/step.py."""
+        encodes every item); see encoder/step.py. `lm_threads`: the CPU thread policy of the
+        language model's work (lm_threads.py; by default the model's own)."""
         if tp.size > 1 and encoder_source is not None:
             raise ValueError(
                 "--encoder-urls cannot be combined with --tensor-parallel-size > 1: the remote "
@@ -108,6 +111,8 @@ class ModelRunner:
         self.placeholder_token_ids = placeholder_token_ids
         self.device = device
         self.attention_backend = attention_backend or TorchAttentionBackend()
+        # on a CPU, a small step's language model on one thread (lm_threads.py)
+        self.lm_threads = lm_threads or LMThreads(device, lm_macs_per_token(model))
         self.states: dict[str, RequestState] = {}
         # the engine's generator, on the device: unseeded rows draw their noise from it
         self._generator = make_device_generator(seed, device)
@@ -166,20 +171,21 @@ class ModelRunner:
         self.buffers.mark_sent()
         if batch is None:
             return _output({}, errors, {}, results)
-        hidden = self.decode_graphs.run(batch) if self.decode_graphs is not None else None
-        if hidden is None:
-            hidden = self._forward(
-                batch.input_ids,
-                batch.positions,
-                batch.attn_metadata,
-                batch.mm_index,
-                batch.mm_embeds,
-            )
-        add_window_rows(self.model.compute_logits, hidden, batch.request_ids, so, self.states)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, Logprobs] = {}
-        if batch.sample_request_ids:
-            self._sample(batch, hidden, grammar_output, errors, sampled, logprobs)
+        with self.lm_threads.step(batch.num_tokens):
+            hidden = self.decode_graphs.run(batch) if self.decode_graphs is not None else None
+            if hidden is None:
+                hidden = self._forward(
+                    batch.input_ids,
+                    batch.positions,
+                    batch.attn_metadata,
+                    batch.mm_index,
+                    batch.mm_embeds,
+                )
+            add_window_rows(self.model.compute_logits, hidden, batch.request_ids, so, self.states)
+            if batch.sample_request_ids:
+                self._sample(batch, hidden, grammar_output, errors, sampled, logprobs)
         output = _output(sampled, errors, logprobs, results)
         for request_id in sampled:  # the prompt's rows go with the first token
             rows = take_prompt_logprobs(self.model.compute_logits, self.states[request_id])

@@ -39,6 +39,7 @@ from mmserve.execution.graphs.decode import (
     report_graph_memory,
 )
 from mmserve.execution.input_batch import input_buffer_bytes
+from mmserve.execution.lm_threads import LMThreads, lm_macs_per_token
 from mmserve.execution.memory.device import CudaMemory, MemorySnapshot
 from mmserve.execution.memory.kv_sizing import GpuProfile, profiled_kv_budget
 from mmserve.execution.memory.profile import ProfileShape
@@ -134,8 +135,11 @@ class Worker:
         backend, layer_ops, model, model_config, at_start = self.load_model()
         budget_bytes = self.profile(model, model_config, backend, at_start)
         num_blocks, kv_caches = self.allocate_kv(model_config, budget_bytes)
-        compiled = self.compile(model, kv_caches, backend)
-        runner, encoder_cuda_graph = self.build_runner(model, model_config, kv_caches, backend)
+        lm_threads = LMThreads(self.config.device, lm_macs_per_token(model))
+        compiled = self.compile(model, kv_caches, backend, lm_threads)
+        runner, encoder_cuda_graph = self.build_runner(
+            model, model_config, kv_caches, backend, lm_threads
+        )
         graph_sizes = self.capture_graphs(runner)
         return StartedWorker(
             runner,
@@ -263,7 +267,11 @@ class Worker:
         return int(num_blocks)
 
     def compile(
-        self, model: nn.Module, kv_caches: list[torch.Tensor], backend: AttentionBackend
+        self,
+        model: nn.Module,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        lm_threads: LMThreads,
     ) -> CompileReport | None:
         """-O1..-O3: compile the blocks and layers and run each graph once (compile.py)."""
         cfg = self.config
@@ -277,6 +285,8 @@ class Worker:
             block_size=cfg.block_size,
             device=cfg.device,
             cache_dir=cfg.compile_cache_dir,
+            lm_threads=lm_threads,
+            max_num_tokens=cfg.max_num_batched_tokens,
         )
 
     def build_runner(
@@ -285,6 +295,7 @@ class Worker:
         model_config: ModelConfig,
         kv_caches: list[torch.Tensor],
         backend: AttentionBackend,
+        lm_threads: LMThreads | None = None,
     ) -> tuple[ModelRunner, bool]:
         """The runner over the model and its caches; whether the encoder replays graphs."""
         cfg = self.config
@@ -316,6 +327,7 @@ class Worker:
             item_data=ItemDataStore(cfg.mm_reencode_cache_bytes),
             tp=self.tp,
             mm_encoder_tp_mode=cfg.mm_encoder_tp_mode,
+            lm_threads=lm_threads,
         )
         return runner, encoder_cuda_graph
 
