@@ -273,9 +273,15 @@ def paged_attention(
             scale,
         )
     loc, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    fresh_kv_exact = key.dtype == kv_cache.dtype and value.dtype == kv_cache.dtype
     for i in plan.prefill_seq_idx:
         start, end = loc[i], loc[i + 1]
-        num_blocks = -(-seq_lens[i] // block_size)
-        k, v = _gather_kv(kv_cache, metadata.block_tables[i, :num_blocks].long(), seq_lens[i])
+        if fresh_kv_exact and seq_lens[i] == end - start:
+            # no earlier tokens: its keys are this step's, the very values just written
+            k, v = key[start:end], value[start:end]
+        else:
+            num_blocks = -(-seq_lens[i] // block_size)
+            block_ids = metadata.block_tables[i, :num_blocks].long()
+            k, v = _gather_kv(kv_cache, block_ids, seq_lens[i])
         out[start:end] = _attend_prefill(query[start:end], k, v, scale, max_score_elements)
     return out
