@@ -8,7 +8,9 @@ process for each of them: on 2 cores it spent 1.7x the CPU time for the same ste
 ~15% fewer requests, and the engine was held to every core but one. The engine process is now
 started with OMP_WAIT_POLICY=PASSIVE (its threads sleep as soon as a parallel region ends), so
 it can take every core and give one back the moment the API process needs it: on 2 cores that
-served 4-17% more requests than one thread in paired runs (benchmarks/RESULTS.md).
+served 4-17% more requests than one thread in paired runs (benchmarks/RESULTS.md). Within the
+engine, a step whose language-model work is too small to share (a decode of a small model)
+runs it on one thread (`execution/lm_threads.py`): waking a sleeping thread per op cost more.
 """
 
 from __future__ import annotations
