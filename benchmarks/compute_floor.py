@@ -11,9 +11,10 @@ the server's client does), so the scheduler forms the batches the server would. 
 the engine (floor_timers.py) add up the vision tower, the language model in steps with prefill
 and in decode-only steps, the logits and the sampling; what `execute` spends beyond them is the
 runner's host work (batch preparation, the splice), and what a step spends beyond `execute` is
-the scheduler's. The torch intra-op threads are the engine process's (one core left to the API
-process on a CPU, unless OMP_NUM_THREADS says otherwise). Prompts are processed before the
-clock starts: that is the API process's work.
+the scheduler's. The torch intra-op threads are the engine process's (on a CPU every core, idle
+threads asleep, unless OMP_NUM_THREADS says otherwise; a small step's language model on one,
+as in the server: execution/lm_threads.py). Prompts are processed before the clock starts: that
+is the API process's work.
 
 With `--serve` it then starts `mmserve serve` on the same checkpoint and flags, sends the same
 requests with `mmserve bench serve`, and reports serving efficiency = floor per request / end-to-
