@@ -21,10 +21,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
     Eagerly `rotate_half(x) * sin` is written half by half into one buffer (`-(x2 * s)` is
     `(-x2) * s` exactly), and the sum lands in `x * cos`'s: two temporaries instead of five,
-    the same floats. A compiled graph keeps the plain formula, which inductor fuses whole."""
+    the same floats. A compiled graph keeps the plain formula, which inductor fuses whole, and
+    so does a call autograd tracks."""
     x32 = x.float()
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    if torch.compiler.is_compiling():
+    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (x, cos, sin))
+    if torch.compiler.is_compiling() or tracked:  # `out=` has no autograd
         return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
     half = x.shape[-1] // 2
     out = x32 * cos
