@@ -77,6 +77,7 @@ def compare_compile(
     device: str,
     dtype: str,
     cache_dir: Path | None = None,
+    compile_backend: str = "inductor",
 ) -> dict[str, Any]:
     """ViT on one `image` (width, height) and decode steps at `decode_batches`, eager vs -O3."""
     torch_device, torch_dtype = torch.device(device), getattr(torch, dtype)
@@ -96,12 +97,13 @@ def compare_compile(
     with tempfile.TemporaryDirectory() as tmp:
         cache = cache_dir or Path(tmp)
         graphs_before = compiled_graph_count()
-        compile_model(compiled, cache)
+        compile_model(compiled, cache, compile_backend)
         report = warm_up(
             compiled, kv, backend, block_size=BLOCK_SIZE, device=torch_device, cache_dir=cache
         )
         out: dict[str, Any] = {
             "layers": layers,
+            "backend": compile_backend,
             "compile_s": report.seconds,
             "graphs": report.num_graphs,
             "dtype": dtype,
@@ -162,4 +164,5 @@ def compile_section(profile: Profile) -> dict[str, Any]:
         pairs=profile.compile_pairs,
         device=profile.device,
         dtype=profile.dtype,
+        compile_backend=profile.compile_backend,
     )

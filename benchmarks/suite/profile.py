@@ -175,6 +175,10 @@ class Profile:
     compile_image: tuple[int, int] = (112, 112)
     compile_batches: tuple[int, ...] = (1, 8)
     compile_pairs: int = 1
+    # torch.compile's backend: inductor, as the engine runs it; the CPU smoke run traces with
+    # aot_eager (the section's code, dynamo's graphs and guards, without ~20 s of C++ builds;
+    # tests/execution/test_compile.py covers inductor on the CPU)
+    compile_backend: str = "inductor"
     # tensor parallelism's throughput run: greedy prompts x tokens each (suite/tensor_parallel.py)
     tp_prompts: int = 16
     tp_tokens: int = 32
@@ -296,6 +300,7 @@ SMOKE = Profile(
     vit_thumbnail_batch=2,
     q3_vit_shape=TINY_Q3_VISION,
     q3_vit_image=(128, 96),
+    compile_backend="aot_eager",
     q3_lm=CheckpointSpec("qwen3_vl_8b_lm", TINY_Q3_LM, check_fp32=False),
     compare_requests=4,
     compare_output_len=4,

@@ -73,8 +73,10 @@ def compiled_modules(model: nn.Module) -> Iterator[nn.Module]:
     yield from model.model.layers
 
 
-def compile_model(model: nn.Module, cache_dir: Path) -> None:
+def compile_model(model: nn.Module, cache_dir: Path, backend: str = "inductor") -> None:
     """Compile `model`'s blocks and layers in place (lazily: `warm_up` runs the compiles).
+    `backend` is torch.compile's: the engine always uses inductor; the GPU suite's CPU smoke
+    run passes "aot_eager" (the same tracing and guards, no C++ to build).
 
     Inductor reads its cache location from the environment when it first needs it, so this
     process's TORCHINDUCTOR_CACHE_DIR is set to `cache_dir` here, before anything compiles;
@@ -86,7 +88,7 @@ def compile_model(model: nn.Module, cache_dir: Path) -> None:
     # the KV cache's 2 planes) is guarded equal to it, and the next step recompiles.
     torch.fx.experimental._config.use_duck_shape = False
     for module in compiled_modules(model):
-        module.compile(backend="inductor", dynamic=True)
+        module.compile(backend=backend, dynamic=True)
 
 
 def warm_up(
