@@ -116,33 +116,32 @@ def run_closed_loop(core, prompts: list, params, concurrency: int) -> int:
 
 
 def measure_floor(args: FloorArgs) -> dict:
-    import torch
     from floor_timers import PHASES, timed_core
 
     from mmserve import SamplingParams
     from mmserve.engine.factory import build_engine
+    from mmserve.execution.lm_threads import intra_op_threads
 
     threads = engine_threads()
-    callers_threads = torch.get_num_threads()  # restored below: a caller's process (a test) is
-    torch.set_num_threads(threads)  # not left with the engine's thread count
-    engine, _resolved = build_engine(engine_config(args))
-    try:
-        core, processor = engine.core, engine.input_processor
-        params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
-        # Warm-up on other images (another seed): lazy initialisation, allocator growth.
-        warm = bench_requests(args, args.seed + 7919, min(args.concurrency, 4))
-        run_closed_loop(core, [processor.process_chat(r.messages) for r in warm], params, 4)
-        requests = bench_requests(args, args.seed, args.num_prompts)
-        prompts = [processor.process_chat(r.messages) for r in requests]
-        device = next(core.executor.runner.model.parameters()).device
-        with timed_core(core, device) as clock:
-            started, started_cpu = time.perf_counter(), time.process_time()
-            num_steps = run_closed_loop(core, prompts, params, args.concurrency)
-            wall_s = time.perf_counter() - started
-            loop_cpu_s = time.process_time() - started_cpu
-    finally:
-        engine.shutdown()
-        torch.set_num_threads(callers_threads)
+    # the caller's process (a test) is not left with the engine's thread count
+    with intra_op_threads(threads):
+        engine, _resolved = build_engine(engine_config(args))
+        try:
+            core, processor = engine.core, engine.input_processor
+            params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+            # Warm-up on other images (another seed): lazy initialisation, allocator growth.
+            warm = bench_requests(args, args.seed + 7919, min(args.concurrency, 4))
+            run_closed_loop(core, [processor.process_chat(r.messages) for r in warm], params, 4)
+            requests = bench_requests(args, args.seed, args.num_prompts)
+            prompts = [processor.process_chat(r.messages) for r in requests]
+            device = next(core.executor.runner.model.parameters()).device
+            with timed_core(core, device) as clock:
+                started, started_cpu = time.perf_counter(), time.process_time()
+                num_steps = run_closed_loop(core, prompts, params, args.concurrency)
+                wall_s = time.perf_counter() - started
+                loop_cpu_s = time.process_time() - started_cpu
+        finally:
+            engine.shutdown()
     steps = clock.steps
     phases_s = {p: sum(s.phases_s[p] for s in steps) for p in PHASES}
     phases_cpu_s = {p: sum(s.phases_cpu_s[p] for s in steps) for p in PHASES}

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from mmserve import LLM, SamplingParams
-from mmserve.execution.lm_threads import LMThreads, lm_macs_per_token
+from mmserve.execution.lm_threads import LMThreads, intra_op_threads, lm_macs_per_token
 from tests.support.factory import random_image
 
 CPU = torch.device("cpu")
@@ -31,10 +31,8 @@ def test_multiply_adds_per_token_count_the_language_models_matrices_only() -> No
 
 @pytest.fixture
 def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+    with intra_op_threads(2):
+        yield
 
 
 def test_a_small_step_runs_on_one_thread_and_gives_the_count_back(two_threads) -> None:

@@ -121,11 +121,9 @@ def warm_up(
         pixels = torch.zeros(grid[0] * grid[1] * grid[2], patch_dim, device=device, dtype=dtype)
         model.embed_multimodal(pixels, [grid])
         model.embed_multimodal(torch.cat([pixels, pixels]), [grid, grid])  # two segments
-        policy = lm_threads or LMThreads(device, macs_per_token=0, min_parallel_macs=0)
-        multi_token = {policy.threads_for(n) for n in (2, max(2, max_num_tokens))}
-        for num_tokens, threads in [(2, t) for t in sorted(multi_token)] + [
-            (1, policy.threads_for(1))
-        ]:
+        threads_for = lm_threads.threads_for if lm_threads else lambda _: torch.get_num_threads()
+        multi_token = sorted({threads_for(2), threads_for(max(2, max_num_tokens))})
+        for num_tokens, threads in [*((2, t) for t in multi_token), (1, threads_for(1))]:
             with intra_op_threads(threads):
                 _decoder_step(model, kv_caches, backend, num_tokens, block_size, device)
     if device.type == "cuda":

@@ -295,7 +295,7 @@ class Worker:
         model_config: ModelConfig,
         kv_caches: list[torch.Tensor],
         backend: AttentionBackend,
-        lm_threads: LMThreads | None = None,
+        lm_threads: LMThreads,
     ) -> tuple[ModelRunner, bool]:
         """The runner over the model and its caches; whether the encoder replays graphs."""
         cfg = self.config

@@ -175,9 +175,8 @@ def _candidate_forms(norm: PixelNormalization, channel: torch.Tensor) -> list[_A
         if norm.do_rescale:  # the float32 twins of a float64 multiply, each rounded once
             reciprocal = float(np.float32(1.0 / norm.rescale_factor))
             scales = [("div", reciprocal), ("mul", float(np.float32(norm.rescale_factor)))]
-        if not norm.do_normalize:
-            return [_Arithmetic(op, s, None, None) for op, s in scales]
-        return [_Arithmetic(op, s, per_column(mean), per_column(std)) for op, s in scales]
+        shift, divide = (per_column(mean), per_column(std)) if norm.do_normalize else (None, None)
+        return [_Arithmetic(op, s, shift, divide) for op, s in scales]
     if norm.do_normalize:  # (level - mean * r') / (std * r'), r' = 1 / rescale, in float32
         scale = np.float32(1.0 / norm.rescale_factor) if norm.do_rescale else np.float32(1.0)
         return [_Arithmetic(None, 1.0, per_column(mean * scale), per_column(std * scale))]
