@@ -125,6 +125,43 @@ def _closed_pool() -> DecodeWorkerPool:
     return pool
 
 
+def test_started_workers_serve_the_first_decodes_and_none_start_twice() -> None:
+    pool = DecodeWorkerPool(num_workers=2, timeout_s=30, max_rss_bytes=0)
+    try:
+        assert pool.start_workers() == 2
+        assert pool.start_workers() == 0  # the pool is full: nothing more starts
+        png = _encode(random_image(40, 30, seed=9))
+        for _ in range(3):
+            assert pool.decode(png, 10**8).tobytes() == random_image(40, 30, seed=9).tobytes()
+        assert pool.num_started == 2  # the decodes used the started workers
+    finally:
+        pool.close()
+    assert _closed_pool().start_workers() == 0
+
+
+def test_a_retired_worker_is_started_again_by_start_workers() -> None:
+    pool = DecodeWorkerPool(num_workers=1, timeout_s=30, max_rss_bytes=1)  # every worker is over
+    try:
+        assert pool.start_workers() == 1
+        pool.decode(_encode(random_image(40, 30, seed=6)), 10**8)
+        assert (pool.num_started, pool.num_retired) == (1, 1)
+        assert pool.start_workers() == 1  # its place is free again
+    finally:
+        pool.close()
+
+
+def test_closing_the_loader_stops_the_workers_it_started() -> None:
+    assert MediaLoader(MediaConfig()).start_decode_workers() is None  # decodes in-process
+    loader = MediaLoader(MediaConfig(decode_workers=2))
+    before = set(multiprocessing.active_children())
+    thread = loader.start_decode_workers()
+    assert thread is not None
+    thread.join(60)
+    assert len(set(multiprocessing.active_children()) - before) == 2
+    loader.close()
+    assert not set(multiprocessing.active_children()) - before
+
+
 def test_a_decode_that_overruns_fails_alone_and_the_pool_recovers() -> None:
     pool = DecodeWorkerPool(num_workers=1, timeout_s=30, max_rss_bytes=0)
     try:

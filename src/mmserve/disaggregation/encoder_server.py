@@ -83,6 +83,7 @@ class EncoderServer:
                 processor_max_pixels=image_config.max_pixels, decode_workers=decode_workers
             )
         )
+        media.start_decode_workers()  # the first images find them ready
         self.media = MediaStage(media, image_config, CPU_STAGE_THREADS)
         self.cache: ByteBudgetLRU[CachedEmbedding] = ByteBudgetLRU(config.cache_bytes)
         self.metrics = EncoderMetrics()

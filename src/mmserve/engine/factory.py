@@ -38,20 +38,17 @@ def build_engine(
     config = with_local_sources(config)  # a hub id becomes its snapshot directory, once, here
     shape = resolve_shape(config)
     metrics = EngineMetrics(max_model_len=shape.max_model_len)
-    core: CoreLike
-    if config.parallel.data_parallel_size > 1:
-        # each replica's stats land in its own metrics, which `metrics.replicas` sums
-        core, resolved = ReplicaSet.start(config, metrics, shape.max_model_len)
-    elif config.parallel.uses_engine_processes:
-        core, resolved = CoreClient.start(config, metrics)
-    else:
-        # The model runs in this process: only here does the API side import the core (torch).
-        from mmserve.engine.core.build import build_core
-
-        core, resolved = build_core(config, shape, metrics)
+    # Before the core: its start-up (seconds) covers the decode workers' (a server's).
+    input_processor = build_input_processor(config, shape, decode_workers=decode_workers)
+    input_processor.media_loader.start_decode_workers()
+    try:
+        core, resolved = _start_core(config, shape, metrics)
+    except BaseException:
+        input_processor.media_loader.close()  # its decode workers too
+        raise
     tokenizer = shape.tokenizer
     engine = LLMEngine(
-        input_processor=build_input_processor(config, shape, decode_workers=decode_workers),
+        input_processor=input_processor,
         core=core,
         output_processor=OutputProcessor(
             lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip), metrics
@@ -64,6 +61,20 @@ def build_engine(
         ),
     )
     return engine, resolved
+
+
+def _start_core(
+    config: EngineConfig, shape: EngineShape, metrics: EngineMetrics
+) -> tuple[CoreLike, ResolvedConfig]:
+    if config.parallel.data_parallel_size > 1:
+        # each replica's stats land in its own metrics, which `metrics.replicas` sums
+        return ReplicaSet.start(config, metrics, shape.max_model_len)
+    if config.parallel.uses_engine_processes:
+        return CoreClient.start(config, metrics)
+    # The model runs in this process: only here does the API side import the core (torch).
+    from mmserve.engine.core.build import build_core
+
+    return build_core(config, shape, metrics)
 
 
 def build_input_processor(

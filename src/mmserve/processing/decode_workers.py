@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 _MAX_PIXELS = struct.Struct("<Q")
 _HEADER = struct.Struct("<IIB")
 _OK = struct.Struct("<IIQ")
+WORKER_START_TIMEOUT_S = 60.0  # a fresh interpreter's imports, on a loaded machine
 
 
 def _worker_main(conn: Connection) -> None:
@@ -104,12 +105,21 @@ def _serve_one(conn: Connection, data: bytes, max_pixels: int) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx: multiprocessing.context.BaseContext, start_timeout_s: float) -> None:
+    """One decode process: started by the constructor, usable once `wait_ready` returns."""
+
+    def __init__(self, ctx: multiprocessing.context.BaseContext) -> None:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
         self.process.start()
         child.close()
-        if not self.conn.poll(start_timeout_s) or self.conn.recv_bytes() != READY:
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait for the worker's READY (its imports done); kill it and raise if none comes."""
+        try:
+            ready = self.conn.poll(timeout_s) and self.conn.recv_bytes() == READY
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
             self.kill()
             raise RuntimeError("image decode worker did not start")
 
@@ -126,7 +136,7 @@ class _Worker:
 
 
 class DecodeWorkerPool:
-    """Up to `num_workers` decode processes, started on first use.
+    """Up to `num_workers` decode processes, started on first use or by `start_workers`.
 
     A worker that times out or dies is killed and replaced; only the request it was serving
     fails. A worker whose resident memory after a decode is over `max_rss_bytes` (0: no limit)
@@ -141,13 +151,45 @@ class DecodeWorkerPool:
             raise ValueError(f"max_rss_bytes must be >= 0 (0: no limit), got {max_rss_bytes}")
         self.timeout_s = timeout_s
         self.max_rss_bytes = max_rss_bytes
+        self.num_workers = num_workers
         self.num_started = 0
         self.num_retired = 0
         self._ctx = multiprocessing.get_context("spawn")
         self._slots = threading.BoundedSemaphore(num_workers)
         self._idle: queue.LifoQueue[_Worker] = queue.LifoQueue()
-        self._counts_lock = threading.Lock()
+        self._counts_lock = threading.Lock()  # num_started, num_retired, _num_live, _closed
+        self._num_live = 0  # workers started and not yet killed (idle, busy or starting)
         self._closed = False
+
+    def start_workers(self, timeout_s: float = WORKER_START_TIMEOUT_S) -> int:
+        """Start every worker the pool lacks now, all at once, and leave them idle; returns
+        how many started. A server calls it at start-up: a worker's start is ~0.2 s of one
+        core (a fresh interpreter and its imports), which the first images would otherwise
+        wait for, on the cores that are serving them. A worker that does not start is logged
+        and left to the first decode to start again."""
+        with self._counts_lock:
+            if self._closed:
+                return 0
+            missing = self.num_workers - self._num_live
+            self._num_live += missing
+            self.num_started += missing
+        workers = [_Worker(self._ctx) for _ in range(missing)]
+        started = 0
+        for worker in workers:
+            try:
+                worker.wait_ready(timeout_s)
+            except RuntimeError:
+                logger.warning("an image decode worker did not start; the first decode retries")
+                self._forget(worker)
+                continue
+            with self._counts_lock:
+                closed = self._closed
+                if not closed:
+                    self._idle.put(worker)
+                    started += 1
+            if closed:  # closed while this one started: close() did not see it
+                self._forget(worker)
+        return started
 
     def decode(
         self,
@@ -255,9 +297,11 @@ class DecodeWorkerPool:
     def _give_back(self, worker: _Worker, healthy: bool, rss_bytes: int) -> None:
         """Return a worker to the idle stack, or kill it (broken, closed pool, or too big)."""
         over = bool(self.max_rss_bytes) and rss_bytes > self.max_rss_bytes
-        if healthy and not over and not self._closed:
-            self._idle.put(worker)
-            return
+        if healthy and not over:
+            with self._counts_lock:
+                if not self._closed:
+                    self._idle.put(worker)
+                    return
         if healthy and over:
             with self._counts_lock:
                 self.num_retired += 1
@@ -267,7 +311,7 @@ class DecodeWorkerPool:
                 rss_bytes / (1 << 20),
                 self.max_rss_bytes / (1 << 20),
             )
-        worker.kill()
+        self._forget(worker)
 
     def _checkout(self) -> _Worker:
         try:
@@ -275,13 +319,27 @@ class DecodeWorkerPool:
         except queue.Empty:
             with self._counts_lock:
                 self.num_started += 1
-            return _Worker(self._ctx, start_timeout_s=60.0)
+                self._num_live += 1
+            worker = _Worker(self._ctx)
+            try:
+                worker.wait_ready(WORKER_START_TIMEOUT_S)
+            except RuntimeError:
+                self._forget(worker)
+                raise
+            return worker
+
+    def _forget(self, worker: _Worker) -> None:
+        """Kill a worker that will not be used again."""
+        worker.kill()
+        with self._counts_lock:
+            self._num_live -= 1
 
     def close(self) -> None:
-        self._closed = True
+        with self._counts_lock:
+            self._closed = True
         while True:
             try:
-                self._idle.get_nowait().kill()
+                self._forget(self._idle.get_nowait())
             except queue.Empty:
                 return
 

@@ -157,6 +157,17 @@ class MediaLoader:
             timeout_s=self.config.video_decode_timeout,
         )
 
+    def start_decode_workers(self) -> threading.Thread | None:
+        """Start the decode workers now, on a thread of their own (None: this loader decodes
+        in-process): a server's first images then find them ready (`start_workers`)."""
+        if self.config.decode_workers == 0:
+            return None
+        thread = threading.Thread(
+            target=self._worker_pool().start_workers, name="decode-workers-start", daemon=True
+        )
+        thread.start()
+        return thread
+
     def close(self) -> None:
         self._fetcher.close()
         with self._pool_lock:
