@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mmserve.execution.sample.logprobs import gather_logprobs, logprob_table, raw_logprobs
-from mmserve.execution.sample.noise import hashed_noise, hashed_uniform
+from mmserve.execution.sample.noise import exponential_noise, hashed_noise, hashed_uniform
 from mmserve.execution.sample.rows import SamplingRow
 from mmserve.execution.sample.sampler import make_device_generator, sample, sample_on_device
 from mmserve.execution.sample.step import sample_step
@@ -56,6 +56,18 @@ def test_draws_follow_the_rows_distribution(seeded: bool) -> None:
     expected = probs.numpy() * num_rows
     sigma = np.sqrt(expected * (1 - probs.numpy()))
     assert np.all(np.abs(counts - expected) < 4 * sigma), counts
+
+
+def test_the_generator_noise_is_exp_1() -> None:
+    # the CPU draws it as -log1p(-u): mean and variance 1, P(q > t) = exp(-t), all finite > 0
+    noise = exponential_noise(1000, 1000, make_device_generator(3, "cpu"), torch.device("cpu"))
+    n = noise.numel()
+    assert abs(noise.mean().item() - 1) < 4 / np.sqrt(n)
+    assert abs(noise.var().item() - 1) < 4 * np.sqrt(8 / n)  # Var of q^2 - 1 is 8 for Exp(1)
+    for t in (0.5, 2.0, 5.0):
+        p = np.exp(-t)
+        assert abs((noise > t).float().mean().item() - p) < 4 * np.sqrt(p * (1 - p) / n)
+    assert bool((noise > 0).all()) and bool(torch.isfinite(noise).all())
 
 
 def _lowbias32(x: int) -> int:

@@ -18,8 +18,7 @@ Every product is split so that it stays below 2**63: int64 arithmetic that never
 u is bit-identical on the CPU and on CUDA. q is not quite: each device's float32 log rounds in
 its own way (the H200 and this CPU differ by an ulp on some tokens), so a seeded row draws the
 same token on every device unless two tokens' ratios probs / q tie to within that ulp. Unseeded
-rows take torch's `exponential_` from the engine's generator (one kernel, cheaper than the
-hash).
+rows take Exp(1) noise from the engine's generator (cheaper than the hash; `exponential_noise`).
 """
 
 from __future__ import annotations
@@ -62,9 +61,17 @@ def hashed_uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def exponential_noise(
     num_rows: int, vocab_size: int, generator: torch.Generator, device: torch.device
 ) -> torch.Tensor:
-    """Exp(1) noise [num_rows, vocab_size] float32 from `generator` (on `device`'s type)."""
+    """Exp(1) noise [num_rows, vocab_size] float32 from `generator` (on `device`'s type).
+
+    On a CPU torch's `exponential_` draws element by element (~20 ns each, 0.33 ms for 16 rows
+    of a 1024-token vocabulary); a uniform draw and `-log1p(-u)` vectorise (0.08 ms): the same
+    distribution (u in [0, 1), so q in [0, 16.7)). CUDA keeps the one `exponential_` kernel."""
     noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
-    return noise.exponential_(generator=generator).clamp_min_(_MIN_NOISE)
+    if noise.device.type == "cpu":
+        noise.uniform_(generator=generator).neg_().log1p_().neg_()
+    else:
+        noise.exponential_(generator=generator)
+    return noise.clamp_min_(_MIN_NOISE)
 
 
 def _splitmix64(x: int) -> int:
