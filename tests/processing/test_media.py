@@ -7,6 +7,7 @@ import base64
 import io
 import multiprocessing
 import struct
+import threading
 import time
 import zlib
 
@@ -137,6 +138,21 @@ def test_started_workers_serve_the_first_decodes_and_none_start_twice() -> None:
     finally:
         pool.close()
     assert _closed_pool().start_workers() == 0
+
+
+def test_a_decode_during_start_workers_never_makes_the_pool_bigger() -> None:
+    # whichever comes first, the decode and the start share the pool's one place
+    pool = DecodeWorkerPool(num_workers=1, timeout_s=30, max_rss_bytes=0)
+    try:
+        starter = threading.Thread(target=pool.start_workers)
+        starter.start()
+        png = _encode(random_image(40, 30, seed=9))
+        assert pool.decode(png, 10**8).tobytes() == random_image(40, 30, seed=9).tobytes()
+        starter.join(60)
+        assert pool.num_started == 1
+        assert pool.start_workers() == 0
+    finally:
+        pool.close()
 
 
 def test_a_retired_worker_is_started_again_by_start_workers() -> None:

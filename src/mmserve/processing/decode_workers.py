@@ -7,6 +7,7 @@ import multiprocessing
 import queue
 import struct
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -43,6 +44,7 @@ _MAX_PIXELS = struct.Struct("<Q")
 _HEADER = struct.Struct("<IIB")
 _OK = struct.Struct("<IIQ")
 WORKER_START_TIMEOUT_S = 60.0  # a fresh interpreter's imports, on a loaded machine
+_STARTING_POLL_S = 0.01  # how often a decode waiting for a worker being started looks again
 
 
 def _worker_main(conn: Connection) -> None:
@@ -314,19 +316,29 @@ class DecodeWorkerPool:
         self._forget(worker)
 
     def _checkout(self) -> _Worker:
-        try:
-            return self._idle.get_nowait()
-        except queue.Empty:
+        """An idle worker, else a new one while the pool has room; else (the caller holds a
+        slot, so a worker is starting in `start_workers`) wait for that one."""
+        deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+        while True:
             with self._counts_lock:
-                self.num_started += 1
-                self._num_live += 1
-            worker = _Worker(self._ctx)
-            try:
-                worker.wait_ready(WORKER_START_TIMEOUT_S)
-            except RuntimeError:
-                self._forget(worker)
-                raise
-            return worker
+                try:
+                    return self._idle.get_nowait()
+                except queue.Empty:
+                    pass
+                if self._num_live < self.num_workers:
+                    self.num_started += 1
+                    self._num_live += 1
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("image decode worker did not start")
+            time.sleep(_STARTING_POLL_S)
+        worker = _Worker(self._ctx)
+        try:
+            worker.wait_ready(WORKER_START_TIMEOUT_S)
+        except RuntimeError:
+            self._forget(worker)
+            raise
+        return worker
 
     def _forget(self, worker: _Worker) -> None:
         """Kill a worker that will not be used again."""
