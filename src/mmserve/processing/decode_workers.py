@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import queue
 import struct
 import threading
-import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -44,7 +42,6 @@ _MAX_PIXELS = struct.Struct("<Q")
 _HEADER = struct.Struct("<IIB")
 _OK = struct.Struct("<IIQ")
 WORKER_START_TIMEOUT_S = 60.0  # a fresh interpreter's imports, on a loaded machine
-_STARTING_POLL_S = 0.01  # how often a decode waiting for a worker being started looks again
 
 
 def _worker_main(conn: Connection) -> None:
@@ -115,15 +112,12 @@ class _Worker:
         self.process.start()
         child.close()
 
-    def wait_ready(self, timeout_s: float) -> None:
-        """Wait for the worker's READY (its imports done); kill it and raise if none comes."""
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Whether the worker's READY (its imports done) came within `timeout_s`."""
         try:
-            ready = self.conn.poll(timeout_s) and self.conn.recv_bytes() == READY
+            return self.conn.poll(timeout_s) and self.conn.recv_bytes() == READY
         except (EOFError, OSError):
-            ready = False
-        if not ready:
-            self.kill()
-            raise RuntimeError("image decode worker did not start")
+            return False
 
     def recv_reply(self, timeout_s: float, what: str = "image") -> bytes:
         if not self.conn.poll(timeout_s):
@@ -158,8 +152,10 @@ class DecodeWorkerPool:
         self.num_retired = 0
         self._ctx = multiprocessing.get_context("spawn")
         self._slots = threading.BoundedSemaphore(num_workers)
-        self._idle: queue.LifoQueue[_Worker] = queue.LifoQueue()
-        self._counts_lock = threading.Lock()  # num_started, num_retired, _num_live, _closed
+        # Guards the counts, the idle stack and _closed; notified when a worker goes idle or
+        # away (a decode may wait for one that `start_workers` is starting).
+        self._changed = threading.Condition()
+        self._idle: list[_Worker] = []  # a stack: the most recently used worker first
         self._num_live = 0  # workers started and not yet killed (idle, busy or starting)
         self._closed = False
 
@@ -169,28 +165,16 @@ class DecodeWorkerPool:
         core (a fresh interpreter and its imports), which the first images would otherwise
         wait for, on the cores that are serving them. A worker that does not start is logged
         and left to the first decode to start again."""
-        with self._counts_lock:
-            if self._closed:
-                return 0
-            missing = self.num_workers - self._num_live
-            self._num_live += missing
-            self.num_started += missing
-        workers = [_Worker(self._ctx) for _ in range(missing)]
+        with self._changed:
+            missing = 0 if self._closed else self.num_workers - self._num_live
+            self._count_started(missing)
         started = 0
-        for worker in workers:
-            try:
-                worker.wait_ready(timeout_s)
-            except RuntimeError:
+        for worker in [_Worker(self._ctx) for _ in range(missing)]:  # all start at once
+            if not worker.wait_ready(timeout_s):
                 logger.warning("an image decode worker did not start; the first decode retries")
                 self._forget(worker)
-                continue
-            with self._counts_lock:
-                closed = self._closed
-                if not closed:
-                    self._idle.put(worker)
-                    started += 1
-            if closed:  # closed while this one started: close() did not see it
-                self._forget(worker)
+            elif self._keep(worker):
+                started += 1
         return started
 
     def decode(
@@ -300,12 +284,10 @@ class DecodeWorkerPool:
         """Return a worker to the idle stack, or kill it (broken, closed pool, or too big)."""
         over = bool(self.max_rss_bytes) and rss_bytes > self.max_rss_bytes
         if healthy and not over:
-            with self._counts_lock:
-                if not self._closed:
-                    self._idle.put(worker)
-                    return
+            self._keep(worker)
+            return
         if healthy and over:
-            with self._counts_lock:
+            with self._changed:
                 self.num_retired += 1
             logger.info(
                 "retiring an image decode worker at %.0f MiB resident (limit %.0f MiB, "
@@ -318,42 +300,49 @@ class DecodeWorkerPool:
     def _checkout(self) -> _Worker:
         """An idle worker, else a new one while the pool has room; else (the caller holds a
         slot, so a worker is starting in `start_workers`) wait for that one."""
-        deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-        while True:
-            with self._counts_lock:
-                try:
-                    return self._idle.get_nowait()
-                except queue.Empty:
-                    pass
-                if self._num_live < self.num_workers:
-                    self.num_started += 1
-                    self._num_live += 1
-                    break
-            if time.monotonic() > deadline:
+        with self._changed:
+            room = self._changed.wait_for(
+                lambda: self._idle or self._num_live < self.num_workers, WORKER_START_TIMEOUT_S
+            )
+            if not room:
                 raise RuntimeError("image decode worker did not start")
-            time.sleep(_STARTING_POLL_S)
+            if self._idle:
+                return self._idle.pop()
+            self._count_started(1)
         worker = _Worker(self._ctx)
-        try:
-            worker.wait_ready(WORKER_START_TIMEOUT_S)
-        except RuntimeError:
+        if not worker.wait_ready(WORKER_START_TIMEOUT_S):
             self._forget(worker)
-            raise
+            raise RuntimeError("image decode worker did not start")
         return worker
+
+    def _count_started(self, n: int) -> None:
+        """Count `n` workers about to start against the pool's size (`_changed` held)."""
+        self._num_live += n
+        self.num_started += n
+
+    def _keep(self, worker: _Worker) -> bool:
+        """Put a ready worker on the idle stack; a closed pool kills it instead (False)."""
+        with self._changed:
+            if not self._closed:
+                self._idle.append(worker)
+                self._changed.notify()
+                return True
+        self._forget(worker)
+        return False
 
     def _forget(self, worker: _Worker) -> None:
         """Kill a worker that will not be used again."""
         worker.kill()
-        with self._counts_lock:
+        with self._changed:
             self._num_live -= 1
+            self._changed.notify()
 
     def close(self) -> None:
-        with self._counts_lock:
+        with self._changed:
             self._closed = True
-        while True:
-            try:
-                self._forget(self._idle.get_nowait())
-            except queue.Empty:
-                return
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            self._forget(worker)
 
 
 def _parse_header(reply: bytes) -> ImageHeader:
