@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -18,7 +19,7 @@ from mmserve.config.media import SERVER_DECODE_WORKERS
 from mmserve.config.resolved import ResolvedConfig
 from mmserve.engine.factory import build_engine
 from mmserve.engine.frontend.llm_engine import LLMEngine
-from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
+from mmserve.engine.frontend.outputs import OutputKind, RequestOutput, merge_update
 from mmserve.errors import (
     EngineDeadError,
     InternalRequestError,
@@ -56,16 +57,40 @@ class _Abort:
 
 
 class _Stream:
-    """Delivers one request's outputs from the engine thread to its event loop."""
+    """Delivers one request's outputs from the engine thread to its event loop.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    Updates that arrive while the request's reader is busy (writing the last chunk, or waiting
+    for a core) are merged into one (`merge_update`): a server that falls behind sends fewer,
+    larger chunks instead of falling further behind, as vLLM's output collector does. An
+    error is never merged: it comes after the updates before it.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, kind: OutputKind) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.kind = kind
+        self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
+        self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
+        """From any thread."""
         # RuntimeError: the client's loop is closed, nobody is listening any more
         with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.push, item)
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        """On the stream's loop."""
+        last = self._items[-1] if self._items else None
+        if isinstance(last, RequestOutput) and isinstance(item, RequestOutput):
+            self._items[-1] = merge_update(last, item, self.kind)
+        else:
+            self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
 
 
 class AsyncLLMEngine:
@@ -179,7 +204,7 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         if not self._accepting:
             raise ServerShuttingDownError()
-        stream = _Stream(asyncio.get_running_loop())
+        stream = _Stream(asyncio.get_running_loop(), output_kind)
         with self._streams_lock:
             # checked under the lock the dying thread takes to tell every stream: either this
             # stream is told or the death is seen here
@@ -209,7 +234,7 @@ class AsyncLLMEngine:
         while True:
             try:
                 async with asyncio.timeout(LIVENESS_CHECK_S):
-                    return await stream.queue.get()
+                    return await stream.get()
             except TimeoutError:
                 self._raise_if_dead()
 
@@ -314,21 +339,21 @@ class AsyncLLMEngine:
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """Outputs (a step's, or an abort's), with one wake-up of each event loop that waits on
         some of them (not one per output: each wake-up is a write to the loop's self-pipe)."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         with self._streams_lock:
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
-                    batches.setdefault(stream.loop, []).append((stream.queue, out))
+                    batches.setdefault(stream.loop, []).append((stream, out))
         for loop, batch in batches.items():
             # RuntimeError: the client's loop is closed, nobody is listening any more
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_put_all, batch)
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for queue_, item in batch:
-        queue_.put_nowait(item)
+def _put_all(batch: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, item in batch:
+        stream.push(item)
 
 
 def _dead_reason(exc: BaseException) -> str:

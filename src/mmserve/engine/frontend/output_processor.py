@@ -20,6 +20,7 @@ from mmserve.engine.frontend.outputs import (
     OutputKind,
     RequestOutput,
     TokenLogprobs,
+    merge_completion,
 )
 from mmserve.engine.frontend.request_timing import RequestTimes
 from mmserve.errors import FailureKind, RequestFailure
@@ -140,7 +141,9 @@ class OutputProcessor:
             # sequence can have more than one update here: their deltas add up.
             earlier = completions.get(seq.index)
             completions[seq.index] = (
-                completion if earlier is None else _merged(earlier, completion, request.kind)
+                completion
+                if earlier is None
+                else merge_completion(earlier, completion, request.kind)
             )
         for request_id, completions in changed.items():
             output = self._output(request_id, completions)
@@ -331,17 +334,3 @@ class OutputProcessor:
             time.monotonic(), reason, len(request.prompt_token_ids), num_generated
         )
         self._metrics.record_finished(stats)
-
-
-def _merged(
-    earlier: CompletionOutput, later: CompletionOutput, kind: OutputKind
-) -> CompletionOutput:
-    """`later` extended by what `earlier` (the same sequence, earlier in this step) added."""
-    later.delta_text = earlier.delta_text + later.delta_text
-    later.delta_token_ids = (earlier.delta_token_ids or []) + (later.delta_token_ids or [])
-    if kind is OutputKind.DELTA:
-        later.text = earlier.text + later.text
-        later.token_ids = earlier.token_ids + later.token_ids
-        if later.logprobs is not None:
-            later.logprobs = (earlier.logprobs or []) + later.logprobs
-    return later

@@ -81,3 +81,41 @@ class RequestOutput:
     # when the request asked: one entry per prompt token, None for the first (vLLM's shape);
     # a DELTA stream carries it on the first output only
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+def merge_completion(
+    earlier: CompletionOutput, later: CompletionOutput, kind: OutputKind
+) -> CompletionOutput:
+    """`later` extended by what `earlier` (the same sequence's update just before it) added.
+
+    Takes ownership of `later` (updated in place); the counts, finish and cumulative logprob
+    are `later`'s, which come after `earlier`'s.
+    """
+    later.delta_text = earlier.delta_text + later.delta_text
+    later.delta_token_ids = (earlier.delta_token_ids or []) + (later.delta_token_ids or [])
+    if kind is OutputKind.DELTA:
+        later.text = earlier.text + later.text
+        later.token_ids = earlier.token_ids + later.token_ids
+        if earlier.logprobs is not None or later.logprobs is not None:
+            later.logprobs = (earlier.logprobs or []) + (later.logprobs or [])
+    return later
+
+
+def merge_update(earlier: RequestOutput, later: RequestOutput, kind: OutputKind) -> RequestOutput:
+    """One update that says what two consecutive updates of one request said, `earlier`'s
+    first: how a stream whose reader fell behind catches up in one step (vLLM's output
+    collector does the same). Takes ownership of `later` (updated in place).
+
+    Each sequence's `delta_*` parts are joined in order (and, for DELTA, its text, token ids
+    and logprobs); a CUMULATIVE update's text already holds everything so far. A DELTA update
+    holds only the sequences it changed, so one only `earlier` changed is kept, and the prompt
+    logprobs a DELTA stream carries on its first update only are carried over.
+    """
+    by_index = {c.index: c for c in earlier.outputs}
+    for c in later.outputs:
+        before = by_index.get(c.index)
+        by_index[c.index] = c if before is None else merge_completion(before, c, kind)
+    later.outputs = [by_index[i] for i in sorted(by_index)]
+    if later.prompt_logprobs is None:
+        later.prompt_logprobs = earlier.prompt_logprobs
+    return later
