@@ -29,6 +29,7 @@ from mmserve.processing.remote_planning import (
     RemoteImagePlanning,
     remote_modalities,
 )
+from mmserve.processing.resent_images import ResentImageEvicted, ResentImages
 from mmserve.processing.tokenizer import Tokenizer
 from mmserve.processing.video_groups import pad_pieces, plan_stamps, stamp_tokens
 from mmserve.processing.video_inputs import (
@@ -78,18 +79,24 @@ class InputProcessor:
         self.limit_mm_per_prompt = {"video": DEFAULT_VIDEO_LIMIT, **(limit_mm_per_prompt or {})}
         self.cache = cache if cache is not None else ProcessorCache(0)
         self.media_loader = media_loader or MediaLoader()
+        hasher = hasher or Hasher()
+        # Images resent byte for byte skip their decode while their processed form is cached:
+        # a server's (async) path only, and not where nothing is cached or the pool encodes.
+        resent = ResentImages(hasher) if self.cache.enabled and not remote_images else None
         self.items = ItemLoader(
             self.media_loader,
             RemoteImageLoader(self.media_loader, remote_images) if remote_images else None,
+            resent,
         )
         modalities = default_modalities(trust_exif_image_id=trust_exif_image_id)
         self.resolver = ItemResolver(
-            hasher or Hasher(),
+            hasher,
             self.cache,
             model_id=model_id,
             revision=revision,
             trust_exif_image_id=trust_exif_image_id,
             modalities=remote_modalities(modalities) if remote_images else modalities,
+            resent=resent,
         )
         ids = (
             token_ids.image_token_id,
@@ -355,10 +362,18 @@ class InputProcessor:
         prompt, parts = self._render_checked(messages, **render)
         # a bad kwarg fails before any fetch
         cfg = self.request_config(mm_processor_kwargs, media_io_kwargs)
-        loaded = await self.items.aload_parts(parts, cfg, self.media_loader.new_decode_budget())
-        return await asyncio.to_thread(
-            self._process_items, prompt, _items(parts, loaded), cfg, namespace
-        )
+        budget = self.media_loader.new_decode_budget()
+        loaded = await self.items.aload_parts(parts, cfg, budget, namespace)
+        try:
+            return await asyncio.to_thread(
+                self._process_items, prompt, _items(parts, loaded), cfg, namespace
+            )
+        except ResentImageEvicted:
+            # a resent image whose processed form is no longer cached: decode it after all
+            loaded = await self.items.adecode_resent(loaded, budget)
+            return await asyncio.to_thread(
+                self._process_items, prompt, _items(parts, loaded), cfg, namespace
+            )
 
     # ---- helpers ------------------------------------------------------------------------
 

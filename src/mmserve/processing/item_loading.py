@@ -13,6 +13,7 @@ from mmserve.processing.decode_budget import RequestDecodeBudget
 from mmserve.processing.media import MediaLoader
 from mmserve.processing.modalities import ProcessingConfig
 from mmserve.processing.remote_planning import RemoteImage, RemoteImageLoader
+from mmserve.processing.resent_images import EncodedImage, ResentImages, SourcedImage
 from mmserve.processing.video_decode import DecodedVideo
 from mmserve.processing.video_inputs import offline_video
 
@@ -25,10 +26,18 @@ class ItemLoader:
     """Loads each item with the request's decode budget: on the calling thread (offline), or
     concurrently on the event loop (the server)."""
 
-    def __init__(self, media_loader: MediaLoader, remote_loader: RemoteImageLoader | None) -> None:
-        """`remote_loader`: a disaggregated server's images are planned, not decoded."""
+    def __init__(
+        self,
+        media_loader: MediaLoader,
+        remote_loader: RemoteImageLoader | None,
+        resent: ResentImages | None = None,
+    ) -> None:
+        """`remote_loader`: a disaggregated server's images are planned, not decoded.
+        `resent`: the server's images sent again byte for byte are not decoded again
+        (processing/resent_images.py)."""
         self.media_loader = media_loader
         self.remote_loader = remote_loader
+        self.resent = resent if remote_loader is None else None
 
     def load_image(
         self, image: Any, cfg: ProcessingConfig, budget: RequestDecodeBudget
@@ -49,19 +58,38 @@ class ItemLoader:
         return self.load_image(part.source, cfg, budget)
 
     async def aload_parts(
-        self, parts: Sequence[ChatImage], cfg: ProcessingConfig, budget: RequestDecodeBudget
+        self,
+        parts: Sequence[ChatImage],
+        cfg: ProcessingConfig,
+        budget: RequestDecodeBudget,
+        namespace: str,
     ) -> list[Any]:
         """Load every item concurrently; when one fails, stop the others (their fetch slots
-        and decode threads serve other requests instead of a request that already failed)."""
-        tasks = [asyncio.ensure_future(self._aload_part(part, cfg, budget)) for part in parts]
+        and decode threads serve other requests instead of a request that already failed).
+
+        An image whose bytes were decoded before (same namespace and settings) comes back as
+        an `EncodedImage`, any other decoded one as a `SourcedImage` (with `resent`)."""
+        tasks = [
+            asyncio.ensure_future(self._aload_part(part, cfg, budget, namespace)) for part in parts
+        ]
         try:
             return list(await asyncio.gather(*tasks))
         finally:
             for task in tasks:
                 task.cancel()
 
+    async def adecode_resent(self, loaded: list[Any], budget: RequestDecodeBudget) -> list[Any]:
+        """`loaded` with every `EncodedImage` decoded (its processed form was evicted)."""
+
+        async def decoded(item: Any) -> Any:
+            if not isinstance(item, EncodedImage):
+                return item
+            return SourcedImage(await self.media_loader.adecode(item.data, budget), item.digest)
+
+        return list(await asyncio.gather(*(decoded(item) for item in loaded)))
+
     async def _aload_part(
-        self, part: ChatImage, cfg: ProcessingConfig, budget: RequestDecodeBudget
+        self, part: ChatImage, cfg: ProcessingConfig, budget: RequestDecodeBudget, namespace: str
     ) -> Any:
         loader = self.media_loader
         if part.source is None:
@@ -70,4 +98,13 @@ class ItemLoader:
             return await loader.aload_video(part.source, cfg.video, cfg.image, budget)
         if self.remote_loader is not None:
             return await self.remote_loader.aload(part.source, cfg.image, budget)
-        return await loader.aload_image(part.source, budget)
+        if self.resent is None or part.uuid is not None:  # a uuid names the image itself
+            return await loader.aload_image(part.source, budget)
+        read = await loader.aread(part.source, "image")
+        if isinstance(read, Image.Image):
+            return read
+        digest = await asyncio.to_thread(self.resent.digest, read)
+        known = self.resent.lookup(namespace, digest, cfg)
+        if known is not None:
+            return EncodedImage(read, digest, *known)
+        return SourcedImage(await loader.adecode(read, budget), digest)

@@ -18,6 +18,12 @@ from mmserve.processing.modalities import (
     exif_image_id,
 )
 from mmserve.processing.processor_cache import ProcessorCache, UUIDIndex
+from mmserve.processing.resent_images import (
+    EncodedImage,
+    ResentImageEvicted,
+    ResentImages,
+    SourcedImage,
+)
 
 __all__ = ["EXIF_IMAGE_UNIQUE_ID", "EXIF_SUB_IFD", "ItemPlan", "ItemResolver", "exif_image_id"]
 
@@ -27,10 +33,12 @@ class ItemPlan:
     """What processing will do to an item, known from its size alone (no pixels touched)."""
 
     modality: Modality
-    item: Any  # the decoded item, or None for a UUID-only reference
+    # the decoded item, an EncodedImage (bytes decoded before), or None (a UUID-only reference)
+    item: Any
     uuid: str | None
     record: object
     planned: Planned
+    source_digest: str | None = None  # of the bytes a freshly decoded image came from
 
     @property
     def grid_thw(self) -> tuple[int, int, int]:
@@ -76,8 +84,12 @@ class ItemResolver:
         uuid_index: UUIDIndex | None = None,
         trust_exif_image_id: bool = False,
         modalities: dict[str, Modality] | None = None,
+        resent: ResentImages | None = None,
     ) -> None:
+        """`resent`: where a decoded image's identity is remembered for its bytes, and from
+        where an `EncodedImage` came (processing/resent_images.py)."""
         self.hasher = hasher
+        self.resent = resent
         self.trust_exif_image_id = trust_exif_image_id
         self.cache = cache
         self.model_id = model_id
@@ -94,6 +106,9 @@ class ItemResolver:
         modality: str = "image",
     ) -> ItemPlan:
         kind = self.modalities[modality]
+        digest = None
+        if isinstance(item, SourcedImage):
+            item, digest = item.image, item.digest
         if item is None:
             if uuid is None:
                 raise InvalidRequestError(f"a {modality} item has neither data nor a uuid")
@@ -101,11 +116,15 @@ class ItemResolver:
             # a uuid sent before for another modality names nothing of this one
             if record is None or not isinstance(record, kind.record_type):
                 raise _unknown_uuid(modality, uuid)
+        elif isinstance(item, EncodedImage):
+            record = item.record  # what the first decode of these bytes found
         else:
             record = kind.record(item)
-        return ItemPlan(kind, item, uuid, record, kind.plan(record, cfg))
+        return ItemPlan(kind, item, uuid, record, kind.plan(record, cfg), digest)
 
     def identifier(self, plan: ItemPlan, cfg: ProcessingConfig, namespace: str) -> str:
+        if isinstance(plan.item, EncodedImage):
+            return plan.item.identifier  # what the pixels of these bytes were named
         return mm_item_identity(
             self.hasher,
             model_id=self.model_id,
@@ -124,9 +143,13 @@ class ItemResolver:
         if data is None:
             if plan.item is None:
                 raise _unknown_uuid(name, plan.uuid or "")
+            if isinstance(plan.item, EncodedImage):
+                raise ResentImageEvicted(identifier)
             data = plan.modality.process(plan.item, plan.planned, cfg)
             assert data.grid_thw == plan.grid_thw, (data.grid_thw, plan.grid_thw)
             self.cache.put(identifier, data)
+        if plan.source_digest is not None and self.resent is not None and plan.uuid is None:
+            self.resent.remember(namespace, plan.source_digest, cfg, plan.record, identifier)
         if plan.uuid is not None and plan.item is not None:
             self.uuid_index.remember(namespace, plan.uuid, plan.record)
         return ResolvedItem(identifier, name, data, plan.grid_thw, plan.num_tokens)

@@ -63,7 +63,7 @@ class MediaLoader:
         """http(s): fetched on the event loop in the bounded fetch pool. Anything else (data:,
         file://, bytes) is read on a worker thread that no fetch ever holds, so slow media
         servers cannot delay inline images. Then `adecode`: no thread waits for decode memory."""
-        read = await self._aread(source, "image")
+        read = await self.aread(source, "image")
         return read if isinstance(read, Image.Image) else await self.adecode(read, budget)
 
     def read_source(self, source: MediaSource, what: str = "image") -> Image.Image | bytes:
@@ -77,7 +77,9 @@ class MediaLoader:
             allowed_local_media_path=self.config.allowed_local_media_path,
         )
 
-    async def _aread(self, source: MediaSource, what: str) -> Image.Image | bytes:
+    async def aread(self, source: MediaSource, what: str) -> Image.Image | bytes:
+        """`read_source` for the server: http(s) fetched on the event loop in the bounded
+        fetch pool, anything else read on a worker thread."""
         if isinstance(source, str) and url_scheme(source) in ("http", "https"):
             return await self._fetcher.fetch(source, self._max_bytes(what))
         return await asyncio.to_thread(self.read_source, source, what)
@@ -123,7 +125,7 @@ class MediaLoader:
     ) -> DecodedVideo:
         """`load_video` for the server: http(s) on the event loop, decoding on a thread, and
         a wait for decode memory on the event loop, as `adecode` does for images."""
-        data = await self._aread(source, "video")
+        data = await self.aread(source, "video")
         assert isinstance(data, bytes)
 
         def decode(budget: RequestDecodeBudget, reserve: Reserve) -> DecodedVideo:
