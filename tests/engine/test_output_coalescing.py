@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine.frontend.async_engine import AsyncLLMEngine, _Stream
+from mmserve.engine.frontend.async_engine import AsyncLLMEngine
 from mmserve.engine.frontend.output_processor import OutputProcessor
+from mmserve.engine.frontend.output_stream import OutputStream
 from mmserve.engine.frontend.outputs import OutputKind, RequestOutput, merge_update
 from mmserve.errors import InvalidRequestError
 from mmserve.metrics import EngineMetrics
@@ -93,7 +94,7 @@ def test_a_delta_merge_keeps_the_prompt_logprobs_of_the_first_update() -> None:
 @pytest.mark.anyio
 async def test_a_stream_merges_waiting_updates_but_never_an_error() -> None:
     first, second, third = _by_step(OutputKind.DELTA)
-    stream = _Stream(asyncio.get_running_loop(), OutputKind.DELTA)
+    stream = OutputStream(asyncio.get_running_loop(), OutputKind.DELTA)
     error = InvalidRequestError("boom")
     for item in (first, second, error, third):
         stream.push(item)

@@ -69,9 +69,9 @@ def test_the_input_processor_passes_kwargs_through_the_same_check() -> None:
     messages = [{"role": "user", "content": "hi"}]
     # Before: `**kwargs` next to add_generation_prompt=... raised TypeError (a 500).
     with pytest.raises(InvalidRequestError) as info:
-        processor.render_chat(messages, chat_template_kwargs={"add_generation_prompt": False})
+        processor.render_chat_parts(messages, chat_template_kwargs={"add_generation_prompt": False})
     assert info.value.param == "chat_template_kwargs.add_generation_prompt"
-    prompt, _, _ = processor.render_chat(messages, chat_template_kwargs={"add_vision_id": True})
+    prompt, _ = processor.render_chat_parts(messages, chat_template_kwargs={"add_vision_id": True})
     assert prompt.endswith("<|im_start|>assistant\n")
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from mmserve.config.multimodal import MultimodalConfig
 from mmserve.errors import InvalidRequestError, PromptTooLongError, TooManyItemsError
 from mmserve.hashing import DEFAULT_HASH_ALGORITHM, DEFAULT_NAMESPACE, Hasher
-from mmserve.multimodal import EncoderInput, ItemData, ProcessedPrompt
+from mmserve.multimodal import ProcessedPrompt
 from mmserve.processing.chat import ChatImage, check_user_text, parse_chat_messages
 from mmserve.processing.image_processor import ImageProcessorConfig
 from mmserve.processing.item_loading import ImageInput, ItemLoader, VideoInput
@@ -23,7 +23,12 @@ from mmserve.processing.modalities import ProcessingConfig, default_modalities
 from mmserve.processing.mrope import get_mrope_positions
 from mmserve.processing.placeholders import VisionTokenIds, expand_pads, find_mm_pads
 from mmserve.processing.processor_cache import ProcessorCache
-from mmserve.processing.prompt_inputs import PromptItem, parse_generate_input, with_uuids
+from mmserve.processing.prompt_inputs import (
+    PromptItem,
+    chat_items,
+    parse_generate_input,
+    with_uuids,
+)
 from mmserve.processing.remote_planning import (
     RemoteImageLoader,
     RemoteImagePlanning,
@@ -37,6 +42,7 @@ from mmserve.processing.video_inputs import (
     largest_item_tokens,
     load_video_config,
     offline_video,
+    seconds_per_grid_t,
     split_processor_kwargs,
     video_request_kwargs,
 )
@@ -257,7 +263,7 @@ class InputProcessor:
             video_token_id=self.token_ids.video_token_id,
             spatial_merge_size=self.image_config.merge_size,
             video_grid_thw=[f.grid_thw for f in videos_done],
-            second_per_grid_ts=[_seconds_per_grid_t(mm_data[f.identifier]) for f in videos_done],
+            second_per_grid_ts=[seconds_per_grid_t(mm_data[f.identifier]) for f in videos_done],
             tokens_per_second=self.tokens_per_second,
         )
         return ProcessedPrompt(
@@ -292,21 +298,6 @@ class InputProcessor:
             video_uuids=given.uuids.get("video"),
             namespace=namespace,
         )
-
-    def render_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-    ) -> tuple[str, list[Any], list[str | None]]:
-        """Chat messages -> (prompt text, item sources in order, their uuids)."""
-        prompt, parts = self.render_chat_parts(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=chat_template_kwargs,
-        )
-        return prompt, [p.source for p in parts], [p.uuid for p in parts]
 
     def render_chat_parts(
         self,
@@ -346,7 +337,7 @@ class InputProcessor:
         cfg = self.request_config(mm_processor_kwargs, media_io_kwargs)
         budget = self.media_loader.new_decode_budget()
         loaded = [self.items.load_part(part, cfg, budget) for part in parts]
-        return self._process_items(prompt, _items(parts, loaded), cfg, namespace)
+        return self._process_items(prompt, chat_items(parts, loaded), cfg, namespace)
 
     async def aprocess_chat(
         self,
@@ -366,13 +357,13 @@ class InputProcessor:
         loaded = await self.items.aload_parts(parts, cfg, budget, namespace)
         try:
             return await asyncio.to_thread(
-                self._process_items, prompt, _items(parts, loaded), cfg, namespace
+                self._process_items, prompt, chat_items(parts, loaded), cfg, namespace
             )
         except ResentImageEvicted:
             # a resent image whose processed form is no longer cached: decode it after all
             loaded = await self.items.adecode_resent(loaded, budget)
             return await asyncio.to_thread(
-                self._process_items, prompt, _items(parts, loaded), cfg, namespace
+                self._process_items, prompt, chat_items(parts, loaded), cfg, namespace
             )
 
     # ---- helpers ------------------------------------------------------------------------
@@ -402,12 +393,3 @@ class InputProcessor:
     def check_prompt_text(self, text: str) -> None:
         """Refuse raw text (e.g. /v1/completions) that spells a vision token without an item."""
         check_user_text(text, self.reserved_tokens, "prompt")
-
-
-def _items(parts: Sequence[ChatImage], loaded: Sequence[Any]) -> list[PromptItem]:
-    return [PromptItem(p.modality, x, p.uuid) for p, x in zip(parts, loaded, strict=True)]
-
-
-def _seconds_per_grid_t(data: ItemData) -> float:
-    """A video's seconds per temporal patch (1.0 where the item does not say)."""
-    return (data.second_per_grid_t or 1.0) if isinstance(data, EncoderInput) else 1.0

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 from PIL import Image
 
 from mmserve.errors import InvalidRequestError
-from mmserve.processing.chat import check_media_uuid
+from mmserve.processing.chat import ChatImage, check_media_uuid
 from mmserve.processing.video_decode import DecodedVideo
 
 
@@ -73,6 +73,11 @@ class PromptItem(NamedTuple):
     modality: str
     data: Any
     uuid: str | None
+
+
+def chat_items(parts: Sequence[ChatImage], loaded: Sequence[Any]) -> list[PromptItem]:
+    """A chat's parts with what loading them gave (in the same order) as prompt items."""
+    return [PromptItem(p.modality, x, p.uuid) for p, x in zip(parts, loaded, strict=True)]
 
 
 class GenerateInput(NamedTuple):

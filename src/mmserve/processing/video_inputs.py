@@ -20,6 +20,7 @@ from PIL import Image
 
 from mmserve.config.media import DEFAULT_MAX_VIDEO_FPS, VideoLimits
 from mmserve.errors import InvalidRequestError, VideoTooLargeError
+from mmserve.multimodal import EncoderInput
 from mmserve.processing.decode_budget import RequestDecodeBudget
 from mmserve.processing.image_processor import (
     OVERRIDABLE_KEYS,
@@ -304,3 +305,8 @@ def _read_path(path: Path, max_bytes: int) -> bytes:
             param="multi_modal_data",
         )
     return data
+
+
+def seconds_per_grid_t(data: object) -> float:
+    """A video item's seconds per temporal patch (1.0 where the item does not say)."""
+    return (data.second_per_grid_t or 1.0) if isinstance(data, EncoderInput) else 1.0

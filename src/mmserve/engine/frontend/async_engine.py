@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -19,7 +18,8 @@ from mmserve.config.media import SERVER_DECODE_WORKERS
 from mmserve.config.resolved import ResolvedConfig
 from mmserve.engine.factory import build_engine
 from mmserve.engine.frontend.llm_engine import LLMEngine
-from mmserve.engine.frontend.outputs import OutputKind, RequestOutput, merge_update
+from mmserve.engine.frontend.output_stream import OutputStream
+from mmserve.engine.frontend.outputs import OutputKind, RequestOutput
 from mmserve.errors import (
     EngineDeadError,
     InternalRequestError,
@@ -56,43 +56,6 @@ class _Abort:
     request_id: str
 
 
-class _Stream:
-    """Delivers one request's outputs from the engine thread to its event loop.
-
-    Updates that arrive while the request's reader is busy (writing the last chunk, or waiting
-    for a core) are merged into one (`merge_update`): a server that falls behind sends fewer,
-    larger chunks instead of falling further behind, as vLLM's output collector does. An
-    error is never merged: it comes after the updates before it.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, kind: OutputKind) -> None:
-        self.loop = loop
-        self.kind = kind
-        self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
-        self._ready = asyncio.Event()
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """From any thread."""
-        # RuntimeError: the client's loop is closed, nobody is listening any more
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.push, item)
-
-    def push(self, item: RequestOutput | BaseException) -> None:
-        """On the stream's loop."""
-        last = self._items[-1] if self._items else None
-        if isinstance(last, RequestOutput) and isinstance(item, RequestOutput):
-            self._items[-1] = merge_update(last, item, self.kind)
-        else:
-            self._items.append(item)
-        self._ready.set()
-
-    async def get(self) -> RequestOutput | BaseException:
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        return self._items.popleft()
-
-
 class AsyncLLMEngine:
     """Implements `mmserve.engine.frontend.protocol.EngineClient` over one `LLMEngine`.
 
@@ -122,7 +85,7 @@ class AsyncLLMEngine:
         self.replica_states = engine.replica_states  # read from any thread (for /health)
         self.tokenizer = engine.input_processor.tokenizer
         self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._streams_lock = threading.Lock()
         self._stop = threading.Event()
         self._accepting = True
@@ -204,7 +167,7 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         if not self._accepting:
             raise ServerShuttingDownError()
-        stream = _Stream(asyncio.get_running_loop(), output_kind)
+        stream = OutputStream(asyncio.get_running_loop(), output_kind)
         with self._streams_lock:
             # checked under the lock the dying thread takes to tell every stream: either this
             # stream is told or the death is seen here
@@ -230,7 +193,7 @@ class AsyncLLMEngine:
             with self._streams_lock:
                 self._streams.pop(request_id, None)
 
-    async def _next_item(self, stream: _Stream) -> RequestOutput | BaseException:
+    async def _next_item(self, stream: OutputStream) -> RequestOutput | BaseException:
         while True:
             try:
                 async with asyncio.timeout(LIVENESS_CHECK_S):
@@ -339,7 +302,7 @@ class AsyncLLMEngine:
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """Outputs (a step's, or an abort's), with one wake-up of each event loop that waits on
         some of them (not one per output: each wake-up is a write to the loop's self-pipe)."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, RequestOutput]]] = {}
         with self._streams_lock:
             for out in outputs:
                 stream = self._streams.get(out.request_id)
@@ -351,7 +314,7 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(_put_all, batch)
 
 
-def _put_all(batch: list[tuple[_Stream, RequestOutput]]) -> None:
+def _put_all(batch: list[tuple[OutputStream, RequestOutput]]) -> None:
     for stream, item in batch:
         stream.push(item)
 
