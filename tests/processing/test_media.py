@@ -6,6 +6,8 @@ import asyncio
 import base64
 import io
 import multiprocessing
+import os
+import socket
 import struct
 import threading
 import time
@@ -18,6 +20,7 @@ from mmserve.config.media import MediaConfig
 from mmserve.errors import ImageDecodeError, ImageTooLargeError, MediaError
 from mmserve.processing.decode_workers import DecodeWorkerPool
 from mmserve.processing.media import MediaLoader
+from mmserve.processing.worker_protocol import SOCKET_BUFFER_BYTES, widen_socket_buffers
 from tests.support.factory import flat_png, random_image
 
 
@@ -118,6 +121,50 @@ def test_decode_pool_decodes_and_closes() -> None:
             loader.load_image(_png_claiming(60000, 60000))
     with pytest.raises(RuntimeError, match="closed"):
         _closed_pool().decode(png, 100)
+
+
+def _kernel_limit(name: str) -> int | None:
+    try:
+        return int(open(f"/proc/sys/net/core/{name}").read())
+    except OSError:
+        return None
+
+
+def test_worker_connections_ask_for_socket_buffers_an_image_fits_in() -> None:
+    """A decoded image crosses in one fill where the kernel allows, not in many wake-ups."""
+    wmem, rmem = _kernel_limit("wmem_max"), _kernel_limit("rmem_max")
+    if wmem is None or rmem is None:
+        pytest.skip("no Linux socket buffer limits to compare with")
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    defaults = [_buffers(end) for end in (parent, child)]
+    for end in (parent, child):
+        widen_socket_buffers(end)
+    # Linux grants min(asked, its limit) and doubles it (its bookkeeping)
+    expected = (2 * min(SOCKET_BUFFER_BYTES, wmem), 2 * min(SOCKET_BUFFER_BYTES, rmem))
+    try:
+        if any(e < d for e, d in zip(expected, defaults[0], strict=True)):
+            pytest.skip("this kernel's limits are below its own defaults")
+        for end in (parent, child):
+            assert _buffers(end) == expected
+    finally:
+        parent.close()
+        child.close()
+    # and a pool's workers decode through such connections
+    pool = DecodeWorkerPool(num_workers=1, timeout_s=30, max_rss_bytes=0)
+    try:
+        image = random_image(640, 480, seed=12)  # 900 KB of pixels: more than one default fill
+        assert pool.decode(_encode(image), 10**8).tobytes() == image.tobytes()
+    finally:
+        pool.close()
+
+
+def _buffers(end) -> tuple[int, int]:
+    sock = socket.socket(fileno=os.dup(end.fileno()))
+    with sock:
+        return (
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
+        )
 
 
 def _closed_pool() -> DecodeWorkerPool:

@@ -34,6 +34,7 @@ from mmserve.processing.worker_protocol import (
     resident_bytes,
     send_error,
     send_ok,
+    widen_socket_buffers,
 )
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,8 @@ class _Worker:
 
     def __init__(self, ctx: multiprocessing.context.BaseContext) -> None:
         self.conn, child = ctx.Pipe()
+        for end in (self.conn, child):  # one socket each: its options go with it to the child
+            widen_socket_buffers(end)
         self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
         self.process.start()
         child.close()
