@@ -187,7 +187,8 @@ def test_without_a_processor_cache_there_is_no_memo(
 
 
 def test_the_memo_is_bounded_and_forgets_the_least_recently_used() -> None:
-    memo = ResentImages(Hasher(), max_entries=2)
+    memo = ResentImages(Hasher())
+    memo = ResentImages(Hasher(), capacity_bytes=2 * memo.entry_bytes("ns"))  # room for two
     cfg = ProcessingConfig(ImageProcessorConfig(), VideoConfig())
     record = UUIDRecord(width=4, height=4, mode="RGB")
     digests = [memo.digest(bytes([i])) for i in range(3)]

@@ -37,7 +37,7 @@ class ItemLoader:
         (processing/resent_images.py)."""
         self.media_loader = media_loader
         self.remote_loader = remote_loader
-        self.resent = resent if remote_loader is None else None
+        self.resent = resent
 
     def load_image(
         self, image: Any, cfg: ProcessingConfig, budget: RequestDecodeBudget

@@ -17,18 +17,17 @@ computed from the pixels, which every copy would compute again.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from mmserve.hashing import Hasher
 from mmserve.processing.modalities import ProcessingConfig
-from mmserve.processing.processor_cache import UUIDRecord
+from mmserve.processing.processor_cache import UUIDIndex, UUIDRecord
 
-# What the memo remembers at most: an entry (key, record, identity) is under 1 KiB, so ~12 MiB
-# at most, for more images than the default processor cache holds.
-MAX_ENTRIES = 16_384
+# The memo's budget, counted as the uuid index counts (namespace, key, a fixed overhead):
+# ~550 bytes an entry, so about 15,000 files.
+RESENT_INDEX_BYTES = 8 << 20
 SOURCE_DOMAIN = "mm-source/v1"
+SETTINGS_DOMAIN = "mm-source-settings/v1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,36 +55,29 @@ class ResentImageEvicted(Exception):
 
 class ResentImages:
     """The memo: (namespace, digest of the bytes, image processor settings) -> (record,
-    identity).
-
-    Bounded (least recently used leaves first); thread-safe (requests are processed on
-    worker threads).
+    identity), kept in a `UUIDIndex` (LRU, bounded in bytes, thread-safe) under a key that
+    digests the bytes and every setting.
     """
 
-    def __init__(self, hasher: Hasher, max_entries: int = MAX_ENTRIES) -> None:
-        if max_entries <= 0:
-            raise ValueError(f"max_entries must be > 0, got {max_entries}")
+    def __init__(self, hasher: Hasher, capacity_bytes: int = RESENT_INDEX_BYTES) -> None:
         self.hasher = hasher
-        self.max_entries = max_entries
-        self._entries: OrderedDict[tuple, tuple[UUIDRecord, str]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._index = UUIDIndex(capacity_bytes)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._index)
 
     def digest(self, data: bytes) -> str:
         return self.hasher.digest(SOURCE_DOMAIN, [data])
+
+    def entry_bytes(self, namespace: str) -> int:
+        """What one entry costs the budget (every key has the same length)."""
+        return UUIDIndex.entry_bytes(namespace, "0" * (2 * len(self.digest(b"")) + 1))
 
     def lookup(
         self, namespace: str, digest: str, cfg: ProcessingConfig
     ) -> tuple[UUIDRecord, str] | None:
         """(record, identifier) of these bytes under this namespace and these settings."""
-        key = (namespace, digest, cfg.image)
-        with self._lock:
-            found = self._entries.get(key)
-            if found is not None:
-                self._entries.move_to_end(key)
-            return found
+        return self._index.lookup(namespace, self._key(digest, cfg))  # type: ignore[return-value]
 
     def remember(
         self,
@@ -95,9 +87,8 @@ class ResentImages:
         record: UUIDRecord,
         identifier: str,
     ) -> None:
-        key = (namespace, digest, cfg.image)
-        with self._lock:
-            self._entries[key] = (record, identifier)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+        self._index.remember(namespace, self._key(digest, cfg), (record, identifier))
+
+    def _key(self, digest: str, cfg: ProcessingConfig) -> str:
+        # the whole image config (frozen dataclass: its repr lists every field, floats exactly)
+        return f"{digest}/{self.hasher.digest(SETTINGS_DOMAIN, [repr(cfg.image)])}"
