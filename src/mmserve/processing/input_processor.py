@@ -22,6 +22,7 @@ from mmserve.processing.media import MediaLoader
 from mmserve.processing.modalities import ProcessingConfig, default_modalities
 from mmserve.processing.mrope import get_mrope_positions
 from mmserve.processing.placeholders import VisionTokenIds, expand_pads, find_mm_pads
+from mmserve.processing.processing_turns import ProcessingTurns
 from mmserve.processing.processor_cache import ProcessorCache
 from mmserve.processing.prompt_inputs import (
     PromptItem,
@@ -89,6 +90,8 @@ class InputProcessor:
         # Images resent byte for byte skip their decode while their processed form is cached:
         # a server's (async) path only, and not where nothing is cached or the pool encodes.
         resent = ResentImages(hasher) if self.cache.enabled and not remote_images else None
+        # requests in their CPU stages at once: one per decode worker (at least one)
+        self.turns = ProcessingTurns(max(1, self.media_loader.config.decode_workers))
         self.items = ItemLoader(
             self.media_loader,
             RemoteImageLoader(self.media_loader, remote_images) if remote_images else None,
@@ -348,23 +351,25 @@ class InputProcessor:
         media_io_kwargs: Mapping[str, Any] | None = None,
         **render: Any,
     ) -> ProcessedPrompt:
-        """HTTP chat: media fetched concurrently, CPU work off the event loop. `render`:
-        `render_chat_parts`' keywords (add_generation_prompt, continue_final_message, ...)."""
+        """HTTP chat: media fetched concurrently, then CPU work off the loop in the request's
+        turn (processing_turns.py). `render`: `render_chat_parts`' keywords."""
         prompt, parts = self._render_checked(messages, **render)
         # a bad kwarg fails before any fetch
         cfg = self.request_config(mm_processor_kwargs, media_io_kwargs)
         budget = self.media_loader.new_decode_budget()
-        loaded = await self.items.aload_parts(parts, cfg, budget, namespace)
-        try:
-            return await asyncio.to_thread(
-                self._process_items, prompt, chat_items(parts, loaded), cfg, namespace
-            )
-        except ResentImageEvicted:
-            # a resent image whose processed form is no longer cached: decode it after all
-            loaded = await self.items.adecode_resent(loaded, budget)
-            return await asyncio.to_thread(
-                self._process_items, prompt, chat_items(parts, loaded), cfg, namespace
-            )
+        reads = await self.items.aread_parts(parts, cfg, budget)
+        async with self.turns.turn():
+            loaded = await self.items.adecode_parts(parts, reads, cfg, budget, namespace)
+            try:
+                return await asyncio.to_thread(
+                    self._process_items, prompt, chat_items(parts, loaded), cfg, namespace
+                )
+            except ResentImageEvicted:
+                # a resent image whose processed form is no longer cached: decode it after all
+                loaded = await self.items.adecode_resent(loaded, budget)
+                return await asyncio.to_thread(
+                    self._process_items, prompt, chat_items(parts, loaded), cfg, namespace
+                )
 
     # ---- helpers ------------------------------------------------------------------------
 

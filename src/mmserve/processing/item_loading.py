@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from PIL import Image
@@ -57,26 +57,32 @@ class ItemLoader:
             return offline_video(part.source, self.media_loader, cfg, budget)
         return self.load_image(part.source, cfg, budget)
 
-    async def aload_parts(
+    async def aread_parts(
+        self, parts: Sequence[ChatImage], cfg: ProcessingConfig, budget: RequestDecodeBudget
+    ) -> list[Any]:
+        """The server's first phase, I/O: every item's bytes (http(s) fetched, data: and file
+        media read; a disaggregated server's images planned for the pool), concurrently.
+        `adecode_parts` then does the CPU work, in the request's processing turn."""
+        return await _all_or_none([self._aread_part(part, cfg, budget) for part in parts])
+
+    async def adecode_parts(
         self,
         parts: Sequence[ChatImage],
+        reads: Sequence[Any],
         cfg: ProcessingConfig,
         budget: RequestDecodeBudget,
         namespace: str,
     ) -> list[Any]:
-        """Load every item concurrently; when one fails, stop the others (their fetch slots
-        and decode threads serve other requests instead of a request that already failed).
+        """The second phase, CPU: `aread_parts`' bytes decoded, concurrently.
 
         An image whose bytes were decoded before (same namespace and settings) comes back as
         an `EncodedImage`, any other decoded one as a `SourcedImage` (with `resent`)."""
-        tasks = [
-            asyncio.ensure_future(self._aload_part(part, cfg, budget, namespace)) for part in parts
-        ]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:
-                task.cancel()
+        return await _all_or_none(
+            [
+                self._adecode_part(part, read, cfg, budget, namespace)
+                for part, read in zip(parts, reads, strict=True)
+            ]
+        )
 
     async def adecode_resent(self, loaded: list[Any], budget: RequestDecodeBudget) -> list[Any]:
         """`loaded` with every `EncodedImage` decoded (its processed form was evicted)."""
@@ -88,23 +94,45 @@ class ItemLoader:
 
         return list(await asyncio.gather(*(decoded(item) for item in loaded)))
 
-    async def _aload_part(
-        self, part: ChatImage, cfg: ProcessingConfig, budget: RequestDecodeBudget, namespace: str
+    async def _aread_part(
+        self, part: ChatImage, cfg: ProcessingConfig, budget: RequestDecodeBudget
     ) -> Any:
-        loader = self.media_loader
         if part.source is None:
             return None
         if part.modality == "video":
-            return await loader.aload_video(part.source, cfg.video, cfg.image, budget)
+            return await self.media_loader.aread(part.source, "video")
         if self.remote_loader is not None:
             return await self.remote_loader.aload(part.source, cfg.image, budget)
-        if self.resent is None or part.uuid is not None:  # a uuid names the image itself
-            return await loader.aload_image(part.source, budget)
-        read = await loader.aread(part.source, "image")
-        if isinstance(read, Image.Image):
+        return await self.media_loader.aread(part.source, "image")
+
+    async def _adecode_part(
+        self,
+        part: ChatImage,
+        read: Any,
+        cfg: ProcessingConfig,
+        budget: RequestDecodeBudget,
+        namespace: str,
+    ) -> Any:
+        loader = self.media_loader
+        if not isinstance(read, bytes):  # nothing to decode: None, a PIL image, a pool plan
             return read
+        if part.modality == "video":
+            return await loader.adecode_video(read, cfg.video, cfg.image, budget)
+        if self.resent is None or part.uuid is not None:  # a uuid names the image itself
+            return await loader.adecode(read, budget)
         digest = await asyncio.to_thread(self.resent.digest, read)
         known = self.resent.lookup(namespace, digest, cfg)
         if known is not None:
             return EncodedImage(read, digest, *known)
         return SourcedImage(await loader.adecode(read, budget), digest)
+
+
+async def _all_or_none(coros: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+    """Every result, concurrently; when one fails, the others stop (their fetch slots and
+    decode threads serve other requests instead of a request that already failed)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()

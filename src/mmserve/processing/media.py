@@ -116,17 +116,15 @@ class MediaLoader:
         budget = budget if budget is not None else self.new_decode_budget()
         return self._decode_video(data, cfg, image_cfg, budget, self.decode_gate.reserve)
 
-    async def aload_video(
+    async def adecode_video(
         self,
-        source: MediaSource,
+        data: bytes,
         cfg: VideoConfig,
         image_cfg: ImageProcessorConfig,
         budget: RequestDecodeBudget | None = None,
     ) -> DecodedVideo:
-        """`load_video` for the server: http(s) on the event loop, decoding on a thread, and
+        """`load_video` for the server, once `aread` has the bytes: decoding on a thread, and
         a wait for decode memory on the event loop, as `adecode` does for images."""
-        data = await self.aread(source, "video")
-        assert isinstance(data, bytes)
 
         def decode(budget: RequestDecodeBudget, reserve: Reserve) -> DecodedVideo:
             return self._decode_video(data, cfg, image_cfg, budget, reserve)
