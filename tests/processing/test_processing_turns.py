@@ -89,6 +89,43 @@ def test_a_request_that_leaves_the_queue_gives_its_place_up() -> None:
     assert order == ["holder", "after"]
 
 
+@pytest.mark.parametrize(
+    ("modalities", "waits"),
+    [([], False), (["video"], False), (["image", "video"], False), (["image", "image"], True)],
+)
+def test_only_requests_with_images_and_no_video_take_turns(
+    modalities: list[str], waits: bool
+) -> None:
+    """Text alone has nothing costly to order; a video's decode would hold the queue."""
+    turns = ProcessingTurns(1)
+
+    async def main() -> bool:
+        held, release = asyncio.Event(), asyncio.Event()
+
+        async def holder() -> None:
+            async with turns.turn(["image"]):
+                held.set()
+                await release.wait()
+
+        first = asyncio.ensure_future(holder())
+        await held.wait()
+        entered = asyncio.Event()
+
+        async def other() -> None:
+            async with turns.turn(modalities):
+                entered.set()
+
+        second = asyncio.ensure_future(other())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        went_at_once = entered.is_set()
+        release.set()
+        await asyncio.gather(first, second)
+        return went_at_once
+
+    assert asyncio.run(main()) is not waits
+
+
 def test_turns_serve_one_event_loop_after_another() -> None:
     """An asyncio.Semaphore belongs to the first loop that waits on it; each loop gets its own."""
     turns = ProcessingTurns(1)

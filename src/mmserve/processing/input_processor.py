@@ -358,7 +358,7 @@ class InputProcessor:
         cfg = self.request_config(mm_processor_kwargs, media_io_kwargs)
         budget = self.media_loader.new_decode_budget()
         reads = await self.items.aread_parts(parts, cfg, budget)
-        async with self.turns.turn():
+        async with self.turns.turn(part.modality for part in parts):
             loaded = await self.items.adecode_parts(parts, reads, cfg, budget, namespace)
             try:
                 return await asyncio.to_thread(

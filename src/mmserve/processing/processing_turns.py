@@ -12,7 +12,10 @@ cores the median TTFT fell by 10-15%; benchmarks/RESULTS.md).
 A turn covers the CPU stages only. A request fetches its http(s) media (and reads data:
 and file media) before it queues, so a slow media server never holds a turn, and a request
 that goes away while it waits leaves the queue (asyncio.Semaphore wakes waiters first come,
-first served and skips cancelled ones).
+first served and skips cancelled ones). Only requests with images take turns: one without
+media has nothing costly to order (tokenizing is microseconds), and a video's decode can take
+seconds, which would hold every image request behind it (videos are bounded by the decode
+workers, as before).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
 
@@ -38,8 +41,14 @@ class ProcessingTurns:
         self._lock = threading.Lock()
 
     @asynccontextmanager
-    async def turn(self) -> AsyncIterator[None]:
-        """Wait for a turn (first come, first served), hold it for the block."""
+    async def turn(self, modalities: Iterable[str] = ("image",)) -> AsyncIterator[None]:
+        """Wait for a turn (first come, first served) and hold it for the block, if the
+        request's items (`modalities`, one per item) are images and at least one; else go
+        at once (module docstring)."""
+        kinds = set(modalities)
+        if kinds != {"image"}:
+            yield
+            return
         loop = asyncio.get_running_loop()
         with self._lock:
             semaphore = self._by_loop.get(loop)
