@@ -41,5 +41,5 @@ class RequestState:
         if end > num_prompt:
             first = max(start, num_prompt)
             row = np.arange(first, end, dtype=np.int64) + p.mrope_position_delta
-            parts.append(np.broadcast_to(row, (3, end - first)))
+            parts.append(row[None, :].repeat(3, axis=0))  # text: equal on all three axes
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)

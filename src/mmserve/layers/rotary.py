@@ -91,21 +91,31 @@ class MRotaryEmbedding(nn.Module):
         self.theta = theta
         self.mrope_section = tuple(mrope_section)
         self.interleaved = interleaved
+        # device -> (inv_freq, axis): made once per device, not per step (float32 whatever
+        # the model's dtype: plain attributes, which `.to()` leaves alone)
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [3, num_tokens] (or [num_tokens], text) -> cos, sin [num_tokens, head_dim]."""
         if positions.dim() == 1:
             positions = positions.unsqueeze(0).expand(3, -1)
-        inv_freq = _inv_freq(self.head_dim, self.theta, positions.device)
+        inv_freq, axis = self._device_tables(positions.device)
         # [3, num_tokens, head_dim / 2]: the angle of every frequency on every axis
         freqs = positions.float().unsqueeze(-1) * inv_freq
-        # [head_dim / 2]: which axis drives each frequency. Filled on the device: a host list
-        # copied here would sync the device and break a CUDA graph's capture.
-        axis = self._axis(positions.device)
         index = axis.view(1, 1, -1).expand(1, freqs.shape[1], -1)
         freqs = freqs.gather(0, index).squeeze(0)  # [num_tokens, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
+
+    def _device_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """inv_freq [head_dim / 2] and which axis drives each frequency [head_dim / 2], made
+        on `device` the first time it asks. Filled on the device: a host list copied here
+        would sync the device and break a CUDA graph's capture."""
+        tables = self._tables.get(device)
+        if tables is None:
+            inv_freq = _inv_freq(self.head_dim, self.theta, device)
+            tables = self._tables[device] = (inv_freq, self._axis(device))
+        return tables
 
     def _axis(self, device: torch.device) -> torch.Tensor:
         """`mrope_axes` as a [head_dim / 2] tensor made on `device` (no host copy)."""
@@ -133,10 +143,14 @@ class VisionRotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
+        self._inv_freqs: dict[torch.device, torch.Tensor] = {}  # as MRotaryEmbedding._tables
 
     def forward(self, hw_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hw_positions [num_patches, 2] (row, col) -> cos, sin [num_patches, head_dim]."""
-        inv_freq = _inv_freq(self.head_dim // 2, self.theta, hw_positions.device)
+        device = hw_positions.device
+        inv_freq = self._inv_freqs.get(device)
+        if inv_freq is None:
+            inv_freq = self._inv_freqs[device] = _inv_freq(self.head_dim // 2, self.theta, device)
         # [num_patches, 2, head_dim / 4] -> [num_patches, head_dim / 2]
         freqs = (hw_positions.float().unsqueeze(-1) * inv_freq).flatten(1)
         emb = torch.cat((freqs, freqs), dim=-1)

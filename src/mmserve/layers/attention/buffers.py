@@ -5,6 +5,7 @@ with one non-blocking copy per buffer, so no step allocates a tensor for its met
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,20 +27,20 @@ class StagedBuffer:
 
     def host_view(self, *shape: int) -> np.ndarray:
         """The first prod(shape) host elements as a writable numpy array of `shape`."""
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         assert n <= self.num_elements, f"{n} elements exceed the buffer's {self.num_elements}"
         return self._host_np[:n].reshape(shape)
 
     def push(self, *shape: int) -> torch.Tensor:
         """Send the first prod(shape) host elements; their device view of `shape`."""
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         if self.device is None:
             return self.host[:n].view(shape)
         self.device[:n].copy_(self.host[:n], non_blocking=True)
         return self.device[:n].view(shape)
 
     def device_view(self, *shape: int) -> torch.Tensor:
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         return (self.host if self.device is None else self.device)[:n].view(shape)
 
 
