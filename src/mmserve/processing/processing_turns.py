@@ -6,8 +6,8 @@ tokenizing. Started all at once, they share the cores and every one of them fini
 about the time the last one would have; the engine has nothing to start on until then.
 Taking turns, at most `count` requests at a time in arrival order, the first ones finish
 early and the engine runs their encoder and prefill while later ones are processed: the
-work is the same, the early requests' first tokens come sooner (at concurrency 16 on two
-cores the median TTFT fell by 10-15%; benchmarks/RESULTS.md).
+work is the same, the early requests' first tokens come sooner (in A/B runs at concurrency 16
+on two cores the median TTFT fell by 10-15%; benchmarks/RESULTS.md).
 
 A turn covers the CPU stages only. A request fetches its http(s) media (and reads data:
 and file media) before it queues, so a slow media server never holds a turn, and a request
