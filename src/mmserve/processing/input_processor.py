@@ -90,8 +90,7 @@ class InputProcessor:
         # Images resent byte for byte skip their decode while their processed form is cached:
         # a server's (async) path only, and not where nothing is cached or the pool encodes.
         resent = ResentImages(hasher) if self.cache.enabled and not remote_images else None
-        # requests in their CPU stages at once: one per decode worker (at least one)
-        self.turns = ProcessingTurns(max(1, self.media_loader.config.decode_workers))
+        self.turns = ProcessingTurns.for_decoding(self.media_loader.config.decode_workers)
         self.items = ItemLoader(
             self.media_loader,
             RemoteImageLoader(self.media_loader, remote_images) if remote_images else None,

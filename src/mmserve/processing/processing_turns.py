@@ -4,10 +4,11 @@ Requests that arrive together (a burst, or a closed-loop client whose requests f
 together) all want the same CPU stages: decoding, resizing, patchifying, hashing,
 tokenizing. Started all at once, they share the cores and every one of them finishes at
 about the time the last one would have; the engine has nothing to start on until then.
-Taking turns, at most `count` requests at a time in arrival order, the first ones finish
-early and the engine runs their encoder and prefill while later ones are processed: the
-work is the same, the early requests' first tokens come sooner (in A/B runs at concurrency 16
-on two cores the median TTFT fell by 10-15%; benchmarks/RESULTS.md).
+Taking turns, at most `count` requests at a time (a server: one per CPU it may run on) in
+arrival order, the first ones finish early and the engine runs their encoder and prefill
+while later ones are processed: the work is the same, the early requests' first tokens come
+sooner (in A/B runs at concurrency 16 on two cores the median TTFT fell by 10-15%;
+benchmarks/RESULTS.md).
 
 A turn covers the CPU stages only. A request fetches its http(s) media (and reads data:
 and file media) before it queues, so a slow media server never holds a turn, and a request
@@ -26,10 +27,19 @@ import weakref
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
+from mmserve.cpu_threads import usable_cpus
+
 
 class ProcessingTurns:
     """At most `count` requests in their CPU stages at once, the others waiting in arrival
     order. Usable from any number of event loops (each has its own queue)."""
+
+    @classmethod
+    def for_decoding(cls, decode_workers: int) -> ProcessingTurns:
+        """A server's turns (decoding in `decode_workers` processes): one per CPU this process
+        may run on, as many requests as can work at once without sharing a core; decoding
+        in-process (the offline API, tests): one."""
+        return cls(usable_cpus() if decode_workers else 1)
 
     def __init__(self, count: int) -> None:
         if count < 1:
