@@ -19,6 +19,7 @@ from urllib.parse import urljoin
 import httpx
 
 from mmserve.errors import MediaError, MediaFetchBusyError, MediaFetchRefusedError
+from mmserve.processing.loop_semaphore import LoopSemaphore
 from mmserve.processing.url_guard import (
     AllowedHost,
     IPAddress,
@@ -96,13 +97,13 @@ class AsyncFetcher:
         self.max_concurrent = max_concurrent
         self._resolver = resolver
         self._dns = ThreadPoolExecutor(max_concurrent, thread_name_prefix="mmserve-dns")
-        self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
+        self._slots = LoopSemaphore(max_concurrent)
 
     async def fetch(self, url: str, max_bytes: int | None = None) -> bytes:
         """GET `url`; waits at most `timeout_s` for a free slot, then at most `timeout_s` more.
         `max_bytes`: this fetch's byte cap instead of the policy's (videos have their own)."""
         policy = self.policy if max_bytes is None else replace(self.policy, max_bytes=max_bytes)
-        slots = self._semaphore()
+        slots = self._slots.get()
         timeout_s = self.policy.timeout_s
         try:
             async with asyncio.timeout(timeout_s):
@@ -124,14 +125,6 @@ class AsyncFetcher:
 
     def close(self) -> None:
         self._dns.shutdown(wait=False, cancel_futures=True)
-
-    def _semaphore(self) -> asyncio.Semaphore:
-        # An asyncio.Semaphore belongs to one event loop; the server has one, but a caller may
-        # drive this fetcher from successive asyncio.run() calls (tests, scripts).
-        loop = asyncio.get_running_loop()
-        if self._slots is None or self._slots[0] is not loop:
-            self._slots = (loop, asyncio.Semaphore(self.max_concurrent))
-        return self._slots[1]
 
     async def _fetch(self, url: str, policy: FetchPolicy) -> bytes:
         current = url

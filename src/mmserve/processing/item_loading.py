@@ -92,7 +92,7 @@ class ItemLoader:
                 return item
             return SourcedImage(await self.media_loader.adecode(item.data, budget), item.digest)
 
-        return list(await asyncio.gather(*(decoded(item) for item in loaded)))
+        return await _all_or_none([decoded(item) for item in loaded])
 
     async def _aread_part(
         self, part: ChatImage, cfg: ProcessingConfig, budget: RequestDecodeBudget

@@ -21,18 +21,16 @@ workers, as before).
 
 from __future__ import annotations
 
-import asyncio
-import threading
-import weakref
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
 from mmserve.cpu_threads import usable_cpus
+from mmserve.processing.loop_semaphore import LoopSemaphore
 
 
 class ProcessingTurns:
     """At most `count` requests in their CPU stages at once, the others waiting in arrival
-    order. Usable from any number of event loops (each has its own queue)."""
+    order (on the running event loop: `LoopSemaphore`)."""
 
     @classmethod
     def for_decoding(cls, decode_workers: int) -> ProcessingTurns:
@@ -45,24 +43,15 @@ class ProcessingTurns:
         if count < 1:
             raise ValueError(f"processing turns must be >= 1, got {count}")
         self.count = count
-        # an asyncio.Semaphore belongs to the loop that first waits on it
-        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]
-        self._by_loop = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
+        self._slots = LoopSemaphore(count)
 
     @asynccontextmanager
     async def turn(self, modalities: Iterable[str] = ("image",)) -> AsyncIterator[None]:
         """Wait for a turn (first come, first served) and hold it for the block, if the
         request's items (`modalities`, one per item) are images and at least one; else go
         at once (module docstring)."""
-        kinds = set(modalities)
-        if kinds != {"image"}:
+        if set(modalities) != {"image"}:
             yield
             return
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            semaphore = self._by_loop.get(loop)
-            if semaphore is None:
-                semaphore = self._by_loop[loop] = asyncio.Semaphore(self.count)
-        async with semaphore:
+        async with self._slots.get():
             yield
